@@ -1,0 +1,58 @@
+"""Paged attention entry points for the full-attention layers.
+
+The functions here are the pure-``jnp`` reference; faster kernels plug in behind the same signatures.
+K/V live in pages (``KVPages``): ``k_pages, v_pages: [n_pages, page_size, n_kv_heads, head_dim]``.
+A sequence's page table ``[W]`` lists its physical pages in logical order, 0-padded (page 0 is null).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite, so a fully masked (padding) row gives a finite mean instead of NaN
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array,
+             positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V into pages.
+
+    k, v: [B, T, Hkv, D]; page_table: [B, W]; positions, valid: [B, T]. Padding tokens go to the
+    null page, which is never read unmasked.
+    """
+    ps = k_pages.shape[1]
+    slot_page = jnp.take_along_axis(page_table, jnp.clip(positions // ps, 0, page_table.shape[1] - 1), axis=1)
+    page = jnp.where(valid, slot_page, 0)
+    off = jnp.where(valid, positions % ps, 0)
+    k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype))
+    return k_pages, v_pages
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D]."""
+    g = pages[page_table]  # [B, W, ps, Hkv, D]
+    b, w, ps = g.shape[:3]
+    return g.reshape((b, w * ps) + g.shape[3:])
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                    q_positions: jax.Array, scale: float) -> jax.Array:
+    """Causal GQA attention of new queries over a sequence's paged K/V (already holding them).
+
+    q: [B, T, H, D]; q_positions: [B, T] absolute positions; key j is visible iff j <= q_position.
+    Returns [B, T, H, D] in q's dtype. Softmax in float32.
+    """
+    k = gather_pages(k_pages, page_table)
+    v = gather_pages(v_pages, page_table)
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc) * scale
+    kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+    mask = kv_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=acc)
+    return o.reshape(b, t, h, d).astype(q.dtype)

@@ -1,0 +1,96 @@
+"""The gated delta rule (Gated DeltaNet recurrence), in recurrent and chunked (WY) forms.
+
+Shapes (value heads already expanded, so q/k carry H = n_v_heads):
+  q, k: [B, T, H, dk] float32 (q L2-normalised and scaled by dk^-0.5, k L2-normalised)
+  v:    [B, T, H, dv] float32
+  beta, g: [B, T, H] float32 (beta in (0,1); g = log decay <= 0)
+  state: [B, H, dk, dv] float32 (rows = key dim)
+A step with beta = 0, g = 0 and k = v = 0 leaves the state unchanged: that is how padding is masked.
+
+Per token: S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HI = lax.Precision.HIGHEST
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gdn_step(q, k, v, beta, g, state):
+    """One token for every row/head: q,k [B,H,dk], v [B,H,dv], beta,g [B,H] -> (o [B,H,dv], state)."""
+    state = state * jnp.exp(g)[..., None, None]
+    read = jnp.einsum("bhkv,bhk->bhv", state, k, precision=HI)
+    delta = beta[..., None] * (v - read)
+    state = state + k[..., :, None] * delta[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", state, q, precision=HI)
+    return o, state
+
+
+def gdn_recurrent(q, k, v, beta, g, state):
+    """Token-by-token form (lax.scan over T). Returns (o [B,T,H,dv], final state)."""
+
+    def body(s, xs):
+        o, s = gdn_step(*xs, s)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, beta, g))
+    state, o = lax.scan(body, state, xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def _chunk(q, k, v, beta, g, s0):
+    """One chunk, heads-first: q,k [B,H,C,dk], v [B,H,C,dv], beta,g [B,H,C], s0 [B,H,dk,dv]."""
+    c = g.shape[-1]
+    gam = jnp.cumsum(g, axis=-1)  # [B,H,C]
+    incl = jnp.tril(jnp.ones((c, c), bool))
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    diff = gam[..., :, None] - gam[..., None, :]
+    decay = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)  # Gamma_ij, j <= i
+    kk = jnp.einsum("bhid,bhjd->bhij", k, k, precision=HI)
+    m = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
+    a = jnp.eye(c, dtype=m.dtype) + m  # unit lower triangular
+    u = lax.linalg.triangular_solve(a, beta[..., None] * v, left_side=True, lower=True, unit_diagonal=True)
+    w = lax.linalg.triangular_solve(a, (beta * jnp.exp(gam))[..., None] * k, left_side=True, lower=True,
+                                    unit_diagonal=True)
+    vp = u - jnp.einsum("bhck,bhkv->bhcv", w, s0, precision=HI)  # pseudo-values [B,H,C,dv]
+    qk = jnp.einsum("bhid,bhjd->bhij", q, k, precision=HI) * decay
+    o = (jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gam)[..., None], s0, precision=HI)
+         + jnp.einsum("bhij,bhjv->bhiv", qk, vp, precision=HI))
+    g_end = gam[..., -1:]  # [B,H,1]
+    s1 = (s0 * jnp.exp(g_end)[..., None]
+          + jnp.einsum("bhck,bhcv->bhkv", k * jnp.exp(g_end - gam)[..., None], vp, precision=HI))
+    return o, s1
+
+
+def gdn_chunked(q, k, v, beta, g, state, chunk: int = 64):
+    """Chunked (WY) form: sequential over chunks, matmuls inside. T need not divide by chunk."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    chunk = min(chunk, t)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:
+        padt = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        q, k, v, beta, g = map(padt, (q, k, v, beta, g))
+
+    def heads_first(a):  # [B, n*C, H, ...] -> [n, B, H, C, ...]
+        a = a.reshape((b, n, chunk) + a.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)
+
+    xs = tuple(map(heads_first, (q, k, v, beta, g)))
+
+    def body(s, x):
+        o, s = _chunk(*x, s)
+        return s, o
+
+    state, o = lax.scan(body, state, xs)  # o [n, B, H, C, dv]
+    o = jnp.moveaxis(o, 0, 1)  # [B, n, H, C, dv]
+    o = jnp.swapaxes(o, 2, 3).reshape(b, n * chunk, h, dv)
+    return o[:, :t], state

@@ -1,0 +1,246 @@
+"""The Qwen3.5/3.6 hybrid target as pure functions over a parameter pytree.
+
+Parameters (weights kept in the checkpoint's ``[out, in]`` layout, one dict per layer, layers unrolled):
+
+  embed [V, D], lm_head [V, D], final_norm [D]
+  layers[i]: input_norm [D], post_norm [D], mlp {gate [F, D], up [F, D], down [D, F]} and either
+    attn {q [H*2*hd, D], k [Hkv*hd, D], v [Hkv*hd, D], o [D, H*hd], q_norm [hd], k_norm [hd]}  (full layers)
+    gdn  {qkv [conv_dim, D], z [Hv*dv, D], b [Hv, D], a [Hv, D], conv [conv_dim, K], A_log [Hv],
+          dt_bias [Hv], norm [dv], out [D, Hv*dv]}                                          (linear layers)
+
+Norm weights, A_log and dt_bias are float32; matrices use the activation dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dflash_jax.config import FULL, TargetConfig
+from dflash_jax.models import attention, gdn
+from dflash_jax.state import KVPages, RecurrentSlots, StepInput
+
+Params = dict[str, Any]
+F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter shapes and random initialisation
+# ---------------------------------------------------------------------------------------------
+def param_shapes(cfg: TargetConfig, dtype=jnp.bfloat16) -> Params:
+    """The parameter pytree as ``jax.ShapeDtypeStruct`` leaves."""
+    S = jax.ShapeDtypeStruct
+    F32 = acc_dtype(dtype)  # small vectors: float32 (float64 for a float64 model)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    layers = []
+    for t in cfg.layer_types:
+        layer: Params = {
+            "input_norm": S((d,), F32), "post_norm": S((d,), F32),
+            "mlp": {"gate": S((f, d), dtype), "up": S((f, d), dtype), "down": S((d, f), dtype)},
+        }
+        if t == FULL:
+            hd = cfg.head_dim
+            layer["attn"] = {
+                "q": S((cfg.q_proj_dim, d), dtype), "k": S((cfg.num_kv_heads * hd, d), dtype),
+                "v": S((cfg.num_kv_heads * hd, d), dtype), "o": S((d, cfg.num_heads * hd), dtype),
+                "q_norm": S((hd,), F32), "k_norm": S((hd,), F32),
+            }
+        else:
+            hv = cfg.lin_num_v_heads
+            layer["gdn"] = {
+                "qkv": S((cfg.conv_dim, d), dtype), "z": S((cfg.value_dim, d), dtype),
+                "b": S((hv, d), dtype), "a": S((hv, d), dtype), "conv": S((cfg.conv_dim, cfg.conv_kernel), dtype),
+                "A_log": S((hv,), F32), "dt_bias": S((hv,), F32), "norm": S((cfg.lin_v_dim,), F32),
+                "out": S((d, cfg.value_dim), dtype),
+            }
+        layers.append(layer)
+    return {"embed": S((cfg.vocab_size, d), dtype), "lm_head": S((cfg.vocab_size, d), dtype),
+            "final_norm": S((d,), F32), "layers": tuple(layers)}
+
+
+def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params:
+    """Random weights of the real shapes (for speed measurements without a checkpoint).
+
+    Generated leaf by leaf on the default device, so a 27B tree never needs a host copy.
+    """
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+
+    @jax.jit(static_argnames=("shape", "dtype", "kind"))
+    def make(k, shape, dtype, kind):
+        if kind == "A_log":
+            return jnp.log(jax.random.uniform(k, shape, F32, 1.0, 16.0))
+        if kind == "norm1":
+            return jnp.ones(shape, dtype)
+        if kind == "vec":
+            return 0.1 * jax.random.normal(k, shape, dtype)
+        return (jax.random.normal(k, shape, F32) * (shape[-1] ** -0.5)).astype(dtype)
+
+    out = []
+    for (path, s), k in zip(leaves, keys):
+        name = jax.tree_util.keystr(path)
+        kind = ("A_log" if "A_log" in name else "norm1" if name.endswith("['gdn']['norm']")
+                else "vec" if len(s.shape) == 1 else "mat")
+        out.append(make(k, s.shape, s.dtype, kind))
+    params = jax.tree_util.tree_unflatten(treedef, out)
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = params["embed"]
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w[out, in]^T -> [..., out]."""
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+def acc_dtype(dtype) -> jnp.dtype:
+    """Accumulation dtype for activations of ``dtype``: float32, or float64 for a float64 model."""
+    return jnp.promote_types(dtype, F32)
+
+
+def rms_norm_zc(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in float32."""
+    a = acc_dtype(x.dtype)
+    xf = x.astype(a)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(a))).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Plain RMSNorm: w * x * rsqrt(mean(x^2) + eps), in float32."""
+    a = acc_dtype(x.dtype)
+    xf = x.astype(a)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (w.astype(a) * y).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Partial NEOX rotary embedding on the first ``rotary_dim`` dims. x [B,T,H,D], positions [B,T]."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=acc_dtype(x.dtype)) / rotary_dim))
+    ang = positions.astype(inv_freq.dtype)[..., None] * inv_freq  # [B,T,half]
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :].astype(x.dtype)
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    rot = jnp.concatenate([-xr[..., half:], xr[..., :half]], -1)
+    return jnp.concatenate([xr * cos + rot * sin, xp], -1)
+
+
+def mlp(p: Params, x: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+
+
+def attention_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
+                    k_pages: jax.Array, v_pages: jax.Array):
+    """Gated full attention over paged KV. u [B,T,D] -> ([B,T,D], k_pages, v_pages)."""
+    b, t, _ = u.shape
+    h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qg = linear(u, p["q"]).reshape(b, t, h, -1)
+    q, gate = (qg[..., :hd], qg[..., hd:]) if cfg.attn_output_gate else (qg, None)
+    k = linear(u, p["k"]).reshape(b, t, hkv, hd)
+    v = linear(u, p["v"]).reshape(b, t, hkv, hd)
+    q = rope(rms_norm_zc(q, p["q_norm"], cfg.rms_norm_eps), inp.positions, cfg.rotary_dim, cfg.rope_theta)
+    k = rope(rms_norm_zc(k, p["k_norm"], cfg.rms_norm_eps), inp.positions, cfg.rotary_dim, cfg.rope_theta)
+    k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inp.page_table, inp.positions, valid)
+    o = attention.paged_attention(q, k_pages, v_pages, inp.page_table, inp.positions, hd ** -0.5)
+    if gate is not None:
+        o = o * jax.nn.sigmoid(gate)
+    return linear(o.reshape(b, t, h * hd), p["o"]), k_pages, v_pages
+
+
+def causal_conv(x: jax.Array, w: jax.Array, conv_state: jax.Array, n_valid: jax.Array):
+    """Depthwise causal conv + SiLU with a carried window.
+
+    x [B,T,C] pre-conv rows; w [C,K] (w[:, K-1] multiplies the current token); conv_state [B,K-1,C]
+    the previous K-1 pre-conv rows. Returns (silu(conv) [B,T,C], new state = the last K-1 rows up to
+    each row's n_valid-th token).
+    """
+    kk = w.shape[1]
+    t = x.shape[1]
+    xx = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    a = acc_dtype(x.dtype)
+    acc = sum(xx[:, j:j + t].astype(a) * w[:, j].astype(a) for j in range(kk))
+    new_state = jax.vmap(lambda r, n: lax.dynamic_slice_in_dim(r, n, kk - 1, axis=0))(xx, n_valid)
+    return jax.nn.silu(acc).astype(x.dtype), new_state.astype(conv_state.dtype)
+
+
+def gdn_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
+              conv_state: jax.Array, ssm_state: jax.Array):
+    """Gated DeltaNet. u [B,T,D]; conv_state [B,K-1,C]; ssm_state [B,Hv,dk,dv] -> (out, conv, ssm)."""
+    b, t, _ = u.shape
+    hk, hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    f = acc_dtype(u.dtype)
+    x = linear(u, p["qkv"])
+    z = linear(u, p["z"]).reshape(b, t, hv, dv)
+    braw = linear(u, p["b"]).astype(f)
+    araw = linear(u, p["a"]).astype(f)
+    c, conv_state = causal_conv(x, p["conv"], conv_state, inp.n_valid)
+    c = c.astype(f)
+    q = c[..., :cfg.key_dim].reshape(b, t, hk, dk)
+    k = c[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
+    v = c[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
+    q = gdn.l2norm(q) * dk ** -0.5
+    k = gdn.l2norm(k)
+    m = valid.astype(f)
+    beta = jax.nn.sigmoid(braw) * m[..., None]
+    g = -jnp.exp(p["A_log"].astype(f)) * jax.nn.softplus(araw + p["dt_bias"].astype(f)) * m[..., None]
+    k = k * m[..., None, None]
+    v = v * m[..., None, None]
+    r = cfg.gva_ratio  # value head j reads key head j // r
+    q = jnp.repeat(q, r, axis=2)
+    k = jnp.repeat(k, r, axis=2)
+    if t == 1:
+        o, ssm_state = gdn.gdn_recurrent(q, k, v, beta, g, ssm_state)
+    else:
+        o, ssm_state = gdn.gdn_chunked(q, k, v, beta, g, ssm_state)
+    ssm_state = ssm_state.astype(f)
+    y = rms_norm(o, p["norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(f))
+    return linear(y.astype(u.dtype).reshape(b, t, hv * dv), p["out"]), conv_state, ssm_state
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward step
+# ---------------------------------------------------------------------------------------------
+def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec: RecurrentSlots,
+            return_layers: tuple[int, ...] = ()):
+    """Run T tokens of B sequences through the target, reading and updating their paged KV and slots.
+
+    Returns ``(h [B,T,D] after the final norm, kv', rec', feats)`` where ``feats`` is
+    ``[len(return_layers), B, T, D]`` (outputs of those decoder layers, before the final norm) or None.
+    """
+    valid = inp.valid
+    h = params["embed"].astype(params["layers"][0]["mlp"]["gate"].dtype)[inp.tokens]
+    ks, vs, convs, ssms = list(kv.k), list(kv.v), list(rec.conv), list(rec.ssm)
+    feats = []
+    ai = gi = 0
+    for i, (lt, p) in enumerate(zip(cfg.layer_types, params["layers"])):
+        u = rms_norm_zc(h, p["input_norm"], cfg.rms_norm_eps)
+        if lt == FULL:
+            out, ks[ai], vs[ai] = attention_layer(p["attn"], cfg, u, inp, valid, ks[ai], vs[ai])
+            ai += 1
+        else:
+            cs, ss = convs[gi][inp.slots], ssms[gi][inp.slots]
+            out, cs, ss = gdn_layer(p["gdn"], cfg, u, inp, valid, cs, ss)
+            convs[gi] = convs[gi].at[inp.slots].set(cs)
+            ssms[gi] = ssms[gi].at[inp.slots].set(ss)
+            gi += 1
+        h = h + out
+        h = h + mlp(p["mlp"], rms_norm_zc(h, p["post_norm"], cfg.rms_norm_eps))
+        if i in return_layers:
+            feats.append(h)
+    h = rms_norm_zc(h, params["final_norm"], cfg.rms_norm_eps)
+    feats_arr = jnp.stack(feats) if feats else None
+    return h, KVPages(tuple(ks), tuple(vs)), RecurrentSlots(tuple(convs), tuple(ssms)), feats_arr
+
+
+def lm_logits(params: Params, h: jax.Array) -> jax.Array:
+    """[..., D] -> [..., V] float32 logits."""
+    return jnp.einsum("...d,vd->...v", h, params["lm_head"].astype(h.dtype),
+                      preferred_element_type=acc_dtype(h.dtype))

@@ -1,0 +1,104 @@
+"""Device state of the engine as registered dataclass pytrees, donated to every step.
+
+Layer-indexed state is a tuple with one array per layer (not one stacked array): the model is unrolled
+over layers (DESIGN.md §8), so each layer reads and updates its own buffer with static indexing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import TargetConfig
+
+
+def _pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+@_pytree
+class KVPages:
+    """K/V of the full-attention layers in fixed-size pages; page 0 is the null page.
+
+    k[i], v[i]: [n_pages, page_size, n_kv_heads, head_dim] for the i-th full-attention layer.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def n_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @classmethod
+    def zeros(cls, cfg: TargetConfig, n_pages: int, page_size: int, dtype=jnp.bfloat16) -> "KVPages":
+        shape = (n_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        n = len(cfg.attn_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(n)))
+
+
+@_pytree
+class RecurrentSlots:
+    """Gated DeltaNet state per sequence slot; slot 0 is the null slot.
+
+    conv[i]: [n_slots, conv_kernel - 1, conv_dim] pre-conv rows (activation dtype).
+    ssm[i]:  [n_slots, lin_num_v_heads, lin_k_dim, lin_v_dim] float32 (float64 for a float64 model).
+    """
+
+    conv: tuple[jax.Array, ...]
+    ssm: tuple[jax.Array, ...]
+
+    @property
+    def n_slots(self) -> int:
+        return self.ssm[0].shape[0]
+
+    @classmethod
+    def zeros(cls, cfg: TargetConfig, n_slots: int, dtype=jnp.bfloat16) -> "RecurrentSlots":
+        n = len(cfg.gdn_layers)
+        conv = (n_slots, cfg.conv_kernel - 1, cfg.conv_dim)
+        ssm = (n_slots, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim)
+        return cls(conv=tuple(jnp.zeros(conv, dtype) for _ in range(n)),
+                   ssm=tuple(jnp.zeros(ssm, jnp.promote_types(dtype, jnp.float32)) for _ in range(n)))
+
+
+@_pytree
+class EngineState:
+    """Everything durable on the device: paged KV and recurrent slots."""
+
+    kv: KVPages
+    rec: RecurrentSlots
+
+    @classmethod
+    def zeros(cls, cfg: TargetConfig, *, n_pages: int, page_size: int, n_slots: int,
+              dtype=jnp.bfloat16) -> "EngineState":
+        return cls(kv=KVPages.zeros(cfg, n_pages, page_size, dtype),
+                   rec=RecurrentSlots.zeros(cfg, n_slots, dtype))
+
+
+@_pytree
+class StepInput:
+    """One step's inputs for a batch bucket of B rows and T tokens per row (right padded).
+
+    tokens, positions: [B, T] int32; n_valid: [B] int32 tokens of each row that are real (0 for an
+    empty row); slots: [B] int32 recurrent slot per row (0 = null); page_table: [B, W] int32 physical
+    pages of each row's sequence (0-padded).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    n_valid: jax.Array
+    slots: jax.Array
+    page_table: jax.Array
+
+    @property
+    def valid(self) -> jax.Array:
+        """[B, T] bool mask of real tokens."""
+        t = jnp.arange(self.tokens.shape[1], dtype=jnp.int32)
+        return t[None, :] < self.n_valid[:, None]

@@ -1,0 +1,102 @@
+"""The notebook-level handle on a target model: ``dflash_jax.load_target(path).logits(ids)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import TargetConfig, read_generation_eos
+from dflash_jax.models import loader, qwen36
+from dflash_jax.state import KVPages, RecurrentSlots, StepInput
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
+_PAGE = 16
+_BUCKET = 64
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} not supported; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("dtype float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
+    return dtype
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "return_layers"))
+def _full_pass(params, cfg, tokens, n_valid, return_layers):
+    """One sequence, no prior state: tokens [1, T] -> (logits [T, V], feats [L, T, D] | None)."""
+    t = tokens.shape[1]
+    dtype = params["layers"][0]["mlp"]["gate"].dtype
+    n_pages = t // _PAGE + 1
+    kv = KVPages.zeros(cfg, n_pages, _PAGE, dtype)
+    rec = RecurrentSlots.zeros(cfg, 2, dtype)
+    inp = StepInput(tokens=tokens, positions=jnp.arange(t, dtype=jnp.int32)[None],
+                    n_valid=n_valid, slots=jnp.ones((1,), jnp.int32),
+                    page_table=jnp.arange(1, n_pages, dtype=jnp.int32)[None])
+    h, _, _, feats = qwen36.forward(params, cfg, inp, kv, rec, return_layers)
+    return qwen36.lm_logits(params, h[0]), None if feats is None else feats[:, 0]
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target: ``config``, ``params`` (pytree on the device), ``eos_token_ids``."""
+
+    config: TargetConfig
+    params: qwen36.Params
+    eos_token_ids: tuple[int, ...] = ()
+    path: str | None = None
+
+    def _run(self, token_ids: Sequence[int], return_layers: tuple[int, ...]):
+        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("token_ids is empty")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got range "
+                             f"[{ids.min()}, {ids.max()}]")
+        t = ids.size
+        padded = -(-t // _BUCKET) * _BUCKET  # few shapes -> few compiles
+        tok = np.zeros((1, padded), np.int32)
+        tok[0, :t] = ids
+        logits, feats = _full_pass(self.params, self.config, jnp.asarray(tok), jnp.asarray([t], jnp.int32),
+                                   return_layers)
+        return logits[:t], None if feats is None else feats[:, :t]
+
+    def logits(self, token_ids: Sequence[int]) -> jax.Array:
+        """Full-sequence logits ``[T, V]`` (float32) of one sequence starting at position 0."""
+        return self._run(token_ids, ())[0]
+
+    def hidden_states(self, token_ids: Sequence[int], layers: Sequence[int]) -> jax.Array:
+        """Outputs of the given decoder layers (before the final norm): ``[len(layers), T, D]``."""
+        layers = tuple(int(i) for i in layers)
+        for i in layers:
+            if not 0 <= i < self.config.num_layers:
+                raise ValueError(f"layer {i} out of range [0, {self.config.num_layers})")
+        return self._run(token_ids, layers)[1]
+
+    def greedy(self, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation by re-running the full pass (a slow reference, no cache)."""
+        ids = list(int(i) for i in token_ids)
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = int(jnp.argmax(self.logits(ids)[-1]))
+            ids.append(nxt)
+            out.append(nxt)
+        return out
+
+
+def load_target(path: str | os.PathLike, dtype="float32") -> Target:
+    """Load a Qwen3.5/3.6 hybrid checkpoint in the Hugging Face layout."""
+    path = os.fspath(path)
+    cfg = TargetConfig.from_file(path)
+    params = loader.load_params(path, cfg, resolve_dtype(dtype))
+    eos = tuple(dict.fromkeys(read_generation_eos(path) + cfg.eos_token_ids))
+    return Target(config=cfg, params=params, eos_token_ids=eos, path=path)
