@@ -109,6 +109,8 @@ class TargetConfig:
     # ---- parsing -------------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> "TargetConfig":
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"config.json: top level must be a JSON object, got {type(raw).__name__}")
         mt = raw.get("model_type")
         if mt not in TARGET_MODEL_TYPES:
             raise ConfigError(
@@ -159,6 +161,9 @@ class TargetConfig:
         if rotary_dim % 2 or rotary_dim <= 0:
             raise ConfigError(f"{w}: head_dim * partial_rotary_factor = {head_dim * prf} must be a positive even integer")
         section = rope.get("mrope_section")
+        if section is not None and (not isinstance(section, list)
+                                    or not all(isinstance(s, int) and not isinstance(s, bool) for s in section)):
+            raise ConfigError(f"{w}: key 'rope_parameters.mrope_section' must be a list of ints, got {section!r}")
         if section is not None and sum(section) != rotary_dim // 2:
             raise ConfigError(f"{w}: key 'rope_parameters.mrope_section' {section} must sum to rotary_dim/2 = {rotary_dim // 2}")
 
@@ -190,7 +195,8 @@ class TargetConfig:
             lin_num_v_heads=lv,
             lin_k_dim=_positive(_req(d, "linear_key_head_dim", int, w), "linear_key_head_dim", w),
             lin_v_dim=_positive(_req(d, "linear_value_head_dim", int, w), "linear_value_head_dim", w),
-            conv_kernel=_positive(d.get("linear_conv_kernel_dim", 4), "linear_conv_kernel_dim", w),
+            conv_kernel=_positive(_req({"linear_conv_kernel_dim": 4, **d}, "linear_conv_kernel_dim", int, w),
+                                  "linear_conv_kernel_dim", w),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=tie,
             max_position_embeddings=int(d.get("max_position_embeddings", 262144)),

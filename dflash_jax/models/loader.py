@@ -79,8 +79,12 @@ def checkpoint_files(path: str) -> list[str]:
     """The safetensors files of a checkpoint directory, in shard order."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            wm = json.load(f).get("weight_map")
+        try:
+            with open(index) as f:
+                wm = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index}: not valid JSON ({e})") from e
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{index}: missing 'weight_map'")
         files = sorted(set(wm.values()))

@@ -212,10 +212,12 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
             return_layers: tuple[int, ...] = ()):
     """Run T tokens of B sequences through the target, reading and updating their paged KV and slots.
 
+    A row whose first position is 0 starts from a zero recurrent state (whatever its slot held before).
     Returns ``(h [B,T,D] after the final norm, kv', rec', feats)`` where ``feats`` is
     ``[len(return_layers), B, T, D]`` (outputs of those decoder layers, before the final norm) or None.
     """
     valid = inp.valid
+    fresh = inp.positions[:, 0] == 0  # a row starting at position 0 has no recurrent history
     h = params["embed"].astype(params["layers"][0]["mlp"]["gate"].dtype)[inp.tokens]
     ks, vs, convs, ssms = list(kv.k), list(kv.v), list(rec.conv), list(rec.ssm)
     feats = []
@@ -226,7 +228,8 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
             out, ks[ai], vs[ai] = attention_layer(p["attn"], cfg, u, inp, valid, ks[ai], vs[ai])
             ai += 1
         else:
-            cs, ss = convs[gi][inp.slots], ssms[gi][inp.slots]
+            cs = jnp.where(fresh[:, None, None], 0, convs[gi][inp.slots])
+            ss = jnp.where(fresh[:, None, None, None], 0, ssms[gi][inp.slots])
             out, cs, ss = gdn_layer(p["gdn"], cfg, u, inp, valid, cs, ss)
             convs[gi] = convs[gi].at[inp.slots].set(cs)
             ssms[gi] = ssms[gi].at[inp.slots].set(ss)

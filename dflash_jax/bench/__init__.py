@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m dflash_jax.bench <subcommand>`` (see ``__main__``)."""

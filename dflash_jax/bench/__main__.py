@@ -1,0 +1,100 @@
+"""``python -m dflash_jax.bench <subcommand> ...``
+
+Each subcommand is registered in ``SUBCOMMANDS`` as ``name -> (add_arguments, run, help)``:
+``add_arguments(parser)`` declares its flags, ``run(args, command) -> int`` does the work, prints a
+table and writes a result file through ``results.write_result`` (``command`` is the command line, for
+the record). To add one, write ``add_arguments``/``run`` in its own module and add an entry here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Callable
+
+from dflash_jax.bench import results
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out-dir", default="experiments/results", help="where the result JSON goes")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+
+
+# ---- ceiling ---------------------------------------------------------------------------------
+def _ceiling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--random-weights", metavar="CONFIG", required=True,
+                   help="config.json (or checkpoint dir) whose shapes get random weights")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-bw", type=float, default=None,
+                   help="HBM bytes/s for bw_fraction (default: H200 datasheet, 4.8e12)")
+
+
+def _ceiling_run(args: argparse.Namespace, command: str) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.bench import ceiling, roofline
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.models import qwen36
+
+    cfg = TargetConfig.from_file(args.random_weights)
+    dtype = jnp.dtype(args.dtype)
+    peak = args.peak_bw or roofline.H200_HBM_BYTES_PER_S
+    params = qwen36.init_params(cfg, jax.random.key(0), dtype)
+    jax.block_until_ready(params)
+    fn = ceiling.make_weight_stream(cfg)
+    wbytes = roofline.weight_bytes(cfg, dtype.itemsize)
+    figures: dict[str, float] = {"weight_bytes": wbytes}
+    compile_s = {}
+    for b in args.batch:
+        m = ceiling.measure_ceiling(cfg, params, b, iters=args.iters, warmup=args.warmup, fn=fn,
+                                    hbm_bytes_per_s=peak)
+        figures[f"b{b}.ceiling_ms_per_step"] = m["ms_per_step"]
+        figures[f"b{b}.ceiling_tok_s"] = m["tok_s"]
+        figures[f"b{b}.ceiling_bytes_per_s"] = m["bytes_per_s"]
+        figures[f"b{b}.ceiling_bw_fraction"] = m["bw_fraction"]
+        figures[f"b{b}.roofline_weights_tok_s"] = b * peak / wbytes
+        compile_s[f"b{b}"] = m["compile_s"]
+    results.print_table(figures)
+    if not args.no_write:
+        extra = {"config": args.random_weights, "dtype": args.dtype, "batches": args.batch,
+                 "iters": args.iters, "warmup": args.warmup, "peak_bytes_per_s": peak,
+                 "weights": "random", "compile_s": compile_s}
+        path = results.write_result("ceiling", figures, command, extra, out_dir=args.out_dir)
+        print(f"wrote {path}")
+    return 0
+
+
+# ---- registry --------------------------------------------------------------------------------
+Runner = Callable[[argparse.Namespace, str], int]
+SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, str]] = {
+    "ceiling": (_ceiling_args, _ceiling_run, "weight-stream ceiling of a decode step (DESIGN.md §8)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.bench", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="subcommand", required=True)
+    for name, (add_args, run, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        add_args(p)
+        _add_common(p)
+        p.set_defaults(_run=run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    command = shlex.join(["python", "-m", "dflash_jax.bench", *argv])
+    return args._run(args, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Benchmark result files: one JSON per run under ``experiments/results``.
+
+Every file records where the numbers came from (device, commit, library versions, the command line)
+next to ``figures``, a flat dict of dotted names (``"b1.ceiling_tok_s"``) to numbers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import numbers
+import os
+import platform
+import re
+import subprocess
+from typing import Any
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def device_slug(kind: str) -> str:
+    """``"NVIDIA H200"`` -> ``"nvidia-h200"``, ``"cpu"`` -> ``"cpu"``."""
+    s = re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
+    return s or "unknown"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "--no-optional-locks", "-C", _REPO, *args], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def git_state() -> tuple[str, bool]:
+    """(HEAD commit or ``"unknown"``, whether tracked or untracked files differ from it).
+
+    Outside a git checkout (e.g. a copied working tree) this is ``("unknown", False)``.
+    """
+    head = _git("rev-parse", "HEAD")
+    if head is None:
+        return "unknown", False
+    status = _git("status", "--porcelain")
+    return head.strip(), bool(status and status.strip())
+
+
+def _versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("jax", "jaxlib", "numpy", "flax"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def validate_figures(figures: dict[str, Any]) -> dict[str, float | int | None]:
+    """Keys must be strings; values finite numbers (bools refused) or None. Raises ValueError."""
+    if not isinstance(figures, dict):
+        raise ValueError(f"figures must be a dict, got {type(figures).__name__}")
+    out: dict[str, float | int | None] = {}
+    for k, v in figures.items():
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"figure name {k!r} must be a non-empty string")
+        if v is None:
+            out[k] = None
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(f"figure {k!r} = {v!r} is not a number")
+        if not math.isfinite(float(v)):
+            raise ValueError(f"figure {k!r} = {v!r} is not finite")
+        out[k] = int(v) if isinstance(v, numbers.Integral) else float(v)
+    return out
+
+
+def write_result(bench: str, figures: dict[str, float], command: str, extra: dict | None = None,
+                 out_dir: str = "experiments/results") -> str:
+    """Write ``<out_dir>/<bench>_<device>_<yyyymmdd-hhmm>.json`` and return its path.
+
+    A file of the same name (same bench, device and minute) is never overwritten: ``-2``, ``-3``...
+    is appended instead.
+    """
+    import jax
+
+    figs = validate_figures(figures)
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", bench):
+        raise ValueError(f"bench name {bench!r} must be a plain file-name fragment")
+    kind = jax.devices()[0].device_kind
+    dev = device_slug(kind)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    commit, dirty = git_state()
+    rec = {
+        "bench": bench,
+        "device": dev,
+        "device_kind": kind,
+        "command": command,
+        "commit": commit,
+        "dirty": dirty,
+        "versions": _versions(),
+        "date": now.isoformat(timespec="seconds"),
+        "figures": figs,
+        "extra": extra or {},
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{bench}_{dev}_{now:%Y%m%d-%H%M}")
+    path, n = stem + ".json", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{stem}-{n}.json"
+    with open(path, "x") as f:
+        json.dump(rec, f, indent=2, sort_keys=False)
+        f.write("\n")
+    return path
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool) or isinstance(v, numbers.Integral):
+        return str(v)
+    if isinstance(v, numbers.Real):
+        a = abs(float(v))
+        if a != 0 and (a >= 1e6 or a < 1e-3):
+            return f"{float(v):.4g}"
+        return f"{float(v):.4f}".rstrip("0").rstrip(".") if a < 10 else f"{float(v):.2f}"
+    return str(v)
+
+
+def print_table(figures: dict[str, Any], file=None) -> None:
+    """Print ``name  value`` rows, names left-aligned and values right-aligned."""
+    if not figures:
+        return
+    rows = [(str(k), _fmt(v)) for k, v in figures.items()]
+    wk = max(len(k) for k, _ in rows)
+    wv = max(len(v) for _, v in rows)
+    for k, v in rows:
+        print(f"{k:<{wk}}  {v:>{wv}}", file=file)

@@ -1,0 +1,96 @@
+"""Per-row sampling on the device: greedy, temperature, top-k, top-p, each row its own seed.
+
+Every per-request value is an array, never a static argument, so one compiled step serves any mix.
+A row's key is ``fold_in(key(seed), n_generated)``: a request's draws depend only on its own seed and
+position, not on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """[B] arrays. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32
+    top_p: jax.Array  # float32
+    seed: jax.Array  # uint32
+    step: jax.Array  # int32, tokens generated so far by the row's request
+    banned: jax.Array  # [B, MAX_BANNED] int32 token ids (-1 = none) that may not be drawn ...
+    ban_until: jax.Array  # [B] int32 ... while step < ban_until (min_tokens)
+
+    @classmethod
+    def from_rows(cls, rows: list["RowSampling"], batch: int) -> "SamplingArrays":
+        """Host-side: pad per-row settings to ``batch`` rows (numpy arrays, moved by the step call)."""
+        t = np.zeros(batch, np.float32)
+        k = np.zeros(batch, np.int32)
+        p = np.ones(batch, np.float32)
+        s = np.zeros(batch, np.uint32)
+        n = np.zeros(batch, np.int32)
+        ban = np.full((batch, MAX_BANNED), -1, np.int32)
+        until = np.zeros(batch, np.int32)
+        for i, r in enumerate(rows):
+            t[i], k[i], p[i], s[i], n[i], until[i] = r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, r.step, r.min_tokens
+            ids = r.banned[:MAX_BANNED]
+            ban[i, :len(ids)] = ids
+        return cls(temperature=t, top_k=k, top_p=p, seed=s, step=n, banned=ban, ban_until=until)
+
+
+MAX_BANNED = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """One row's sampling settings on the host."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    step: int = 0
+    min_tokens: int = 0
+    banned: tuple[int, ...] = ()
+
+
+def _sample_rows(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
+    v = logits.shape[-1]
+    temp = jnp.maximum(sa.temperature, 1e-6)[:, None]
+    scaled = logits / temp
+    order = jnp.argsort(-scaled, axis=-1)
+    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each rank
+    rank = jnp.arange(v)[None, :]
+    keep = (before < sa.top_p[:, None]) | (rank == 0)
+    keep &= (sa.top_k[:, None] <= 0) | (rank < sa.top_k[:, None])
+    masked = jnp.where(keep, srt, -jnp.inf)
+
+    def draw(seed, step, row):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.categorical(key, row)
+
+    idx = jax.vmap(draw)(sa.seed, sa.step, masked)
+    return jnp.take_along_axis(order, idx[:, None], axis=-1)[:, 0]
+
+
+def sample(logits: jax.Array, sa: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """logits [B, V] float32 -> (tokens [B] int32, logprob of the chosen token [B] under the raw logits)."""
+    v = logits.shape[-1]
+    active = (sa.step < sa.ban_until)[:, None] & (sa.banned >= 0)
+    ban_idx = jnp.where(active, sa.banned, v)  # out of range -> dropped
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, ban_idx].set(-jnp.inf, mode="drop")
+    greedy = jnp.argmax(logits, axis=-1)
+    any_sampled = jnp.any(sa.temperature > 0)
+    drawn = jax.lax.cond(any_sampled, _sample_rows, lambda l, s: greedy, logits, sa)
+    tok = jnp.where(sa.temperature > 0, drawn, greedy).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
