@@ -41,14 +41,14 @@ CASES = {
     ),
     "qwen36_tiny_b": (
         dict(
-            vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+            vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            linear_num_key_heads=4, linear_num_value_heads=12,
+            linear_num_key_heads=2, linear_num_value_heads=6,
             linear_key_head_dim=32, linear_value_head_dim=32,
             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                  mrope_section=[3, 3, 2], mrope_interleaved=True),
         ),
-        "200KB",
+        "1MB",
         [5, 64, 130],
     ),
 }

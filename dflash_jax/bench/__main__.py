@@ -75,7 +75,15 @@ def _ceiling_run(args: argparse.Namespace, command: str) -> int:
 Runner = Callable[[argparse.Namespace, str], int]
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, str]] = {
     "ceiling": (_ceiling_args, _ceiling_run, "weight-stream ceiling of a decode step (DESIGN.md §8)"),
+    "ar": (lambda p: _lazy("ar").add_arguments(p), lambda a, c: _lazy("ar").run(a, c),
+           "AR decode throughput of the engine at several concurrencies"),
 }
+
+
+def _lazy(name: str):
+    import importlib
+
+    return importlib.import_module(f"dflash_jax.bench.{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,122 @@
+"""``python -m dflash_jax.bench ar``: AR decode throughput of the continuous-batching engine.
+
+For each concurrency C, C requests of ``--prompt-len`` random tokens each generate exactly
+``--output-len`` tokens (EOS ignored, greedy) through ``Engine.step``. Decode throughput is measured
+over the window in which all C requests are decoding (first token of the last request to finish of
+the first), and reported with the HBM roofline (``roofline.roofline_tok_s``) and the weight-stream
+ceiling measured in the same run (``ceiling.measure_ceiling``) as denominators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.bench import ceiling, results, roofline
+from dflash_jax.config import TargetConfig
+from dflash_jax.engine.compile import compile_count
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.models import qwen36
+from dflash_jax.target import Target, load_target
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF checkpoint directory")
+    src.add_argument("--random-weights", metavar="CONFIG", help="config.json whose shapes get random weights")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--ceiling-iters", type=int, default=20)
+
+
+def _peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def _case(eng: Engine, c: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    ids = [eng.submit(rng.integers(0, vocab, prompt_len).tolist(), sp) for _ in range(c)]
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    steps_in_window = 0
+    while len(done) < c:
+        outs = eng.step()
+        now = time.perf_counter()
+        if len(first) == c and not done:
+            steps_in_window += 1
+        for o in outs:
+            if o.token_ids and o.request_id not in first:
+                first[o.request_id] = now
+            if o.finish_reason is not None:
+                done[o.request_id] = now
+                assert len(o.token_ids) == output_len, (len(o.token_ids), output_len)
+    t0 = max(first.values())
+    t1 = min(done.values())
+    window_tokens = steps_in_window * c
+    dt = t1 - t0
+    return {"tok_s": window_tokens / dt if dt > 0 else float("nan"),
+            "tpot_ms": 1e3 * dt / max(steps_in_window, 1),
+            "ttft_max_s": max(first[i] for i in ids) - min(first[i] for i in ids) + 0.0,
+            "window_steps": steps_in_window}
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    dtype = jnp.dtype(args.dtype)
+    t0 = time.perf_counter()
+    if args.model:
+        target = load_target(args.model, dtype=args.dtype)
+    else:
+        cfg = TargetConfig.from_file(args.random_weights)
+        target = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
+    jax.block_until_ready(target.params)
+    cfg = target.config
+    load_s = time.perf_counter() - t0
+    cmax = max(args.concurrency)
+    max_len = args.prompt_len + args.output_len
+    eng = Engine(target, None, EngineOptions(max_batch=cmax, page_size=args.page_size, max_model_len=max_len,
+                                             prefill_chunk=args.prefill_chunk, prefill_batch=1))
+    print(f"model loaded in {load_s:.1f}s; compiling {len(eng.prefill_buckets) + len(eng.decode_buckets)} buckets",
+          flush=True)
+    t0 = time.perf_counter()
+    report = eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
+    figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "load_s": load_s}
+    # warm-up run through the loop: every decode bucket the cases will use, 8 tokens
+    for c in args.concurrency:
+        _case(eng, c, 16, 8, cfg.vocab_size, 0)
+    compiles_before = compile_count()
+    fn = ceiling.make_weight_stream(cfg)
+    ceil = {}
+    for c in args.concurrency:
+        m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
+        ctx = args.prompt_len + args.output_len // 2
+        roof = roofline.roofline_tok_s(cfg, c, ctx, itemsize=dtype.itemsize)
+        figures.update({f"c{c}.tok_s": m["tok_s"], f"c{c}.tpot_ms": m["tpot_ms"],
+                        f"c{c}.roofline_fraction": m["tok_s"] / roof, f"c{c}.roofline_tok_s": roof,
+                        f"c{c}.peak_mem_gb": (_peak_bytes() or 0) / 1e9})
+        print(f"c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, {m['tok_s'] / roof:.3f} of roofline",
+              flush=True)
+    figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
+    for c in args.concurrency:  # the weight-stream ceiling, same run, after the engine cases
+        ceil[c] = ceiling.measure_ceiling(cfg, target.params, c, iters=args.ceiling_iters, fn=fn)
+        figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]
+        figures[f"c{c}.ceiling_ratio"] = figures[f"c{c}.tok_s"] / ceil[c]["tok_s"]
+    figures["kv_bytes_per_token"] = cfg.kv_bytes_per_token(dtype.itemsize)
+    figures["recurrent_bytes_per_seq"] = cfg.recurrent_bytes_per_seq(dtype.itemsize)
+    results.print_table(figures)
+    if not args.no_write:
+        extra = {"source": args.model or args.random_weights, "weights": "checkpoint" if args.model else "random",
+                 "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                 "page_size": args.page_size, "prefill_chunk": args.prefill_chunk, "compile_s": report,
+                 "kv_pool_pages": eng.pages.n_pages}
+        print("wrote", results.write_result("ar", figures, command, extra, out_dir=args.out_dir))
+    return 0
