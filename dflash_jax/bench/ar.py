@@ -42,7 +42,8 @@ def _peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def _case(eng: Engine, c: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> dict[str, float]:
+def _case(eng: Engine, c: int, prompt_len: int, output_len: int, vocab: int, seed: int,
+          measure: bool = True) -> dict[str, float]:
     """Run C requests to completion; time the steps in which exactly C requests decode and none prefills."""
     rng = np.random.default_rng(seed)
     sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -66,12 +67,35 @@ def _case(eng: Engine, c: int, prompt_len: int, output_len: int, vocab: int, see
                 n_done += 1
                 if len(o.token_ids) != output_len:
                     raise RuntimeError(f"request {o.request_id} produced {len(o.token_ids)} tokens, not {output_len}")
+    if not measure:
+        return {}
     if len(step_times) < 4:
         raise RuntimeError(f"only {len(step_times)} steps had all {c} requests decoding; raise --output-len or "
                            f"--prefill-batch so that prefill finishes before the first request does")
     tpot = float(np.median(step_times))
     return {"tok_s": c / tpot, "tpot_ms": 1e3 * tpot, "ttft_max_s": max(first[i] for i in ids) - t_submit,
             "steady_steps": len(step_times)}
+
+
+def device_step_ms(eng: Engine, c: int, context: int, iters: int = 10) -> float:
+    """Back-to-back decode steps of bucket ``c`` with no host work in between (device time per step)."""
+    from dflash_jax.engine.sampling import SamplingArrays
+    from dflash_jax.state import StepInput
+
+    w = eng.width
+    inp = StepInput(tokens=np.zeros((c, 1), np.int32), positions=np.full((c, 1), context, np.int32),
+                    n_valid=np.ones(c, np.int32), slots=np.arange(1, c + 1, dtype=np.int32),
+                    page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (c, 1)) % eng.pages.n_pages)
+    samp = SamplingArrays.from_rows([], c)
+    inp, samp = jax.device_put((inp, samp))
+    fn = eng._exec[("decode", c)]
+    eng.state, out = fn(eng.target.params, eng.state, inp, samp)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        eng.state, out = fn(eng.target.params, eng.state, inp, samp)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / iters
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -97,7 +121,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "load_s": load_s}
     # warm-up run through the loop: every decode bucket the cases will use, 8 tokens
     for c in args.concurrency:
-        _case(eng, c, 16, 8, cfg.vocab_size, 0)
+        _case(eng, c, 16, 8, cfg.vocab_size, 0, measure=False)
     compiles_before = compile_count()
     fn = ceiling.make_weight_stream(cfg)
     ceil = {}
@@ -111,6 +135,8 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, {m['tok_s'] / roof:.3f} of roofline",
               flush=True)
     figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
+    for c in args.concurrency:  # the engine's own step on the device alone: host overhead = tpot - this
+        figures[f"c{c}.device_step_ms"] = device_step_ms(eng, c, args.prompt_len + args.output_len // 2)
     for c in args.concurrency:  # the weight-stream ceiling, same run, after the engine cases
         ceil[c] = ceiling.measure_ceiling(cfg, target.params, c, iters=args.ceiling_iters, fn=fn)
         figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.engine import compile as compile_mod
-from dflash_jax.engine.sampling import RowSampling, SamplingArrays
+from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
 from dflash_jax.engine.steps import StepOutput, step_fn
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models.tokenizer import Tokenizer
@@ -221,6 +221,12 @@ class Engine:
         if sampling.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         ids = self.encode(prompt)
+        v = self.cfg.vocab_size
+        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < v for t in sampling.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be token ids in [0, {v}), got {list(sampling.stop_token_ids)}")
+        if sampling.min_tokens and len(self._banned(sampling)) > MAX_BANNED:
+            raise RequestError(f"min_tokens bans the stop and EOS token ids until it is reached, which works for at "
+                               f"most {MAX_BANNED} distinct ids; this request has {len(self._banned(sampling))}")
         total = len(ids) + sampling.max_tokens
         if total > self.options.max_model_len:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
@@ -232,6 +238,11 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else rid
         self.waiting.append(_Request(rid, ids, sampling, seed, RequestStats(time.perf_counter())))
         return rid
+
+    def _banned(self, sp: SamplingParams) -> tuple[int, ...]:
+        """Token ids that end the request (banned from sampling until min_tokens), without duplicates."""
+        return tuple(dict.fromkeys(tuple(int(t) for t in sp.stop_token_ids)
+                                   + (() if sp.ignore_eos else self.eos_token_ids)))
 
     def abort(self, rid: int) -> bool:
         """Cancel a request (waiting or running); frees its pages and slot at once."""
@@ -312,7 +323,7 @@ class Engine:
         table = self.pages.page_tables([r.rid for r in rows] + [None] * (b - len(rows)), self.width)
         samp = SamplingArrays.from_rows(
             [RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
-                         tuple(r.sp.stop_token_ids) + (() if r.sp.ignore_eos else self.eos_token_ids))
+                         self._banned(r.sp))
              for r in rows], b)
         inp = StepInput(tokens=tok, positions=pos, n_valid=nv, slots=slots, page_table=table)
         fn = self._exec.get((kind, b))
@@ -390,7 +401,14 @@ class Engine:
         sps = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(sps) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(sps)} sampling params")
-        ids = [self.submit(p, s) for p, s in zip(prompts, sps)]
+        ids: list[int] = []
+        try:
+            for p, s in zip(prompts, sps):
+                ids.append(self.submit(p, s))
+        except Exception:  # one bad prompt: leave none of this call's requests queued behind
+            for rid in ids:
+                self.abort(rid)
+            raise
         final: dict[int, RequestOutput] = {}
         while len(final) < len(ids):
             for o in self.step():
