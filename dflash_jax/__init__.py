@@ -1,5 +1,11 @@
 """dflash-jax: a JAX/XLA serving engine for hybrid (Gated DeltaNet + gated attention) LLMs."""
 
+import os as _os
+
+# On CPU the chunked GDN's small triangular solves go through LAPACK; a multithreaded OpenBLAS fights
+# XLA's own threads and makes each solve ~1000x slower. Callers can still override it.
+_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.models.loader import CheckpointError
 from dflash_jax.target import Target, load_target
