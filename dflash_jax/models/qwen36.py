@@ -196,8 +196,9 @@ def gdn_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid:
     r = cfg.gva_ratio  # value head j reads key head j // r
     q = jnp.repeat(q, r, axis=2)
     k = jnp.repeat(k, r, axis=2)
-    if t == 1:
-        o, ssm_state = gdn.gdn_recurrent(q, k, v, beta, g, ssm_state)
+    if t == 1:  # decode: one step, no loop (a while loop per layer costs a host round trip on GPU)
+        o, ssm_state = gdn.gdn_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], ssm_state)
+        o = o[:, None]
     else:
         o, ssm_state = gdn.gdn_chunked(q, k, v, beta, g, ssm_state)
     ssm_state = ssm_state.astype(f)
