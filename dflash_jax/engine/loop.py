@@ -10,8 +10,10 @@ Executables are compiled ahead of time per bucket by ``warmup()``; after that no
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -185,19 +187,31 @@ class Engine:
                                       SamplingArrays.from_rows([], b))
         return inp, samp
 
-    def warmup(self, progress: Callable[[str, float], None] | None = None) -> dict[str, float]:
-        """Compile every bucket ahead of time; returns seconds per bucket."""
-        for kind, buckets in (("prefill", self.prefill_buckets), ("decode", self.decode_buckets)):
-            for b in buckets:
-                if (kind, b) in self._exec:
-                    continue
-                t0 = time.perf_counter()
-                inp, samp = self._shapes(kind, b)
-                self._exec[(kind, b)] = self._jit.lower(self.target.params, self.state, inp, samp).compile()
-                dt = time.perf_counter() - t0
-                self.warmup_report[f"{kind}.b{b}"] = dt
+    def warmup(self, progress: Callable[[str, float], None] | None = None,
+               workers: int | None = None) -> dict[str, float]:
+        """Compile every bucket ahead of time; returns seconds per bucket.
+
+        Lowering (Python tracing) runs in this thread; XLA compilations run concurrently on
+        ``workers`` threads (default: one per CPU core, up to the number of buckets).
+        """
+        todo = [(kind, b) for kind, buckets in (("prefill", self.prefill_buckets), ("decode", self.decode_buckets))
+                for b in buckets if (kind, b) not in self._exec]
+        if not todo:
+            return dict(self.warmup_report)
+        lowered = {key: self._jit.lower(self.target.params, self.state, *self._shapes(*key)) for key in todo}
+
+        def build(key):
+            t0 = time.perf_counter()
+            exe = lowered[key].compile()
+            return key, exe, time.perf_counter() - t0
+
+        n = workers or min(len(todo), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
+            for key, exe, dt in pool.map(build, todo):
+                self._exec[key] = exe
+                self.warmup_report[f"{key[0]}.b{key[1]}"] = dt
                 if progress:
-                    progress(f"{kind}.b{b}", dt)
+                    progress(f"{key[0]}.b{key[1]}", dt)
         return dict(self.warmup_report)
 
     # ---- submission -------------------------------------------------------------------------------
