@@ -94,6 +94,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     logprobs: list[float]
     stats: dict
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -107,7 +108,8 @@ class _Request:
     cursor: int = 0  # prompt tokens already prefilled
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    text: str = ""
+    top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    text: str | None = None  # set when a stop string ended the request: the text before it
     finish: FinishReason | None = None
     emitted: int = 0  # tokens handed to the caller so far
 
@@ -365,7 +367,7 @@ class Engine:
             r.stats.prefill_chunks += 1
             if r.cursor == len(r.prompt):  # the chunk's last logits give the first generated token
                 r.stats.first_token = time.perf_counter()
-                self._accept(r, int(out.tokens[i]), float(out.logprobs[i]))
+                self._accept(r, out, i)
                 done.append(r)
         return done
 
@@ -377,19 +379,21 @@ class Engine:
         out = self._run("decode", rows, toks, np.ones(len(rows), np.int32), start)
         for i, r in enumerate(rows):
             r.stats.decode_steps += 1
-            self._accept(r, int(out.tokens[i]), float(out.logprobs[i]))
+            self._accept(r, out, i)
         return rows
 
     # ---- the decode contract ----------------------------------------------------------------------
-    def _accept(self, r: _Request, tok: int, logprob: float) -> None:
+    def _accept(self, r: _Request, out: StepOutput, row: int) -> None:
         """Apply one generated token: stop ids / EOS end the request without emitting the token."""
+        tok = int(out.tokens[row])
         n_before = len(r.tokens)
         if tok in r.sp.stop_token_ids or (not r.sp.ignore_eos and tok in self.eos_token_ids):
             if n_before >= r.sp.min_tokens:
                 r.finish = "stop"
                 return
         r.tokens.append(tok)
-        r.logprobs.append(logprob)
+        r.logprobs.append(float(out.logprobs[row]))
+        r.top.append([(int(t), float(lp)) for t, lp in zip(out.top_ids[row], out.top_logprobs[row])])
         if r.sp.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(r.tokens)
             hits = [i for i in (text.find(s) for s in r.sp.stop) if i >= 0]
@@ -403,9 +407,9 @@ class Engine:
     def _output(self, r: _Request) -> RequestOutput:
         text = None
         if self.tokenizer is not None:
-            text = r.text if (r.finish == "stop" and r.sp.stop and r.text) else self.tokenizer.decode(r.tokens)
+            text = r.text if r.text is not None else self.tokenizer.decode(r.tokens)
         return RequestOutput(r.rid, r.prompt, list(r.tokens), text, r.finish, list(r.logprobs),
-                             r.stats.as_dict(len(r.tokens)))
+                             r.stats.as_dict(len(r.tokens)), list(r.top))
 
     # ---- convenience APIs -------------------------------------------------------------------------
     def generate(self, prompts: Iterable[str | Sequence[int]],

@@ -81,8 +81,14 @@ def _sample_rows(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
     return jnp.take_along_axis(order, idx[:, None], axis=-1)[:, 0]
 
 
-def sample(logits: jax.Array, sa: SamplingArrays) -> tuple[jax.Array, jax.Array]:
-    """logits [B, V] float32 -> (tokens [B] int32, logprob of the chosen token [B] under the raw logits)."""
+TOP_LOGPROBS = 8  # alternatives returned per step, for the API's top_logprobs
+
+
+def sample(logits: jax.Array, sa: SamplingArrays):
+    """logits [B, V] float32 -> (tokens [B] int32, their logprobs [B], top ids [B, K], top logprobs [B, K]).
+
+    Log-probabilities are of the model's distribution (before temperature / top-k / top-p).
+    """
     v = logits.shape[-1]
     active = (sa.step < sa.ban_until)[:, None] & (sa.banned >= 0)
     ban_idx = jnp.where(active, sa.banned, v)  # out of range -> dropped
@@ -93,4 +99,5 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> tuple[jax.Array, jax.Array]
     drawn = jax.lax.cond(any_sampled, _sample_rows, lambda l, s: greedy, logits, sa)
     tok = jnp.where(sa.temperature > 0, drawn, greedy).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, min(TOP_LOGPROBS, v))
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp

@@ -22,10 +22,12 @@ from dflash_jax.state import EngineState, StepInput
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """[B] next token per row and its log-probability (float32)."""
+    """[B] next token per row and its log-probability (float32); [B, K] the K most likely alternatives."""
 
     tokens: jax.Array
     logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 def step(cfg: TargetConfig, params, state: EngineState, inp: StepInput, samp: SamplingArrays):
@@ -34,8 +36,8 @@ def step(cfg: TargetConfig, params, state: EngineState, inp: StepInput, samp: Sa
     last = jnp.clip(inp.n_valid - 1, 0, inp.tokens.shape[1] - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = qwen36.lm_logits(params, h_last)
-    tok, logp = sample(logits, samp)
-    return EngineState(kv=kv, rec=rec), StepOutput(tokens=tok, logprobs=logp)
+    tok, logp, top_ids, top_lp = sample(logits, samp)
+    return EngineState(kv=kv, rec=rec), StepOutput(tok, logp, top_ids, top_lp)
 
 
 def step_fn(cfg: TargetConfig):
