@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: python -m dflash_jax.serve."""

@@ -1,0 +1,179 @@
+"""``python -m dflash_jax.serve``: the OpenAI-compatible server.
+
+    python -m dflash_jax.serve --model PATH [--host 127.0.0.1] [--port 8000] [--max-concurrency 8]
+    python -m dflash_jax.serve --config configs/h200.yaml --model PATH
+
+Flags use the seed system's names. Features that this build cannot run yet (DDTree speculation,
+PFlash prompt compression, KVFlash bounded residency, fast rollback, a separate drafter) are rejected
+at start-up with a message naming the flag, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+DEVICE_PREFIXES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "hip": "gpu"}
+
+
+class StartupError(SystemExit):
+    def __init__(self, msg: str) -> None:
+        super().__init__(f"dflash_jax.serve: error: {msg}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m dflash_jax.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="YAML preset of flags (configs/*.yaml); command-line flags override it")
+    ap.add_argument("--model", "--target", dest="model", help="target checkpoint directory (HF layout)")
+    ap.add_argument("--served-model-name", help="model id reported by the API (default: the directory name)")
+    ap.add_argument("--drafter", help="DFlash drafter checkpoint directory")
+    ap.add_argument("--target-device", default=None, help="cpu:0, cuda:0, rocm:0 (hip:0 = rocm:0)")
+    ap.add_argument("--draft-device", default=None)
+    ap.add_argument("--ddtree", action="store_true", default=None, help="DDTree speculative decoding")
+    ap.add_argument("--ddtree-budget", type=int, default=None)
+    ap.add_argument("--draft-residency", choices=("persistent",), default=None)
+    ap.add_argument("--prefill-compression", choices=("off", "auto", "always"), default=None)
+    ap.add_argument("--prefill-drafter", default=None)
+    ap.add_argument("--kvflash", default=None, help="off | auto | N tokens")
+    ap.add_argument("--fast-rollback", action="store_true", default=None)
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=None)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
+                    help="server default for chat_template_kwargs.enable_thinking")
+    ap.add_argument("--host", default=None)
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set DFLASH_API_KEY)")
+    return ap
+
+
+DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
+            "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
+            "prefill_compression": "off", "kvflash": "off"}
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Merge preset file < command line; apply defaults; reject what this build cannot do."""
+    merged = dict(DEFAULTS)
+    if args.config:
+        import yaml
+
+        try:
+            with open(args.config) as f:
+                preset = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise StartupError(f"--config {args.config}: {e.strerror}") from e
+        if not isinstance(preset, dict):
+            raise StartupError(f"--config {args.config}: expected a mapping of flag names to values")
+        known = set(vars(args))
+        for k, v in preset.items():
+            key = k.replace("-", "_")
+            if key not in known or key == "config":
+                raise StartupError(f"--config {args.config}: unknown flag {k!r}")
+            merged[key] = v
+    for k, v in vars(args).items():
+        if v is not None:
+            merged[k] = v
+    ns = argparse.Namespace(**{k: merged.get(k) for k in set(vars(args)) | set(merged)})
+
+    unavailable = []
+    if ns.ddtree:
+        unavailable.append("--ddtree (speculative decoding)")
+    if ns.drafter:
+        unavailable.append("--drafter")
+    if ns.fast_rollback:
+        unavailable.append("--fast-rollback")
+    if ns.prefill_compression not in (None, "off"):
+        unavailable.append(f"--prefill-compression {ns.prefill_compression}")
+    if ns.prefill_drafter:
+        unavailable.append("--prefill-drafter")
+    if str(ns.kvflash) not in ("off", "None"):
+        unavailable.append(f"--kvflash {ns.kvflash}")
+    if unavailable:
+        raise StartupError("not available in this build yet: " + ", ".join(unavailable)
+                           + ". Remove these flags (or set them to off) to serve with plain AR decoding.")
+    if ns.draft_device and ns.target_device and _platform(ns.draft_device) != _platform(ns.target_device):
+        raise StartupError(f"--target-device {ns.target_device} and --draft-device {ns.draft_device}: "
+                           "mixed-device target/draft placement is not supported; use one device")
+    if not ns.model:
+        raise StartupError("no model given and no default model set is shipped in this build yet: pass --model PATH "
+                           "(a Qwen3.5/3.6 checkpoint directory in the Hugging Face layout)")
+    if not os.path.isdir(ns.model):
+        raise StartupError(f"--model {ns.model}: not a directory")
+    if ns.max_concurrency < 1:
+        raise StartupError("--max-concurrency must be >= 1")
+    return ns
+
+
+def _platform(spec: str) -> str:
+    name, _, idx = spec.partition(":")
+    if name not in DEVICE_PREFIXES or (idx and not idx.isdigit()):
+        raise StartupError(f"device {spec!r} not understood; use cpu:0, cuda:0, rocm:0 or hip:0")
+    return DEVICE_PREFIXES[name]
+
+
+def _select_device(spec: str | None):
+    import jax
+
+    if spec is None:
+        return jax.devices()[0]
+    plat = _platform(spec)
+    idx = int(spec.partition(":")[2] or 0)
+    try:
+        devs = jax.devices(plat)
+    except RuntimeError as e:
+        raise StartupError(f"--target-device {spec}: no {plat} backend available ({e})") from e
+    if idx >= len(devs):
+        raise StartupError(f"--target-device {spec}: only {len(devs)} {plat} device(s) present")
+    return devs[idx]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve(build_parser().parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import jax
+    import uvicorn
+
+    from dflash_jax.engine.loop import Engine, EngineOptions
+    from dflash_jax.models.tokenizer import Tokenizer
+    from dflash_jax.serve.app import Server, build_app
+    from dflash_jax.target import load_target
+
+    device = _select_device(args.target_device)
+    dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
+    t0 = time.perf_counter()
+    with jax.default_device(device):
+        target = load_target(args.model, dtype=dtype)
+        eng = Engine(target, Tokenizer.from_dir(args.model),
+                     EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
+                                   max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
+                                   prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency)))
+        n = len(eng.prefill_buckets) + len(eng.decode_buckets)
+        print(f"model {args.model} ({dtype}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "
+              f"compiling {n} buckets", flush=True)
+        done = [0]
+
+        def progress(name: str, dt: float) -> None:
+            done[0] += 1
+            bar = "#" * done[0] + "." * (n - done[0])
+            print(f"  [{bar}] {done[0]}/{n} {name} {dt:.1f}s", flush=True)
+
+        eng.warmup(progress)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
+                    default_thinking=args.enable_thinking in (True, "true"))
+    print(f"features: spec_mode=ar, prefill_compression=off, kvflash=off, max_concurrency={args.max_concurrency}",
+          flush=True)
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""The FastAPI application: OpenAI-compatible completions and chat completions over one engine.
+
+Every response carries ``usage`` (raw prompt tokens are billed) and a ``telemetry`` object per choice:
+``effective_prompt_tokens``, ``spec_mode``, ``draft_steps``, ``accepted_tokens``, ``kv_pages_in``,
+``kv_pages_out``, ``ttft_s``, ``tpot_s``, ``queue_s``, ``prefill_chunks``, ``decode_steps``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+
+from dflash_jax.engine.loop import Engine, RequestError, RequestOutput, SamplingParams
+from dflash_jax.kv.pages import RequestTooLarge
+from dflash_jax.serve.metrics import Metrics
+from dflash_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
+from dflash_jax.serve.runner import EngineFault, EngineRunner
+
+log = logging.getLogger("dflash_jax.serve")
+
+
+def _telemetry(o: RequestOutput) -> dict[str, Any]:
+    return {"effective_prompt_tokens": len(o.prompt_token_ids), "spec_mode": "ar", "draft_steps": 0,
+            "accepted_tokens": 0, "kv_pages_in": 0, "kv_pages_out": 0, **o.stats}
+
+
+def _holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` that could start a stop string (not streamed yet)."""
+    keep = 1 if text.endswith("\ufffd") else 0  # an incomplete UTF-8 sequence
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                keep = max(keep, k)
+                break
+    return keep
+
+
+class Server:
+    def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
+                 default_thinking: bool = True, features: dict[str, Any] | None = None) -> None:
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.default_thinking = default_thinking
+        self.features = features or {"spec_mode": "ar"}
+        self.runner = EngineRunner(engine)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    # ---- request -> engine -----------------------------------------------------------------------
+    def _sampling(self, req, stops: tuple[str, ...]) -> SamplingParams:
+        max_tokens = req.max_completion_tokens or req.max_tokens or 16
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
+                              top_p=req.top_p, seed=req.seed, stop=stops,
+                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                              min_tokens=req.min_tokens)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           type_="not_found_error", param="model", code="model_not_found")
+
+    async def _start(self, prompt: list[int], sp: SamplingParams, n: int):
+        subs = []
+        try:
+            for i in range(n):
+                spi = sp if n == 1 or sp.seed is None else SamplingParams(**{**sp.__dict__, "seed": sp.seed + i})
+                subs.append(await self.runner.submit(prompt, spi))
+        except RequestTooLarge as e:
+            for rid, _ in subs:
+                self.runner.abort(rid)
+            raise APIError(413, str(e), param="max_tokens") from e
+        except RequestError as e:
+            for rid, _ in subs:
+                self.runner.abort(rid)
+            raise APIError(400, str(e)) from e
+        return subs
+
+    async def _final(self, request: Request, rid: int, q: asyncio.Queue) -> RequestOutput:
+        while True:
+            try:
+                item = await asyncio.wait_for(q.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.runner.abort(rid)
+                    raise asyncio.CancelledError
+                continue
+            if isinstance(item, BaseException):
+                raise APIError(500, str(item), type_="server_error")
+            if item.finish_reason is not None:
+                return item
+
+    def _record(self, o: RequestOutput) -> None:
+        self.metrics.completion_tokens.inc(len(o.token_ids))
+        if o.stats.get("ttft_s") is not None:
+            self.metrics.ttft.observe(o.stats["ttft_s"])
+        if o.stats.get("tpot_s") is not None:
+            self.metrics.tpot.observe(o.stats["tpot_s"])
+
+    def _usage(self, prompt_len: int, outs: list[RequestOutput]) -> dict[str, int]:
+        c = sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": prompt_len, "completion_tokens": c, "total_tokens": prompt_len + c}
+
+    # ---- /v1/completions -------------------------------------------------------------------------
+    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], list):
+            if len(p) != 1:
+                raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+            p = p[0]
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if self.engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            ids = self.engine.tokenizer.encode(p)
+        else:
+            ids = [int(t) for t in p]
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return ids
+
+    async def completions(self, request: Request, req: CompletionRequest):
+        self._check_model(req.model)
+        if req.echo or req.suffix:
+            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+        stops = req.stop_list()
+        prompt = self._completion_prompt(req)
+        subs = await self._start(prompt, self._sampling(req, stops), req.n)
+        self.metrics.prompt_tokens.inc(len(prompt))
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return EventSourceResponse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, chat=False))
+        outs = await self._gather(request, subs)
+        choices = []
+        for i, o in enumerate(outs):
+            c = {"index": i, "text": self._text(o), "finish_reason": o.finish_reason, "telemetry": _telemetry(o),
+                 "logprobs": self._completion_logprobs(o, req.logprobs) if req.logprobs is not None else None}
+            choices.append(c)
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": self._usage(len(prompt), outs)}
+
+    # ---- /v1/chat/completions --------------------------------------------------------------------
+    async def chat(self, request: Request, req: ChatRequest):
+        self._check_model(req.model)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer/chat template; use /v1/completions with token ids")
+        kwargs = req.chat_template_kwargs or {}
+        thinking = bool(kwargs.get("enable_thinking", self.default_thinking))
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = req.tools if req.tool_choice != "none" else None
+        try:
+            prompt = tok.apply_chat_template(messages, enable_thinking=thinking, tools=tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        stops = req.stop_list()
+        subs = await self._start(prompt, self._sampling(req, stops), req.n)
+        self.metrics.prompt_tokens.inc(len(prompt))
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return EventSourceResponse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req,
+                                                    chat=True, thinking=thinking, tools=bool(tools)))
+        outs = await self._gather(request, subs)
+        choices = []
+        for i, o in enumerate(outs):
+            msg = self._assistant_message(self._text(o), thinking, bool(tools))
+            finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
+            c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o),
+                 "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
+            choices.append(c)
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": self._usage(len(prompt), outs)}
+
+    def _assistant_message(self, text: str, thinking: bool, tools: bool) -> dict[str, Any]:
+        from dflash_jax.models.chat import parse_assistant
+
+        reasoning, content, calls = parse_assistant(text, thinking=thinking)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if tools and calls:
+            msg["tool_calls"] = calls
+        return msg
+
+    # ---- shared pieces ---------------------------------------------------------------------------
+    async def _gather(self, request: Request, subs) -> list[RequestOutput]:
+        try:
+            outs = await asyncio.gather(*(self._final(request, rid, q) for rid, q in subs))
+        except BaseException:
+            for rid, _ in subs:
+                self.runner.abort(rid)
+            raise
+        for o in outs:
+            self._record(o)
+        return list(outs)
+
+    def _text(self, o: RequestOutput) -> str:
+        if o.text is not None:
+            return o.text
+        return " ".join(map(str, o.token_ids))  # no tokenizer: ids as text
+
+    def _tok_str(self, t: int) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
+
+    def _completion_logprobs(self, o: RequestOutput, k: int) -> dict[str, Any]:
+        toks = [self._tok_str(t) for t in o.token_ids]
+        offsets, pos = [], 0
+        for s in toks:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": toks, "token_logprobs": o.logprobs, "text_offset": offsets,
+                "top_logprobs": [{self._tok_str(t): lp for t, lp in alts[:k]} for alts in o.top_logprobs] if k else None}
+
+    def _chat_logprobs(self, o: RequestOutput, k: int, start: int = 0) -> dict[str, Any]:
+        content = []
+        for t, lp, alts in zip(o.token_ids[start:], o.logprobs[start:], o.top_logprobs[start:]):
+            s = self._tok_str(t)
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": self._tok_str(a), "logprob": alp,
+                                              "bytes": list(self._tok_str(a).encode())} for a, alp in alts[:k]]})
+        return {"content": content}
+
+    async def _stream(self, request: Request, cid: str, obj: str, prompt: list[int], subs, stops, req, *,
+                      chat: bool, thinking: bool = False, tools: bool = False) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text = [0] * len(subs)
+        sent_tok = [0] * len(subs)
+        finals: dict[int, RequestOutput] = {}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(i: int, delta: Any, finish: str | None, o: RequestOutput | None = None, logprobs=None) -> str:
+            choice: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": logprobs}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta
+            if finish is not None and o is not None:
+                choice["telemetry"] = _telemetry(o)
+            body = {"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return json.dumps(body)
+
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, q: asyncio.Queue):
+            while True:
+                item = await q.get()
+                await merged.put((i, item))
+                if isinstance(item, BaseException) or item.finish_reason is not None:
+                    return
+
+        tasks = [asyncio.create_task(pump(i, q)) for i, (_, q) in enumerate(subs)]
+        try:
+            if chat:
+                for i in range(len(subs)):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+            sent_r = [0] * len(subs)  # reasoning characters streamed per choice (chat with thinking)
+            hold = stops + (("</think>",) if chat and thinking else ()) + (("<tool_call>",) if tools else ())
+            while len(finals) < len(subs):
+                i, item = await merged.get()
+                if isinstance(item, BaseException):
+                    yield json.dumps(APIError(500, str(item), type_="server_error").body())
+                    return
+                o = item
+                text = self._text(o)
+                done = o.finish_reason is not None
+                upto = len(text) if done else len(text) - _holdback(text, hold)
+                if chat and tools and "<tool_call>" in text and not done:
+                    upto = min(upto, text.index("<tool_call>"))  # tool calls are sent parsed, at the end
+                visible = text[:max(upto, 0)]
+                lp = None
+                if chat and req.logprobs and len(o.token_ids) > sent_tok[i]:
+                    lp = self._chat_logprobs(o, req.top_logprobs or 0, sent_tok[i])
+                elif not chat and req.logprobs is not None and len(o.token_ids) > sent_tok[i]:
+                    full = self._completion_logprobs(o, req.logprobs)
+                    lp = {k: (v[sent_tok[i]:] if isinstance(v, list) else v) for k, v in full.items()}
+                sent_tok[i] = len(o.token_ids)
+                if not chat:
+                    piece = visible[sent_text[i]:]
+                    sent_text[i] = max(sent_text[i], len(visible))
+                    if piece or done or lp:
+                        yield chunk(i, piece, o.finish_reason if done else None, o if done else None, lp)
+                else:
+                    reasoning, content = "", visible
+                    if thinking:
+                        end = visible.find("</think>")
+                        reasoning = visible if end < 0 else visible[:end]
+                        content = "" if end < 0 else visible[end + len("</think>"):].lstrip("\n")
+                    if tools and "<tool_call>" in content:
+                        content = content[:content.index("<tool_call>")]
+                    deltas = []
+                    if reasoning[sent_r[i]:]:
+                        deltas.append({"reasoning_content": reasoning[sent_r[i]:]})
+                        sent_r[i] = len(reasoning)
+                    if content[sent_text[i]:]:
+                        deltas.append({"content": content[sent_text[i]:]})
+                        sent_text[i] = len(content)
+                    calls = []
+                    if done and tools:
+                        calls = self._assistant_message(text, thinking, tools).get("tool_calls") or []
+                        if calls:
+                            deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+                    if lp is not None and not deltas:
+                        deltas.append({})
+                    for d in deltas:
+                        yield chunk(i, d, None, logprobs=lp)
+                        lp = None
+                    if done:
+                        yield chunk(i, {}, "tool_calls" if calls else o.finish_reason, o)
+                if done:
+                    finals[i] = o
+                    self._record(o)
+            if include_usage:
+                yield json.dumps({"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [],
+                                  "usage": self._usage(len(prompt), list(finals.values()))})
+            yield "[DONE]"
+        finally:  # client gone or finished: cancel whatever still runs, at once
+            for t in tasks:
+                t.cancel()
+            for i, (rid, _) in enumerate(subs):
+                if i not in finals:
+                    self.runner.abort(rid)
+
+    def refresh_gauges(self) -> None:
+        eng, m = self.engine, self.metrics
+        m.queue_depth.set(len(eng.waiting))
+        m.running.set(len(eng.running))
+        m.free_pages.set(eng.pages.num_free)
+        m.total_pages.set(eng.pages.n_pages - 1)
+        m.free_slots.set(len(eng.free_slots))
+        m.engine_faults.set(self.runner.faults)
+
+
+def build_app(server: Server) -> FastAPI:
+    app = FastAPI(title="dflash-jax", version="0.1.0")
+    app.state.server = server
+
+    @app.on_event("startup")
+    async def _startup() -> None:
+        server.runner.start()
+
+    @app.on_event("shutdown")
+    async def _shutdown() -> None:
+        server.runner.stop()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if server.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+                return JSONResponse(APIError(401, "missing or invalid API key", type_="authentication_error",
+                                             code="invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        server.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        msg = "invalid JSON body" if first.get("type") == "json_invalid" else f"{loc}: {first.get('msg')}"
+        server.metrics.requests.labels(request.url.path, "400").inc()
+        return JSONResponse(APIError(400, msg, param=loc).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("request failed")
+        server.metrics.requests.labels(request.url.path, "500").inc()
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type_="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_name, "steps": server.runner.steps}
+
+    @app.get("/metrics")
+    async def metrics():
+        server.refresh_gauges()
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "dflash-jax", "max_model_len": server.engine.options.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        out = await server.completions(request, body)
+        server.metrics.requests.labels("/v1/completions", "200").inc()
+        return out
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatRequest):
+        out = await server.chat(request, body)
+        server.metrics.requests.labels("/v1/chat/completions", "200").inc()
+        return out
+
+    return app
