@@ -20,6 +20,8 @@ from dflash_jax.engine.loop import Engine, EngineOptions, RequestError, Sampling
 from dflash_jax.engine.sampling import MAX_BANNED
 from dflash_jax.kv.pages import RequestTooLarge
 
+pytestmark = pytest.mark.xdist_group("engine")  # share the compiled engines on one worker
+
 A, B = TINY
 OPTS = EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=32, max_model_len=256, page_size=8)
 OPTS_B = dataclasses.replace(OPTS, prefill_batch=1)  # fewer buckets: tiny_b compiles slowly

@@ -16,9 +16,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 
 from dflash_jax.engine.loop import Engine, RequestError, RequestOutput, SamplingParams
 from dflash_jax.kv.pages import RequestTooLarge
@@ -32,6 +31,17 @@ log = logging.getLogger("dflash_jax.serve")
 def _telemetry(o: RequestOutput) -> dict[str, Any]:
     return {"effective_prompt_tokens": len(o.prompt_token_ids), "spec_mode": "ar", "draft_steps": 0,
             "accepted_tokens": 0, "kv_pages_in": 0, "kv_pages_out": 0, **o.stats}
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events. A plain streaming response, so a SIGTERM drains open streams instead of cutting them."""
+
+    async def body():
+        async for e in events:
+            yield f"data: {e}\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _holdback(text: str, stops: tuple[str, ...]) -> int:
@@ -140,7 +150,7 @@ class Server:
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return EventSourceResponse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, chat=False))
+            return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, chat=False))
         outs = await self._gather(request, subs)
         choices = []
         for i, o in enumerate(outs):
@@ -169,7 +179,7 @@ class Server:
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return EventSourceResponse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req,
+            return _sse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req,
                                                     chat=True, thinking=thinking, tools=bool(tools)))
         outs = await self._gather(request, subs)
         choices = []

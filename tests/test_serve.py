@@ -1,0 +1,277 @@
+"""The server as a real process on loopback, spoken to with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import FIXTURES
+
+pytestmark = pytest.mark.xdist_group("serve")  # one server process, tests in order (SIGTERM last)
+
+KEY = "test-key"
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_dir(tmp) -> str:
+    """tiny_b plus a small byte-level BPE tokenizer with the ChatML specials (vocab fits the model's 512)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    d = os.path.join(tmp, MODEL)
+    shutil.copytree(os.path.join(FIXTURES, "qwen36_tiny_b"), d)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                "</tool_call>", "<tool_response>", "</tool_response>", "<|mask|>"]
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["def add(a, b):\n    return a + b\n", "Hello world, the quick brown fox.", "user assistant system"] * 50
+    tok.train_from_iterator(text, trainer)
+    assert tok.get_vocab_size() <= 512
+    tok.save(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>"}, f)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    model = _model_dir(str(tmp_path_factory.mktemp("serve")))
+    cmd = [sys.executable, "-m", "dflash_jax.serve", "--model", model, "--port", str(port), "--max-concurrency", "4",
+           "--max-model-len", "256", "--page-size", "8", "--prefill-chunk", "32", "--api-key", KEY]
+    log = open(os.path.join(str(tmp_path_factory.getbasetemp()), "serve.log"), "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"server exited early:\n{log.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server did not come up")
+    yield {"base": base, "proc": proc, "log": log}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server["base"] + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(dflash_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def _idle(server, timeout=20.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        m = _metrics(server)
+        if (m["dflash_running_requests"] == 0 and m["dflash_queue_depth"] == 0
+                and m["dflash_kv_free_pages"] == m["dflash_kv_total_pages"] and m["dflash_free_slots"] == 4):
+            return m
+        time.sleep(0.2)
+    pytest.fail(f"server not idle: {m}")
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
+
+
+def test_completion_non_streaming_with_usage_logprobs_and_telemetry(client):
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0, logprobs=3)
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 6 and r.usage.total_tokens == 10
+    assert c.finish_reason == "length"
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    # keyed by token text: distinct ids that decode alike (partial UTF-8) share a key
+    assert all(1 <= len(d) <= 3 for d in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    tel = c.model_extra["telemetry"]
+    assert tel["effective_prompt_tokens"] == 4 and tel["spec_mode"] == "ar"
+    for k in ("draft_steps", "accepted_tokens", "kv_pages_in", "kv_pages_out"):
+        assert tel[k] == 0
+
+
+def test_streaming_equals_non_streaming_and_usage_is_exact(client):
+    full = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 10
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_stop_strings_and_stop_token_ids(client):
+    base = client.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if stop.strip():
+        r = client.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=12, temperature=0, stop=[stop])
+        assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+        assert text.startswith(r.choices[0].text)
+        s = list(client.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=12, temperature=0, stop=[stop],
+                                           stream=True))
+        assert "".join(ch.choices[0].text for ch in s if ch.choices) == r.choices[0].text
+    r = client.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=12, temperature=0,
+                                  extra_body={"stop_token_ids": [511]})  # an id the model may emit: never past it
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_completion_with_reasoning_split(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                       temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 5
+    s = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=8, temperature=0, stream=True,
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    content = "".join((ch.choices[0].delta.content or "") for ch in s if ch.choices)
+    assert content == (r.choices[0].message.content or "")
+    # thinking on: everything before </think> is reasoning_content, never content
+    t = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    assert t.choices[0].message.model_extra.get("reasoning_content") is not None
+    assert len(t.choices[0].logprobs.content) == 6
+    assert all(len(x.top_logprobs) == 2 for x in t.choices[0].logprobs.content)
+
+
+def test_sampling_is_reproducible_with_a_seed(client):
+    a = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=8, temperature=1.0, seed=123)
+    b = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=8, temperature=1.0, seed=123)
+    assert a.choices[0].text == b.choices[0].text
+    n = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert len(n.choices) == 3 and n.usage.completion_tokens == 24
+
+
+BAD = [
+    ("post", "/v1/completions", b"{not json", 400, "JSON"),
+    ("json", "/v1/completions", {"model": "nope", "prompt": [1], "max_tokens": 2}, 404, "does not exist"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "temperature": 7}, 400, "temperature"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "top_p": 0}, 400, "top_p"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 0}, 400, "n"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 5000}, 400, "max_model_len"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [99999], "max_tokens": 2}, 400, "token ids"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "stop": ["a"] * 17}, 400, "stop"),
+    ("json", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "echo": True}, 400, "echo"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+]
+
+
+@pytest.mark.parametrize("kind,path,body,status,needle", BAD)
+def test_bad_input_gets_openai_error_json(server, kind, path, body, status, needle):
+    h = {"Authorization": f"Bearer {KEY}"}
+    if kind == "post":
+        r = httpx.post(server["base"] + path, content=body, headers={**h, "content-type": "application/json"})
+    else:
+        r = httpx.post(server["base"] + path, json=body, headers=h)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle.lower() in err["message"].lower() and err["type"]
+
+
+def test_api_key_is_required(server):
+    r = httpx.post(server["base"] + "/v1/completions", json={"model": MODEL, "prompt": [1]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_client_disconnect_frees_pages_and_slot(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server["base"] + "/v1/completions", headers=h, timeout=30,
+                      json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk, then hang up
+    _idle(server)
+
+
+def test_bounded_load_every_stream_completes_and_nothing_leaks(server):
+    async def one(c, i):
+        t0 = time.perf_counter()
+        first, n_tok, usage = None, 0, None
+        stream = await c.completions.create(model=MODEL, prompt=list(range(1, 2 + i % 20)), max_tokens=4 + i % 13,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            logprobs=0, extra_body={"ignore_eos": True})
+        async for ch in stream:
+            if ch.choices and ch.choices[0].logprobs:
+                first = first or time.perf_counter() - t0
+                n_tok += len(ch.choices[0].logprobs.tokens)
+            if ch.usage:
+                usage = ch.usage
+        return first, n_tok, usage, 4 + i % 13
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=240)
+        return await asyncio.wait_for(asyncio.gather(*(one(c, i) for i in range(64))), 240)
+
+    before = _metrics(server)["dflash_completion_tokens_total"]
+    res = asyncio.run(run())
+    assert len(res) == 64
+    for first, n_tok, usage, want in res:
+        assert usage is not None and usage.completion_tokens == want == n_tok
+    total = sum(u.completion_tokens for _, _, u, _ in res)
+    m = _idle(server)
+    assert m["dflash_completion_tokens_total"] - before == total
+    ttfts = sorted(r[0] for r in res if r[0] is not None)
+    print(f"p99 TTFT over 64 streams: {ttfts[int(0.99 * (len(ttfts) - 1))]:.3f}s")
+
+
+def test_sigterm_drains_running_requests_then_exits(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    got = []
+    with httpx.stream("POST", server["base"] + "/v1/completions", headers=h, timeout=60,
+                      json={"model": MODEL, "prompt": [1, 2], "max_tokens": 40, "stream": True,
+                            "ignore_eos": True}) as r:
+        server["proc"].send_signal(signal.SIGTERM)
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                got.append(line)
+    assert got[-1] == "data: [DONE]"
+    # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit too
+    assert server["proc"].wait(60) in (0, -signal.SIGTERM)
