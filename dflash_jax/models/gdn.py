@@ -94,3 +94,76 @@ def gdn_chunked(q, k, v, beta, g, state, chunk: int = 64):
     o = jnp.moveaxis(o, 0, 1)  # [B, n, H, C, dv]
     o = jnp.swapaxes(o, 2, 3).reshape(b, n * chunk, h, dv)
     return o[:, :t], state
+
+
+# ---- tree verification: the ancestor-masked single-chunk form with deferred state (reference §4.5 option 4) -------
+import dataclasses as _dataclasses  # noqa: E402
+
+
+@jax.tree_util.register_dataclass
+@_dataclasses.dataclass(frozen=True)
+class TreeGDNCache:
+    """What `gdn_tree` keeps so that any node's state can be materialised later (`tree_node_state`), heads-first:
+
+    k [B,H,N,dk] (the L2-normalised keys), vp [B,H,N,dv] (pseudo-values V' = U - W S0), gam [B,H,N] (log-decay
+    along each root->i path, inclusive), decay [B,H,N,N] (Gam_ij = exp(gam_i - gam_j) for j an ancestor of i or i
+    itself, else 0).
+    """
+
+    k: jax.Array
+    vp: jax.Array
+    gam: jax.Array
+    decay: jax.Array
+
+
+def gdn_tree(q, k, v, beta, g, state, ancestors):
+    """Gated delta rule over B token trees of N slots each, in one ancestor-masked chunk.
+
+    q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H] (as for `gdn_recurrent`), state [B,H,dk,dv] = S0 (the state
+    before the root), ancestors [B,N,N] bool: A_ij = j is i or an ancestor of i (reflexive-transitive closure of
+    parent). Slots must be in an order where ancestors precede descendants (A lower triangular); a slot whose
+    path starts at S0 (a root, or a padding slot that sees only itself) is allowed anywhere.
+
+    Returns (o [B,N,H,dv], TreeGDNCache): o_i is exactly what `gdn_recurrent` gives for slot i when run from S0
+    along the root->i path. Exponents are masked before exp (only ancestor pairs, where gam_i - gam_j <= 0 up to
+    round-off), so no g <= 0 can overflow; large |gam| only costs ~eps*|gam_i| relative accuracy in Gam (as in
+    `_chunk`).
+    """
+    n = q.shape[1]
+    q, k, v = (jnp.moveaxis(a, 2, 1) for a in (q, k, v))  # [B,H,N,d]
+    beta, g = (jnp.moveaxis(a, 2, 1) for a in (beta, g))  # [B,H,N]
+    f = g.dtype
+    eye = jnp.eye(n, dtype=bool)
+    anc2 = ancestors.astype(bool) | eye  # [B,N,N] (reflexive even if the caller's is not)
+    anc = anc2[:, None]  # [B,1,N,N]
+    strict = anc & ~eye
+    gam = jnp.einsum("bij,bhj->bhi", anc2.astype(f), g, precision=HI)  # log-decay along each root->i path
+    diff = gam[..., :, None] - gam[..., None, :]
+    decay = jnp.where(anc, jnp.exp(jnp.where(anc, diff, 0.0)), 0.0)  # Gam_ij [B,H,N,N]
+    kk = jnp.einsum("bhid,bhjd->bhij", k, k, precision=HI)
+    m = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
+    a = jnp.eye(n, dtype=m.dtype) + m  # unit lower triangular in slot order
+    dv = v.shape[-1]
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gam))[..., None] * k], axis=-1)
+    uw = lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    vp = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=HI)  # pseudo-values [B,H,N,dv]
+    qk = jnp.einsum("bhid,bhjd->bhij", q, k, precision=HI) * decay
+    o = (jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gam)[..., None], state, precision=HI)
+         + jnp.einsum("bhij,bhjv->bhiv", qk, vp, precision=HI))
+    return jnp.moveaxis(o, 1, 2), TreeGDNCache(k=k, vp=vp, gam=gam, decay=decay)
+
+
+def tree_node_state(cache: TreeGDNCache, state0, node):
+    """The state after slot node[b] of row b's tree: S_i = e^{gam_i} S0 + sum_{j in A(i)} Gam_ij k_j V'_j^T.
+
+    cache from `gdn_tree`, state0 [B,H,dk,dv] the S0 given to it, node [B] int (the commit: the deepest accepted
+    slot); node < 0 returns state0 unchanged. Returns [B,H,dk,dv].
+    """
+    n = cache.gam.shape[-1]
+    nd = jnp.clip(node, 0, n - 1).astype(jnp.int32)
+    row = jnp.take_along_axis(cache.decay, nd[:, None, None, None], axis=2)[:, :, 0]  # [B,H,N]
+    gi = jnp.take_along_axis(cache.gam, nd[:, None, None], axis=2)[..., 0]  # [B,H]
+    s = (state0 * jnp.exp(gi)[..., None, None]
+         + jnp.einsum("bhnk,bhnv->bhkv", cache.k * row[..., None], cache.vp, precision=HI))
+    return jnp.where((node >= 0)[:, None, None, None], s.astype(state0.dtype), state0)
