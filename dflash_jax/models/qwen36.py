@@ -137,22 +137,34 @@ def mlp(p: Params, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
 
 
-def attention_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
-                    k_pages: jax.Array, v_pages: jax.Array):
-    """Gated full attention over paged KV. u [B,T,D] -> ([B,T,D], k_pages, v_pages)."""
+def attn_project(p: Params, cfg: TargetConfig, u: jax.Array, positions: jax.Array):
+    """u [B,T,D] -> q [B,T,H,hd] (normed, rotated), gate [B,T,H,hd] | None, k, v [B,T,Hkv,hd]."""
     b, t, _ = u.shape
     h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qg = linear(u, p["q"]).reshape(b, t, h, -1)
     q, gate = (qg[..., :hd], qg[..., hd:]) if cfg.attn_output_gate else (qg, None)
     k = linear(u, p["k"]).reshape(b, t, hkv, hd)
     v = linear(u, p["v"]).reshape(b, t, hkv, hd)
-    q = rope(rms_norm_zc(q, p["q_norm"], cfg.rms_norm_eps), inp.positions, cfg.rotary_dim, cfg.rope_theta)
-    k = rope(rms_norm_zc(k, p["k_norm"], cfg.rms_norm_eps), inp.positions, cfg.rotary_dim, cfg.rope_theta)
-    k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inp.page_table, inp.positions, valid)
-    o = attention.paged_attention(q, k_pages, v_pages, inp.page_table, inp.positions, hd ** -0.5)
+    q = rope(rms_norm_zc(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+    k = rope(rms_norm_zc(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+    return q, gate, k, v
+
+
+def attn_output(p: Params, o: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """Sigmoid output gate and o_proj: o [B,T,H,hd] -> [B,T,D]."""
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
-    return linear(o.reshape(b, t, h * hd), p["o"]), k_pages, v_pages
+    b, t = o.shape[:2]
+    return linear(o.reshape(b, t, -1), p["o"])
+
+
+def attention_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
+                    k_pages: jax.Array, v_pages: jax.Array):
+    """Gated full attention over paged KV. u [B,T,D] -> ([B,T,D], k_pages, v_pages)."""
+    q, gate, k, v = attn_project(p, cfg, u, inp.positions)
+    k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inp.page_table, inp.positions, valid)
+    o = attention.paged_attention(q, k_pages, v_pages, inp.page_table, inp.positions, cfg.head_dim ** -0.5)
+    return attn_output(p, o, gate), k_pages, v_pages
 
 
 def causal_conv(x: jax.Array, w: jax.Array, conv_state: jax.Array, n_valid: jax.Array):
@@ -171,39 +183,56 @@ def causal_conv(x: jax.Array, w: jax.Array, conv_state: jax.Array, n_valid: jax.
     return jax.nn.silu(acc).astype(x.dtype), new_state.astype(conv_state.dtype)
 
 
-def gdn_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
-              conv_state: jax.Array, ssm_state: jax.Array):
-    """Gated DeltaNet. u [B,T,D]; conv_state [B,K-1,C]; ssm_state [B,Hv,dk,dv] -> (out, conv, ssm)."""
+def gdn_project(p: Params, cfg: TargetConfig, u: jax.Array):
+    """u [B,T,D] -> pre-conv rows x [B,T,conv_dim], gate z [B,T,Hv,dv], raw b and a [B,T,Hv] (accumulation dtype)."""
     b, t, _ = u.shape
-    hk, hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
     f = acc_dtype(u.dtype)
-    x = linear(u, p["qkv"])
-    z = linear(u, p["z"]).reshape(b, t, hv, dv)
-    braw = linear(u, p["b"]).astype(f)
-    araw = linear(u, p["a"]).astype(f)
-    c, conv_state = causal_conv(x, p["conv"], conv_state, inp.n_valid)
+    z = linear(u, p["z"]).reshape(b, t, cfg.lin_num_v_heads, cfg.lin_v_dim)
+    return linear(u, p["qkv"]), z, linear(u, p["b"]).astype(f), linear(u, p["a"]).astype(f)
+
+
+def gdn_inputs(p: Params, cfg: TargetConfig, c: jax.Array, braw: jax.Array, araw: jax.Array, valid: jax.Array):
+    """Post-conv rows c [B,T,conv_dim] -> the delta rule's q, k [B,T,Hv,dk], v [B,T,Hv,dv], beta, g [B,T,Hv].
+
+    q/k are L2-normalised (q scaled by dk^-0.5) and expanded to the value heads (head j reads key head
+    j // gva_ratio); invalid tokens get beta = g = 0 and k = v = 0, so they leave the state unchanged.
+    """
+    b, t, _ = c.shape
+    hk, hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    f = braw.dtype
     c = c.astype(f)
-    q = c[..., :cfg.key_dim].reshape(b, t, hk, dk)
-    k = c[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk)
+    q = gdn.l2norm(c[..., :cfg.key_dim].reshape(b, t, hk, dk)) * dk ** -0.5
+    k = gdn.l2norm(c[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk))
     v = c[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
-    q = gdn.l2norm(q) * dk ** -0.5
-    k = gdn.l2norm(k)
     m = valid.astype(f)
     beta = jax.nn.sigmoid(braw) * m[..., None]
     g = -jnp.exp(p["A_log"].astype(f)) * jax.nn.softplus(araw + p["dt_bias"].astype(f)) * m[..., None]
     k = k * m[..., None, None]
     v = v * m[..., None, None]
-    r = cfg.gva_ratio  # value head j reads key head j // r
-    q = jnp.repeat(q, r, axis=2)
-    k = jnp.repeat(k, r, axis=2)
-    if t == 1:  # decode: one step, no loop (a while loop per layer costs a host round trip on GPU)
+    r = cfg.gva_ratio
+    return jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2), v, beta, g
+
+
+def gdn_output(p: Params, cfg: TargetConfig, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+    """Gated output norm and out_proj: o, z [B,T,Hv,dv] -> [B,T,D] in ``dtype``."""
+    b, t = o.shape[:2]
+    y = rms_norm(o, p["norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(o.dtype))
+    return linear(y.astype(dtype).reshape(b, t, -1), p["out"])
+
+
+def gdn_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
+              conv_state: jax.Array, ssm_state: jax.Array):
+    """Gated DeltaNet. u [B,T,D]; conv_state [B,K-1,C]; ssm_state [B,Hv,dk,dv] -> (out, conv, ssm)."""
+    x, z, braw, araw = gdn_project(p, cfg, u)
+    c, conv_state = causal_conv(x, p["conv"], conv_state, inp.n_valid)
+    q, k, v, beta, g = gdn_inputs(p, cfg, c, braw, araw, valid)
+    ssm_state = ssm_state.astype(braw.dtype)
+    if u.shape[1] == 1:  # decode: one step, no loop (a while loop per layer costs a host round trip on GPU)
         o, ssm_state = gdn.gdn_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], ssm_state)
         o = o[:, None]
     else:
         o, ssm_state = gdn.gdn_chunked(q, k, v, beta, g, ssm_state)
-    ssm_state = ssm_state.astype(f)
-    y = rms_norm(o, p["norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(f))
-    return linear(y.astype(u.dtype).reshape(b, t, hv * dv), p["out"]), conv_state, ssm_state
+    return gdn_output(p, cfg, o, z, u.dtype), conv_state, ssm_state
 
 
 # ---------------------------------------------------------------------------------------------
