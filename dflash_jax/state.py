@@ -102,3 +102,23 @@ class StepInput:
         """[B, T] bool mask of real tokens."""
         t = jnp.arange(self.tokens.shape[1], dtype=jnp.int32)
         return t[None, :] < self.n_valid[:, None]
+
+
+@_pytree
+class TreeInput:
+    """One verification pass over B token trees of N slots (slot 0 = root, parents precede children).
+
+    tokens, positions, parents (-1 for root and padding), valid: [B, N]; ancestors: [B, N, N] bool
+    (j is i or an ancestor of i); start: [B] position of each root (= tokens already in the cache);
+    slots: [B]; page_table: [B, W]. Positions are start + depth. Nothing durable is written by a
+    verification pass: the tree's K/V and recurrent quantities come back as scratch for the commit.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    parents: jax.Array
+    ancestors: jax.Array
+    valid: jax.Array
+    start: jax.Array
+    slots: jax.Array
+    page_table: jax.Array

@@ -56,3 +56,28 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=acc)
     return o.reshape(b, t, h, d).astype(q.dtype)
+
+
+def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, start: jax.Array,
+                   k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float) -> jax.Array:
+    """Tree queries over each sequence's committed paged prefix plus its own tree.
+
+    q: [B, N, H, D]; the prefix is keys at positions < start [B] read through page_table [B, W];
+    k_tree, v_tree: [B, N, Hkv, D] the tree's own K/V, visible to slot i iff ancestors[b, i, j].
+    One softmax over prefix and tree keys together. Returns [B, N, H, D] in q's dtype.
+    """
+    kp = gather_pages(k_pages, page_table)
+    vp = gather_pages(v_pages, page_table)
+    b, n, h, d = q.shape
+    hkv = kp.shape[2]
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.reshape(b, n, hkv, h // hkv, d)
+    s_pre = jnp.einsum("btkgd,bskd->bkgts", qg, kp, preferred_element_type=acc) * scale
+    s_tree = jnp.einsum("btkgd,bskd->bkgts", qg, k_tree.astype(q.dtype), preferred_element_type=acc) * scale
+    pre_mask = jnp.arange(kp.shape[1], dtype=jnp.int32)[None, :] < start[:, None]  # [B, S]
+    s_pre = jnp.where(pre_mask[:, None, None, None, :], s_pre, _NEG)
+    s_tree = jnp.where(ancestors[:, None, None], s_tree, _NEG)
+    p = jax.nn.softmax(jnp.concatenate([s_pre, s_tree], axis=-1), axis=-1)
+    v_all = jnp.concatenate([vp, v_tree.astype(vp.dtype)], axis=1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_all.dtype), v_all, preferred_element_type=acc)
+    return o.reshape(b, n, h, d).astype(q.dtype)

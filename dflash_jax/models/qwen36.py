@@ -13,6 +13,7 @@ Norm weights, A_log and dt_bias are float32; matrices use the activation dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.config import FULL, TargetConfig
-from dflash_jax.models import attention, gdn
-from dflash_jax.state import KVPages, RecurrentSlots, StepInput
+from dflash_jax.models import attention, gdn, tree_ops
+from dflash_jax.state import KVPages, RecurrentSlots, StepInput, TreeInput
 
 Params = dict[str, Any]
 F32 = jnp.float32
@@ -271,6 +272,93 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
     h = rms_norm_zc(h, params["final_norm"], cfg.rms_norm_eps)
     feats_arr = jnp.stack(feats) if feats else None
     return h, KVPages(tuple(ks), tuple(vs)), RecurrentSlots(tuple(convs), tuple(ssms)), feats_arr
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeScratch:
+    """What a verification pass keeps so that the commit never runs the target again.
+
+    k, v: per full-attention layer [B, N, Hkv, hd] (the tree's K/V, post-norm, post-RoPE);
+    x: per GDN layer [B, N, conv_dim] pre-conv rows; gdn: per GDN layer the ``gdn.TreeGDNCache``
+    from which the state at any slot is materialised.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    x: tuple[jax.Array, ...]
+    gdn: tuple[gdn.TreeGDNCache, ...]
+
+
+def forward_tree(params: Params, cfg: TargetConfig, tree: TreeInput, kv: KVPages, rec: RecurrentSlots,
+                 return_layers: tuple[int, ...] = ()):
+    """Verify B token trees in one pass: tree attention over paged prefix + ancestors, tree conv,
+    ancestor-masked gated delta rule. Reads but never writes ``kv`` and ``rec``.
+
+    Returns ``(h [B,N,D] after the final norm, TreeScratch, feats [len(return_layers), B, N, D] | None)``.
+    """
+    h = params["embed"].astype(params["layers"][0]["mlp"]["gate"].dtype)[tree.tokens]
+    ks, vs, xs, caches, feats = [], [], [], [], []
+    ai = gi = 0
+    for i, (lt, p) in enumerate(zip(cfg.layer_types, params["layers"])):
+        u = rms_norm_zc(h, p["input_norm"], cfg.rms_norm_eps)
+        if lt == FULL:
+            pa = p["attn"]
+            q, gate, k, v = attn_project(pa, cfg, u, tree.positions)
+            o = attention.tree_attention(q, kv.k[ai], kv.v[ai], tree.page_table, tree.start, k, v, tree.ancestors,
+                                         cfg.head_dim ** -0.5)
+            out = attn_output(pa, o, gate)
+            ks.append(k)
+            vs.append(v)
+            ai += 1
+        else:
+            pg = p["gdn"]
+            x, z, braw, araw = gdn_project(pg, cfg, u)
+            c = tree_ops.tree_conv(x, pg["conv"], rec.conv[gi][tree.slots], tree.parents)
+            q, k, v, beta, g = gdn_inputs(pg, cfg, c, braw, araw, tree.valid)
+            s0 = rec.ssm[gi][tree.slots].astype(braw.dtype)
+            o, cache = gdn.gdn_tree(q, k, v, beta, g, s0, tree.ancestors)
+            out = gdn_output(pg, cfg, o, z, u.dtype)
+            xs.append(x)
+            caches.append(cache)
+            gi += 1
+        h = h + out
+        h = h + mlp(p["mlp"], rms_norm_zc(h, p["post_norm"], cfg.rms_norm_eps))
+        if i in return_layers:
+            feats.append(h)
+    h = rms_norm_zc(h, params["final_norm"], cfg.rms_norm_eps)
+    scratch = TreeScratch(tuple(ks), tuple(vs), tuple(xs), tuple(caches))
+    return h, scratch, (jnp.stack(feats) if feats else None)
+
+
+def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeInput, scratch: TreeScratch,
+                accepted: jax.Array, n_accepted: jax.Array) -> tuple[KVPages, RecurrentSlots]:
+    """Make the accepted path durable, without running the target again.
+
+    accepted: [B, L] slots of each row's accepted path, root first (-1 padded); n_accepted: [B] (0 = commit
+    nothing for that row). K/V of the accepted slots land in pages at start, start+1, ...; each GDN layer's
+    conv and SSM state become those after the deepest accepted slot.
+    """
+    l = accepted.shape[1]
+    idx = jnp.clip(accepted, 0, None)
+    keep = jnp.arange(l)[None, :] < n_accepted[:, None]  # [B, L]
+    positions = tree.start[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
+    take = lambda a: jnp.take_along_axis(a, idx[:, :, None, None], axis=1)
+    ks, vs = [], []
+    for kp, vp, kt, vt in zip(kv.k, kv.v, scratch.k, scratch.v):
+        kp, vp = attention.write_kv(kp, vp, take(kt), take(vt), tree.page_table, positions, keep)
+        ks.append(kp)
+        vs.append(vp)
+    last = jnp.where(n_accepted > 0, jnp.take_along_axis(accepted, jnp.maximum(n_accepted - 1, 0)[:, None], 1)[:, 0], -1)
+    convs, ssms = list(rec.conv), list(rec.ssm)
+    for gi, (x, cache) in enumerate(zip(scratch.x, scratch.gdn)):
+        s0 = ssms[gi][tree.slots]
+        c0 = convs[gi][tree.slots]
+        s1 = gdn.tree_node_state(cache, s0.astype(cache.vp.dtype), last).astype(s0.dtype)
+        c1 = tree_ops.tree_conv_state(x, c0, tree.parents, last)
+        ssms[gi] = ssms[gi].at[tree.slots].set(s1)
+        convs[gi] = convs[gi].at[tree.slots].set(c1)
+    return KVPages(tuple(ks), tuple(vs)), RecurrentSlots(tuple(convs), tuple(ssms))
 
 
 def lm_logits(params: Params, h: jax.Array) -> jax.Array:
