@@ -1,0 +1,287 @@
+"""DDTree: the best-first draft tree built from a block drafter's per-position marginals (reference §4.1–4.2).
+
+The drafter runs once per step and yields log-softmax marginals ``lp[d]`` for the block offsets d = 1..L. A node is a
+prefix ``(x_1, …, x_d)`` with ``x_e`` among the top-K tokens of ``lp[e]``; its score is ``Σ_e lp[e, x_e]``. The tree
+of ``budget`` nodes is the set of the ``budget`` highest-scoring prefixes, enumerated with a heap and lazy expansion:
+
+* start with the single candidate (depth 1, rank 0, parent = root);
+* pop the best candidate -> node n; push its **next sibling** (same parent, rank + 1) if rank + 1 < K and its
+  **first child** (parent n, depth + 1, rank 0) if depth < L; stop after ``budget`` pops.
+
+Scores only decrease along an extension or down the ranks, so the pops come out in decreasing score order, the popped
+set is prefix-closed and a parent is always popped before its children (``parent[i] < i``).
+
+For static shapes the heap is a fixed array "frontier" of candidate slots: the candidates pushed by pop t go to two
+fixed slots (sibling, child), a pop is an argmax over the live slots, and the loop is a ``lax.fori_loop`` over the
+pops, batched over the rows. Ties on score go to the earlier-pushed candidate, exactly like a ``heapq`` keyed by
+``(-score, push counter)`` (``build_tree_reference``).
+
+Output layout (``Tree``, all ``[B, N]`` with ``N = budget + 1``): slot 0 is the root (the pending bonus token, filled by
+the caller; ``tokens[:, 0] = -1`` here), slots 1.. are the nodes in pop order. When fewer than ``budget`` prefixes exist
+the tail is padding: ``valid = False``, token 0 (a safe embedding id), parent 0, depth 1, score -inf, and an ancestor
+row that holds only the slot itself, so a padding slot neither sees nor is seen by any valid slot (valid slots never
+list it as an ancestor) and the acceptance walk never enters it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """A batch of draft trees, ``[B, N]`` arrays (``N = budget + 1``, slot 0 = root), nodes in pop order."""
+
+    tokens: jax.Array  # int32; root = -1 (the caller writes the bonus token there); padding = 0
+    parent: jax.Array  # int32; root -1; padding 0
+    depth: jax.Array  # int32; root 0; padding 1
+    score: jax.Array  # float32 cumulative draft log-prob; root 0; padding -inf
+    valid: jax.Array  # bool; root True
+    ancestors: jax.Array  # [B, N, N] bool: row i, column j <=> j is an ancestor of i or j == i
+    max_depth: int = dataclasses.field(metadata=dict(static=True))  # L: the draft block length the tree came from
+
+    @property
+    def n_slots(self) -> int:
+        return self.tokens.shape[-1]
+
+    def with_root(self, root_tokens: jax.Array) -> "Tree":
+        """The same tree with slot 0 holding ``root_tokens`` [B] (the pending bonus token of each row)."""
+        return dataclasses.replace(self, tokens=self.tokens.at[:, 0].set(root_tokens.astype(jnp.int32)))
+
+
+def positions(tree: Tree, start: jax.Array) -> jax.Array:
+    """Position ids of the verify batch: ``start`` [B] (the root's position) + depth -> [B, N] int32."""
+    return (jnp.asarray(start, jnp.int32)[:, None] + tree.depth).astype(jnp.int32)
+
+
+def _resolve_k(top_k: int | None, budget: int, vocab: int) -> int:
+    k = min(budget, vocab) if top_k is None else min(int(top_k), vocab)
+    if k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    return k
+
+
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, M], idx [B] -> x[b, idx[b]] (a one-hot select-reduce: cheaper to compile than a gather in the loop)."""
+    hot = jnp.arange(x.shape[1])[None, :] == idx[:, None]
+    if x.dtype == jnp.bool_:
+        return jnp.any(hot & x, axis=1)
+    return jnp.sum(jnp.where(hot, x, jnp.zeros((), x.dtype)), axis=1)
+
+
+def _build(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> dict:
+    """``lp``/``tok`` [B, L, K] sorted top-K log-probs / ids -> the tree's [B, N] arrays (and [B, N, N] ancestors).
+
+    Batched directly over the rows (equivalent to a vmap of the per-row heap): dynamic reads and writes are one-hot
+    select-reduces / selects, so the loop has no gathers or scatters (small, GPU-friendly, quicker to compile).
+    """
+    bsz, L, K = lp.shape
+    n = budget + 1
+    neg_inf = jnp.float32(-jnp.inf)
+    lp_flat = lp.reshape(bsz, L * K)
+    tok_flat = tok.reshape(bsz, L * K)
+    col = lambda v: jnp.broadcast_to(jnp.asarray(v), (bsz,))[:, None]  # noqa: E731
+
+    # Seed: either the single (depth 1, rank 0) candidate, or the top-1 chain as nodes 1..C plus, per chain depth,
+    # its rank-1 sibling candidate (lucebox build_ddtree, chain_seed=true).
+    c = min(L, budget) if chain_seed else 0
+    pad = n - 1 - c
+    chain_sc, sib_sc = [], []
+    s = jnp.zeros(bsz, jnp.float32)
+    for d in range(c):  # static, unrolled: the same float32 additions as the reference
+        sib_sc.append(s + lp[:, d, 1] if K > 1 else jnp.full(bsz, neg_inf))
+        s = s + lp[:, d, 0]
+        chain_sc.append(s)
+    cat = lambda *xs: jnp.concatenate([x for x in xs if x.shape[1]], axis=1)  # noqa: E731
+    tokens = cat(col(-1).astype(jnp.int32), tok[:, :c, 0], jnp.zeros((bsz, pad), jnp.int32))
+    parent = cat(col(-1).astype(jnp.int32), jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (bsz, c)),
+                 jnp.zeros((bsz, pad), jnp.int32))
+    depth = jnp.broadcast_to(jnp.concatenate([jnp.arange(c + 1), jnp.ones(pad, jnp.int32)]).astype(jnp.int32), (bsz, n))
+    score = cat(jnp.zeros((bsz, 1), jnp.float32), jnp.stack(chain_sc, 1) if c else jnp.zeros((bsz, 0)),
+                jnp.full((bsz, pad), neg_inf, jnp.float32))
+    valid = jnp.broadcast_to(jnp.arange(n) <= c, (bsz, n))
+    idx = jnp.arange(n)
+    anc = jnp.broadcast_to((idx[:, None] == idx[None, :]) | ((idx[None, :] <= idx[:, None]) & (idx[:, None] <= c)),
+                           (bsz, n, n))
+
+    n_seed = c if chain_seed else 1
+    f_size = n_seed + 2 * (budget - c)
+    fpad = f_size - n_seed
+    if chain_seed:
+        f_score = cat(jnp.stack(sib_sc, 1), jnp.full((bsz, fpad), neg_inf))
+        f_parent = jnp.arange(f_size, dtype=jnp.int32) * (jnp.arange(f_size) < c)
+        f_depth = jnp.where(jnp.arange(f_size) < c, jnp.arange(f_size) + 1, 1).astype(jnp.int32)
+        f_rank = jnp.ones(f_size, jnp.int32)
+        f_alive = jnp.arange(f_size) < (c if K > 1 else 0)
+    else:
+        f_score = cat(lp[:, 0, :1], jnp.full((bsz, fpad), neg_inf))
+        f_parent = jnp.zeros(f_size, jnp.int32)
+        f_depth = jnp.ones(f_size, jnp.int32)
+        f_rank = jnp.zeros(f_size, jnp.int32)
+        f_alive = jnp.arange(f_size) < 1
+    frontier = tuple(jnp.broadcast_to(x, (bsz, f_size)) for x in (f_score, f_parent, f_depth, f_rank, f_alive))
+    fidx = jnp.arange(f_size)
+
+    def pop(t, carry):
+        (tokens, parent, depth, score, valid, anc), (f_score, f_parent, f_depth, f_rank, f_alive) = carry
+        key = jnp.where(f_alive, f_score, neg_inf)
+        best = jnp.max(key, axis=1, keepdims=True)
+        pick = jnp.argmax(f_alive & (key >= best), axis=1)  # first live slot holding the best score = earliest push
+        ok = _take(f_alive, pick)
+        p, d, r, sc = (_take(x, pick) for x in (f_parent, f_depth, f_rank, f_score))
+        f_alive = f_alive & (fidx[None, :] != pick[:, None])
+
+        node = c + 1 + t
+        hot = idx == node  # [N]
+        put = lambda arr, v: jnp.where(hot[None, :], v[:, None], arr)  # noqa: E731
+        tokens = put(tokens, jnp.where(ok, _take(tok_flat, (d - 1) * K + r), 0))
+        parent = put(parent, jnp.where(ok, p, 0))
+        depth = put(depth, jnp.where(ok, d, 1))
+        score = put(score, jnp.where(ok, sc, neg_inf))
+        valid = put(valid, ok)
+        anc_p = jnp.any(anc & (idx[None, :] == p[:, None])[:, :, None], axis=1)  # [B, N]: row p
+        new_row = jnp.where(ok[:, None], anc_p | hot[None, :], hot[None, :])
+        anc = jnp.where(hot[None, :, None], new_row[:, None, :], anc)
+
+        # push the next sibling and the first child into this pop's two frontier slots
+        sib, child = n_seed + 2 * t, n_seed + 2 * t + 1
+        r1 = jnp.minimum(r + 1, K - 1)
+        d1 = jnp.minimum(d, L - 1)
+        vals = (
+            (_take(score, p) + _take(lp_flat, (d - 1) * K + r1), sc + _take(lp_flat, d1 * K)),
+            (p, jnp.full_like(p, node)),
+            (d, d + 1),
+            (r + 1, jnp.zeros_like(r)),
+            (ok & (r + 1 < K), ok & (d < L)),
+        )
+        hs, hc = (fidx == sib)[None, :], (fidx == child)[None, :]
+        frontier = tuple(
+            jnp.where(hs, vs[:, None], jnp.where(hc, vc[:, None], arr))
+            for arr, (vs, vc) in zip((f_score, f_parent, f_depth, f_rank, f_alive), vals))
+        return (tokens, parent, depth, score, valid, anc), frontier
+
+    carry = ((tokens, parent, depth, score, valid, anc), frontier)
+    if budget - c > 0:
+        carry = jax.lax.fori_loop(0, budget - c, pop, carry)
+    tokens, parent, depth, score, valid, anc = carry[0]
+    return dict(tokens=tokens, parent=parent, depth=depth, score=score, valid=valid, ancestors=anc)
+
+
+def build_tree(draft_logprobs: jax.Array, budget: int, top_k: int | None = None, chain_seed: bool = False) -> Tree:
+    """``draft_logprobs`` [B, L, V] (log-softmax of the drafter at block offsets 1..L) -> ``Tree`` of N = budget + 1.
+
+    ``budget`` (nodes besides the root), ``top_k`` (candidates per depth; default ``min(budget, V)``) and
+    ``chain_seed`` (insert the full top-1 chain first, then grow best-first) are static. Jit with
+    ``jax.jit(build_tree, static_argnames=("budget", "top_k", "chain_seed"))``.
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    lp = jnp.asarray(draft_logprobs, jnp.float32)
+    _, L, V = lp.shape
+    k = _resolve_k(top_k, budget, V)
+    top_lp, top_tok = jax.lax.top_k(lp, k)  # [B, L, K], sorted descending, ties -> lower id first
+    out = _build(top_lp, top_tok.astype(jnp.int32), budget, chain_seed)
+    return Tree(**out, max_depth=L)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host-side references (tests and debugging).
+
+
+def _topk_np(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :k]
+    return np.take_along_axis(logprobs, order, axis=-1), order.astype(np.int32)
+
+
+def build_tree_reference(logprobs: np.ndarray, budget: int, top_k: int | None = None,
+                         chain_seed: bool = False) -> dict[str, np.ndarray]:
+    """The §4.1 heap with ``heapq``, one tree: ``logprobs`` [L, V] -> dict of [N] arrays (and ``ancestors`` [N, N]).
+
+    Same layout and padding as ``build_tree``; scores are float32 sums ``score(parent) + lp`` (the same roundings
+    as the jitted builder); heap ties go to the earlier push.
+    """
+    lp_full = np.asarray(logprobs, np.float32)
+    L, V = lp_full.shape
+    k = _resolve_k(top_k, budget, V)
+    lp, tok = _topk_np(lp_full, k)
+    n = budget + 1
+    tokens, parent, depth = [-1], [-1], [0]
+    score = [np.float32(0.0)]
+    heap: list = []
+    counter = itertools.count()
+
+    def push(sc, par, d, r):
+        heapq.heappush(heap, (-float(sc), next(counter), np.float32(sc), par, d, r))
+
+    def add(par, d, r, sc):
+        tokens.append(int(tok[d - 1, r]))
+        parent.append(par)
+        depth.append(d)
+        score.append(np.float32(sc))
+        return len(tokens) - 1
+
+    if chain_seed:
+        for d in range(1, min(L, budget) + 1):
+            if k > 1:
+                push(score[-1] + lp[d - 1, 1], d - 1, d, 1)
+            add(d - 1, d, 0, score[-1] + lp[d - 1, 0])
+    else:
+        push(np.float32(0.0) + lp[0, 0], 0, 1, 0)
+    while heap and len(tokens) < n:
+        _, _, sc, par, d, r = heapq.heappop(heap)
+        node = add(par, d, r, sc)
+        if r + 1 < k:
+            push(score[par] + lp[d - 1, r + 1], par, d, r + 1)
+        if d < L:
+            push(sc + lp[d, 0], node, d + 1, 0)
+
+    n_real = len(tokens)
+    valid = np.zeros(n, bool)
+    valid[:n_real] = True
+    pad = n - n_real
+    out = dict(
+        tokens=np.array(tokens + [0] * pad, np.int32),
+        parent=np.array(parent + [0] * pad, np.int32),
+        depth=np.array(depth + [1] * pad, np.int32),
+        score=np.array(score + [-np.inf] * pad, np.float32),
+        valid=valid,
+    )
+    anc = np.eye(n, dtype=bool)
+    for i in range(1, n_real):
+        anc[i] |= anc[out["parent"][i]]
+    out["ancestors"] = anc
+    return out
+
+
+def tree_paths(tokens: np.ndarray, parent: np.ndarray, valid: np.ndarray) -> list[tuple[int, ...]]:
+    """Host-side: the token path (root excluded) of each slot; ``()`` for the root, ``None`` for padding."""
+    paths: list = [()]
+    for i in range(1, len(tokens)):
+        paths.append(paths[int(parent[i])] + (int(tokens[i]),) if valid[i] else None)
+    return paths
+
+
+def brute_force_prefixes(logprobs: np.ndarray, budget: int, top_k: int | None = None
+                         ) -> list[tuple[tuple[int, ...], float]]:
+    """Every prefix of top-K tokens per depth, scored in float64, best first; the first ``budget`` form the tree.
+
+    Exponential (K + K² + … + K^L prefixes): tests only.
+    """
+    lp_full = np.asarray(logprobs, np.float64)
+    L, V = lp_full.shape
+    k = _resolve_k(top_k, budget, V)
+    lp, tok = _topk_np(lp_full, k)
+    out = []
+    for d in range(1, L + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            out.append((tuple(int(tok[e, r]) for e, r in enumerate(ranks)),
+                        float(sum(lp[e, r] for e, r in enumerate(ranks)))))
+    out.sort(key=lambda x: -x[1])
+    return out
