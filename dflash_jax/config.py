@@ -230,3 +230,288 @@ def read_generation_eos(path: str | os.PathLike) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DFlash drafter
+# ---------------------------------------------------------------------------------------------------------------
+SLIDING = "sliding_attention"
+
+DRAFTER_MODEL_TYPES = ("qwen3",)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The default target layers a drafter reads (z-lab / SpecForge ``build_target_layer_ids``).
+
+    ``round(1 + i * (L - 4) / (n - 1))`` for i = 0..n-1; ``[L // 2]`` for a single draft layer.
+    """
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return (L // 2,)
+    return tuple(int(round(1 + i * (L - 4) / (n - 1))) for i in range(n))
+
+
+def _int_list(val: Any, key: str, where: str) -> tuple[int, ...]:
+    if not isinstance(val, list) or not val or not all(isinstance(v, int) and not isinstance(v, bool) for v in val):
+        raise ConfigError(f"{where}: key {key!r} must be a non-empty list of ints, got {val!r}")
+    return tuple(val)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash block drafter (HF ``model_type`` ``qwen3``, class ``DFlashDraftModel``).
+
+    A small Qwen3-style transformer (plain RMSNorm, per-head q/k norm, full-dim NEOX RoPE, SwiGLU, no output
+    gate) that shares the target's embedding and LM head and reads fused target features
+    (``target_layer_ids``) through every layer's K/V. Layers are ``full_attention`` (bidirectional inside the
+    block) or ``sliding_attention`` (causal inside the block, window ``sliding_window`` counting the query).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    sliding_window: int | None = None
+    rms_norm_eps: float = 1e-6
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    is_causal: bool | None = None  # None: per layer type (sliding causal, full bidirectional)
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def n_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def fc_in(self) -> int:
+        return self.n_features * self.hidden_size
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i`` (None for a full-attention layer)."""
+        return self.sliding_window if self.layer_types[i] == SLIDING else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether block queries of layer ``i`` see only block keys at offsets <= their own."""
+        return self.layer_types[i] == SLIDING if self.is_causal is None else self.is_causal
+
+    def kv_bytes_per_token(self, itemsize: int = 2) -> int:
+        """Cached context K and V of every drafter layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    # ---- checks --------------------------------------------------------------------------------
+    def validate_against(self, target: "TargetConfig") -> None:
+        """Raise ConfigError unless this drafter can run on ``target``."""
+        w = "drafter config.json"
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(f"{w}: key 'hidden_size' = {self.hidden_size} != the target's hidden_size "
+                              f"{target.hidden_size} (the drafter shares the target's embedding and LM head)")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ConfigError(f"{w}: key 'dflash_config.target_layer_ids' has {bad} outside the target's "
+                              f"{target.num_layers} layers")
+        if self.num_target_layers is not None and self.num_target_layers != target.num_layers:
+            raise ConfigError(f"{w}: key 'num_target_layers' = {self.num_target_layers} != the target's "
+                              f"num_hidden_layers {target.num_layers}")
+        if self.vocab_size is not None and self.vocab_size != target.vocab_size:
+            raise ConfigError(f"{w}: key 'vocab_size' = {self.vocab_size} != the target's vocab_size "
+                              f"{target.vocab_size}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"{w}: key 'dflash_config.mask_token_id' = {self.mask_token_id} is outside the "
+                              f"target's vocabulary ({target.vocab_size})")
+
+    # ---- parsing -------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, raw: Mapping[str, Any]) -> "DrafterConfig":
+        w = "drafter config.json"
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{w}: top level must be a JSON object, got {type(raw).__name__}")
+        mt = raw.get("model_type")
+        if mt not in DRAFTER_MODEL_TYPES:
+            raise ConfigError(f"{w}: key 'model_type' = {mt!r} is not supported for the drafter; expected one of "
+                              f"{DRAFTER_MODEL_TYPES} (DFlash drafters)")
+        d = raw
+        dc = raw.get("dflash_config", {})
+        if dc is None:
+            dc = {}
+        if not isinstance(dc, Mapping):
+            raise ConfigError(f"{w}: key 'dflash_config' must be an object")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if key in dc:
+                raise ConfigError(f"{w}: key 'dflash_config.{key}' belongs to DFlash2 drafters, which are not supported")
+        for key, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                             ("final_logit_softcapping", None)):
+            val = dc.get(key, d.get(key, default))
+            if val not in (default, 0.0 if default is None else default):
+                raise ConfigError(f"{w}: key {key!r} = {val!r} is not supported (only {default!r})")
+
+        def dflash_value(key: str, default: Any = None) -> Any:
+            """A dflash_config value, falling back to the top level; both present must agree."""
+            if key in dc and key in d and dc[key] != d[key]:
+                raise ConfigError(f"{w}: key 'dflash_config.{key}' = {dc[key]!r} disagrees with top-level "
+                                  f"{key!r} = {d[key]!r}")
+            return dc.get(key, d.get(key, default))
+
+        n_layers = _positive(_req(d, "num_hidden_layers", int, w), "num_hidden_layers", w)
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            if d.get("use_sliding_window", False):
+                raise ConfigError(f"{w}: key 'use_sliding_window' = true needs an explicit 'layer_types' list")
+            layer_types = [FULL] * n_layers
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+            raise ConfigError(f"{w}: key 'layer_types' must list {n_layers} entries (num_hidden_layers)")
+        bad = sorted({t for t in layer_types if t not in (SLIDING, FULL)}, key=str)
+        if bad:
+            raise ConfigError(f"{w}: key 'layer_types' has unsupported entries {bad}; expected {SLIDING!r}/{FULL!r}")
+        window = d.get("sliding_window")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ConfigError(f"{w}: key 'sliding_window' must be a positive int or null, got {window!r}")
+        if SLIDING in layer_types:
+            if window is None:
+                raise ConfigError(f"{w}: key 'sliding_window' is required when 'layer_types' has {SLIDING!r}")
+            if d.get("use_sliding_window", True) is False:
+                raise ConfigError(f"{w}: key 'use_sliding_window' = false contradicts {SLIDING!r} in 'layer_types'")
+
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{w}: key 'hidden_act' must be 'silu', got {act!r}")
+        if d.get("attention_bias", False):
+            raise ConfigError(f"{w}: key 'attention_bias' = true is not supported")
+        causal = d.get("is_causal")
+        if causal is not None and not isinstance(causal, bool):
+            raise ConfigError(f"{w}: key 'is_causal' must be a bool or null, got {causal!r}")
+
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ConfigError(f"{w}: key 'rope_parameters' must be an object")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{w}: key 'rope_parameters.rope_type' = {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", d.get("rope_theta"))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise ConfigError(f"{w}: key 'rope_theta' (or 'rope_parameters.rope_theta') must be a positive number, "
+                              f"got {theta!r}")
+
+        hidden = _positive(_req(d, "hidden_size", int, w), "hidden_size", w)
+        nh = _positive(_req(d, "num_attention_heads", int, w), "num_attention_heads", w)
+        nkv = _positive(_req(d, "num_key_value_heads", int, w), "num_key_value_heads", w)
+        if nh % nkv:
+            raise ConfigError(f"{w}: num_attention_heads ({nh}) must be a multiple of num_key_value_heads ({nkv})")
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if hidden % nh:
+                raise ConfigError(f"{w}: key 'head_dim' is missing and hidden_size is not a multiple of heads")
+            head_dim = hidden // nh
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            raise ConfigError(f"{w}: key 'head_dim' must be a positive even int, got {head_dim!r}")
+
+        block = dflash_value("block_size", 16)
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+            raise ConfigError(f"{w}: key 'block_size' must be an int >= 2, got {block!r}")
+        mask_id = dflash_value("mask_token_id")
+        if mask_id is None:
+            raise ConfigError(f"{w}: missing required key 'dflash_config.mask_token_id'")
+        if isinstance(mask_id, bool) or not isinstance(mask_id, int) or mask_id < 0:
+            raise ConfigError(f"{w}: key 'dflash_config.mask_token_id' must be a non-negative int, got {mask_id!r}")
+
+        n_target = d.get("num_target_layers")
+        if n_target is not None:
+            if isinstance(n_target, bool) or not isinstance(n_target, int) or n_target <= 0:
+                raise ConfigError(f"{w}: key 'num_target_layers' must be a positive int, got {n_target!r}")
+        ids = dflash_value("target_layer_ids")
+        if ids is None:
+            if n_target is None:
+                raise ConfigError(f"{w}: missing key 'dflash_config.target_layer_ids' (and no 'num_target_layers' "
+                                  "to derive it from)")
+            if n_target < 4 and n_layers > 1:
+                raise ConfigError(f"{w}: key 'num_target_layers' = {n_target} is too small to derive "
+                                  "'dflash_config.target_layer_ids'; list them explicitly")
+            ids = build_target_layer_ids(n_target, n_layers)
+        else:
+            ids = _int_list(ids, "dflash_config.target_layer_ids", w)
+        if any(i < 0 for i in ids) or (n_target is not None and any(i >= n_target for i in ids)):
+            raise ConfigError(f"{w}: key 'dflash_config.target_layer_ids' {list(ids)} must lie in "
+                              f"[0, num_target_layers={n_target})")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"{w}: key 'dflash_config.target_layer_ids' {list(ids)} has duplicates")
+
+        vocab = d.get("vocab_size")
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0):
+            raise ConfigError(f"{w}: key 'vocab_size' must be a positive int, got {vocab!r}")
+        eps = d.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+            raise ConfigError(f"{w}: key 'rms_norm_eps' must be a positive number, got {eps!r}")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=_positive(_req(d, "intermediate_size", int, w), "intermediate_size", w),
+            num_layers=n_layers,
+            layer_types=tuple(layer_types),
+            num_heads=nh,
+            num_kv_heads=nkv,
+            head_dim=head_dim,
+            rope_theta=float(theta),
+            block_size=block,
+            mask_token_id=mask_id,
+            target_layer_ids=tuple(ids),
+            sliding_window=window,
+            rms_norm_eps=float(eps),
+            num_target_layers=n_target,
+            vocab_size=vocab,
+            is_causal=causal,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``config.json`` of this drafter (``from_hf_dict(to_hf_dict()) == self``)."""
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "attention_bias": False,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "layer_types": list(self.layer_types),
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": SLIDING in self.layer_types,
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "tie_word_embeddings": False,
+        }
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        if self.vocab_size is not None:
+            out["vocab_size"] = self.vocab_size
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        return out
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "DrafterConfig":
+        """From a drafter config.json file, or a checkpoint directory holding one."""
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        if not os.path.exists(p):
+            raise ConfigError(f"no config.json at {p!r}; pass a DFlash drafter checkpoint directory")
+        try:
+            with open(p) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from e
+        return cls.from_hf_dict(raw)

@@ -1,0 +1,325 @@
+"""The DFlash block drafter as pure functions over a parameter pytree (reference §3).
+
+Parameters (weights in the checkpoint's ``[out, in]`` layout, layers unrolled; no embedding / LM head, which
+are the target's and are passed in):
+
+  fc [D, n_feat*D], hidden_norm [D], norm [D]
+  layers[i]: input_norm [D], post_norm [D],
+    attn {q [H*hd, D], k [Hkv*hd, D], v [Hkv*hd, D], o [D, H*hd], q_norm [hd], k_norm [hd]},
+    mlp  {gate [F, D], up [F, D], down [D, F]}
+
+Norm weights are float32 (float64 for a float64 model) and every norm is the *plain* RMSNorm ``w * x / rms(x)``.
+
+One draft step (``draft_forward``) runs a block ``[anchor, mask x (blk-1)]`` at positions ``start..start+blk-1``
+of B sequences against each sequence's cached context K/V (``context_kv`` of the fused target features,
+``fuse``). Visibility of block query ``o`` (position ``start+o``):
+
+* context key at position ``p`` (valid): ``p < start``, and in a sliding layer also ``p >= start+o-(W-1)``;
+* block key at offset ``o'``: all offsets in a full layer (bidirectional); ``o-(W-1) <= o' <= o`` in a
+  sliding layer (causal; the left bound only bites when W < blk). ``cfg.is_causal`` overrides causality.
+
+``train_forward`` runs N anchor blocks of a sequence in one pass with the same visibility per block (context
+strictly before the block's anchor, its own block only), so it equals ``draft_forward`` block by block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.models.qwen36 import acc_dtype, linear, mlp, rms_norm, rope
+
+Params = dict[str, Any]
+F32 = jnp.float32
+_NEG = -1e30  # finite, so a fully masked (padding) row gives a finite mean instead of NaN
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter shapes and random initialisation
+# ---------------------------------------------------------------------------------------------
+def param_shapes(cfg: DrafterConfig, dtype=jnp.bfloat16) -> Params:
+    """The parameter pytree as ``jax.ShapeDtypeStruct`` leaves."""
+    S = jax.ShapeDtypeStruct
+    vec = acc_dtype(dtype)
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    layers = tuple(
+        {
+            "input_norm": S((d,), vec), "post_norm": S((d,), vec),
+            "attn": {"q": S((cfg.num_heads * hd, d), dtype), "k": S((cfg.num_kv_heads * hd, d), dtype),
+                     "v": S((cfg.num_kv_heads * hd, d), dtype), "o": S((d, cfg.num_heads * hd), dtype),
+                     "q_norm": S((hd,), vec), "k_norm": S((hd,), vec)},
+            "mlp": {"gate": S((f, d), dtype), "up": S((f, d), dtype), "down": S((d, f), dtype)},
+        }
+        for _ in range(cfg.num_layers))
+    return {"fc": S((d, cfg.fc_in), dtype), "hidden_norm": S((d,), vec), "norm": S((d,), vec), "layers": layers}
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.bfloat16, norm_noise: float = 0.0) -> Params:
+    """Random weights: matrices ``normal * fan_in**-0.5``, norm weights 1 (+ ``norm_noise * normal``).
+
+    A non-zero ``norm_noise`` makes every norm weight matter (useful in tests).
+    """
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for s, k in zip(leaves, keys):
+        if len(s.shape) == 1:
+            out.append((1.0 + norm_noise * jax.random.normal(k, s.shape, F32)).astype(s.dtype))
+        else:
+            out.append((jax.random.normal(k, s.shape, F32) * s.shape[-1] ** -0.5).astype(s.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def model_dtype(params: Params) -> jnp.dtype:
+    return params["fc"].dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# context: fused target features -> per-layer K/V
+# ---------------------------------------------------------------------------------------------
+def fuse(params: Params, cfg: DrafterConfig, feats: jax.Array) -> jax.Array:
+    """Target features ``[..., C, n_feat*D]`` (layer outputs concatenated in ``target_layer_ids`` order)
+    -> fused context ``[..., C, D]`` = RMSNorm(feats @ fc^T; hidden_norm), in the model dtype."""
+    x = linear(feats.astype(model_dtype(params)), params["fc"])
+    return rms_norm(x, params["hidden_norm"], cfg.rms_norm_eps)
+
+
+def _project_kv(p: Params, cfg: DrafterConfig, x: jax.Array, positions: jax.Array):
+    """x [B, T, D], positions [B, T] -> K (k_norm + RoPE), V: [B, T, Hkv, hd]."""
+    b, t, _ = x.shape
+    k = linear(x, p["k"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["v"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.head_dim, cfg.rope_theta)
+    return k, v
+
+
+def context_kv(params: Params, cfg: DrafterConfig, ctx: jax.Array, ctx_positions: jax.Array):
+    """Per-layer K/V of a fused context: ``ctx [B, C, D]`` (or ``[C, D]``) at ``ctx_positions [B, C]`` (or
+    ``[C]``) -> ``(ks, vs)``, tuples of ``num_layers`` arrays ``[B, C, Hkv, hd]`` (``[C, Hkv, hd]`` unbatched).
+
+    The same k/v projections as the block, applied to the fused context itself (no per-layer input norm),
+    with k_norm and RoPE at the context's absolute positions: constant once computed, so cacheable per slot.
+    """
+    unbatched = ctx.ndim == 2
+    if unbatched:
+        ctx, ctx_positions = ctx[None], ctx_positions[None]
+    ctx = ctx.astype(model_dtype(params))
+    ks, vs = [], []
+    for p in params["layers"]:
+        k, v = _project_kv(p["attn"], cfg, ctx, ctx_positions)
+        ks.append(k[0] if unbatched else k)
+        vs.append(v[0] if unbatched else v)
+    return tuple(ks), tuple(vs)
+
+
+# ---------------------------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------------------------
+def context_mask(ctx_positions: jax.Array, ctx_valid: jax.Array, anchors: jax.Array, blk: int,
+                 window: int | None) -> jax.Array:
+    """Visibility of context keys to block queries: ``[B, N, blk, C]``.
+
+    ctx_positions, ctx_valid: [B, C]; anchors: [B, N] (the block start positions).
+    """
+    qpos = anchors[:, :, None] + jnp.arange(blk, dtype=anchors.dtype)  # [B, N, blk]
+    cp = ctx_positions[:, None, None, :]
+    m = ctx_valid[:, None, None, :] & (cp < anchors[:, :, None, None])
+    if window is not None:
+        m = m & (cp >= qpos[..., None] - (window - 1))
+    return jnp.broadcast_to(m, qpos.shape + ctx_positions.shape[-1:])
+
+
+def block_mask(blk: int, causal: bool, window: int | None) -> jax.Array:
+    """Visibility of a block's own keys to its queries: ``[blk (query), blk (key)]``."""
+    o = jnp.arange(blk)
+    m = jnp.ones((blk, blk), bool)
+    if causal:
+        m = m & (o[None, :] <= o[:, None])
+    if window is not None:
+        m = m & (o[None, :] >= o[:, None] - (window - 1))
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# the layers over N blocks
+# ---------------------------------------------------------------------------------------------
+def _attend(q: jax.Array, kc: jax.Array, vc: jax.Array, cmask: jax.Array, kb: jax.Array, vb: jax.Array,
+            bmask: jax.Array) -> jax.Array:
+    """GQA attention of block queries over context keys plus their own block's keys, one softmax.
+
+    q [B,N,T,H,hd]; kc, vc [B,C,Hkv,hd]; cmask [B,N,T,C]; kb, vb [B,N,T,Hkv,hd]; bmask [T,T] -> [B,N,T,H,hd].
+    """
+    b, n, t, h, hd = q.shape
+    hkv = kc.shape[2]
+    a = acc_dtype(q.dtype)
+    qg = q.reshape(b, n, t, hkv, h // hkv, hd)
+    scale = hd ** -0.5
+    sc = jnp.einsum("bnqkgd,bskd->bnkgqs", qg, kc, preferred_element_type=a) * scale
+    sb = jnp.einsum("bnqkgd,bnpkd->bnkgqp", qg, kb, preferred_element_type=a) * scale
+    sc = jnp.where(cmask[:, :, None, None], sc, _NEG)
+    sb = jnp.where(bmask[None, None, None, None], sb, _NEG)
+    p = jax.nn.softmax(jnp.concatenate([sc, sb], axis=-1), axis=-1)
+    pc, pb = p[..., :kc.shape[1]], p[..., kc.shape[1]:]
+    o = (jnp.einsum("bnkgqs,bskd->bnqkgd", pc.astype(vc.dtype), vc, preferred_element_type=a)
+         + jnp.einsum("bnkgqp,bnpkd->bnqkgd", pb.astype(vb.dtype), vb, preferred_element_type=a))
+    return o.reshape(b, n, t, h, hd).astype(q.dtype)
+
+
+def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array, ctx_k, ctx_v,
+            ctx_positions: jax.Array, ctx_valid: jax.Array) -> jax.Array:
+    """Run N blocks per sequence through every layer. h [B,N,blk,D] (embedded block tokens); anchors [B,N];
+    ctx_k[i], ctx_v[i] [B,C,Hkv,hd]. Returns RMSNorm(h; norm) [B,N,blk,D]."""
+    b, n, blk, d = h.shape
+    hq, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    pos = (anchors[:, :, None] + jnp.arange(blk, dtype=anchors.dtype)).reshape(b, n * blk)
+    cmasks: dict[int | None, jax.Array] = {}
+    bmasks: dict[tuple[bool, int | None], jax.Array] = {}
+    for i, p in enumerate(params["layers"]):
+        w, causal = cfg.layer_window(i), cfg.layer_causal(i)
+        if w not in cmasks:
+            cmasks[w] = context_mask(ctx_positions, ctx_valid, anchors, blk, w)
+        if (causal, w) not in bmasks:
+            bmasks[(causal, w)] = block_mask(blk, causal, w)
+        a = p["attn"]
+        u = rms_norm(h, p["input_norm"], eps).reshape(b, n * blk, d)
+        q = linear(u, a["q"]).reshape(b, n * blk, hq, hd)
+        q = rope(rms_norm(q, a["q_norm"], eps), pos, hd, cfg.rope_theta)
+        kb, vb = _project_kv(a, cfg, u, pos)
+        o = _attend(q.reshape(b, n, blk, hq, hd), ctx_k[i], ctx_v[i], cmasks[w],
+                    kb.reshape(b, n, blk, cfg.num_kv_heads, hd), vb.reshape(b, n, blk, cfg.num_kv_heads, hd),
+                    bmasks[(causal, w)])
+        h = h + linear(o.reshape(b, n, blk, hq * hd), a["o"])
+        h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps))
+    return rms_norm(h, params["norm"], eps)
+
+
+def _logits(h: jax.Array, lm_head: jax.Array) -> jax.Array:
+    return jnp.einsum("...d,vd->...v", h, lm_head.astype(h.dtype), preferred_element_type=acc_dtype(h.dtype))
+
+
+def make_blocks(cfg: DrafterConfig, anchor_tokens: jax.Array) -> jax.Array:
+    """``[...]`` anchor token ids -> ``[..., blk]`` blocks ``[anchor, mask, ..., mask]``."""
+    rest = jnp.full(anchor_tokens.shape + (cfg.block_size - 1,), cfg.mask_token_id, anchor_tokens.dtype)
+    return jnp.concatenate([anchor_tokens[..., None], rest], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# inference: one draft step for B sequences
+# ---------------------------------------------------------------------------------------------
+def draft_hidden(params: Params, cfg: DrafterConfig, embed: jax.Array, block_tokens: jax.Array,
+                 block_start: jax.Array, ctx_k, ctx_v, ctx_positions: jax.Array, ctx_valid: jax.Array) -> jax.Array:
+    """``draft_forward`` up to the final norm: ``[B, blk, D]``."""
+    h = jnp.asarray(embed)[block_tokens].astype(model_dtype(params))[:, None]  # [B, 1, blk, D]
+    out = _blocks(params, cfg, h, block_start[:, None].astype(jnp.int32), ctx_k, ctx_v,
+                  ctx_positions.astype(jnp.int32), ctx_valid.astype(bool))
+    return out[:, 0]
+
+
+def draft_forward(params: Params, cfg: DrafterConfig, embed: jax.Array, lm_head: jax.Array,
+                  block_tokens: jax.Array, block_start: jax.Array, ctx_k, ctx_v, ctx_positions: jax.Array,
+                  ctx_valid: jax.Array) -> jax.Array:
+    """One draft step of B sequences -> float32 logits ``[B, blk, V]``.
+
+    embed, lm_head: the TARGET's ``[V, D]`` embedding and LM head. block_tokens ``[B, blk]`` (normally
+    ``[anchor, mask...]``, see ``make_blocks``) at positions ``block_start[b] + 0..blk-1``; ``block_start [B]``.
+    ctx_k[i], ctx_v[i] ``[B, C, Hkv, hd]`` (from ``context_kv``, padded to a static C); ctx_positions ``[B, C]``
+    and ctx_valid ``[B, C]`` (padding False). Only valid context keys with position < block_start are seen.
+    Drafts are the argmax/samples at offsets 1..blk-1.
+    """
+    h = draft_hidden(params, cfg, embed, block_tokens, block_start, ctx_k, ctx_v, ctx_positions, ctx_valid)
+    return _logits(h, lm_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# training: N anchor blocks per sequence in one pass
+# ---------------------------------------------------------------------------------------------
+def train_forward(params: Params, cfg: DrafterConfig, embed: jax.Array, lm_head: jax.Array, feats: jax.Array,
+                  tokens: jax.Array, anchors: jax.Array, seq_valid: jax.Array | None = None) -> jax.Array:
+    """The training forward (§3.3) -> float32 logits ``[B, N, blk, V]``.
+
+    feats ``[B, S, n_feat*D]`` (or ``[S, ...]``): target features of every position (teacher forcing);
+    tokens ``[B, S]``: the sequence; anchors ``[B, N]``: block start positions (< S). Block n is
+    ``[tokens[a_n], mask...]`` at positions ``a_n..a_n+blk-1``; it sees context positions ``< a_n`` (within
+    the window in sliding layers), its own block, and nothing of other blocks. seq_valid ``[B, S]``
+    (default all True) hides padding positions of the context.
+    """
+    if feats.ndim == 2:
+        feats, tokens, anchors = feats[None], tokens[None], anchors[None]
+        seq_valid = None if seq_valid is None else seq_valid[None]
+    b, s = tokens.shape
+    anchors = anchors.astype(jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    valid = jnp.ones((b, s), bool) if seq_valid is None else seq_valid.astype(bool)
+    ks, vs = context_kv(params, cfg, fuse(params, cfg, feats), positions)
+    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, N]
+    h = jnp.asarray(embed)[make_blocks(cfg, anchor_tok)].astype(model_dtype(params))  # [B, N, blk, D]
+    return _logits(_blocks(params, cfg, h, anchors, ks, vs, positions, valid), lm_head)
+
+
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """Up to ``num_anchors`` distinct anchors per row, uniformly among positions a with
+    ``loss_mask[a] & loss_mask[a+1]``, sorted. loss_mask ``[B, S]`` -> (anchors ``[B, N]`` int32,
+    anchor_valid ``[B, N]``; invalid entries have anchor 0 and are placed last)."""
+    b, s = loss_mask.shape
+    lm = loss_mask.astype(bool)
+    ok = jnp.concatenate([lm[:, :-1] & lm[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
+    score = jnp.where(ok, jax.random.uniform(key, (b, s)), -1.0)
+    top, idx = jax.lax.top_k(score, num_anchors)
+    valid = top >= 0
+    order = jnp.argsort(jnp.where(valid, idx, s + idx), axis=1)  # valid sorted by position, then the rest
+    anchors = jnp.take_along_axis(jnp.where(valid, idx, 0), order, axis=1).astype(jnp.int32)
+    return anchors, jnp.take_along_axis(valid, order, axis=1)
+
+
+def block_labels(cfg: DrafterConfig, tokens: jax.Array, anchors: jax.Array, loss_mask: jax.Array | None = None,
+                 anchor_valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Labels and validity for ``train_forward``'s logits: label at offset k of block n is
+    ``tokens[a_n + k]``; valid iff ``a_n + k < S``, ``loss_mask[a_n + k]`` and the anchor is valid
+    (offset 0 is returned valid-as-data but carries zero loss weight). -> (labels, valid) ``[B, N, blk]``."""
+    b, s = tokens.shape
+    pos = anchors[:, :, None] + jnp.arange(cfg.block_size)  # [B, N, blk]
+    inside = pos < s
+    pc = jnp.clip(pos, 0, s - 1).reshape(b, -1)
+    labels = jnp.take_along_axis(tokens, pc, axis=1).reshape(pos.shape)
+    valid = inside
+    if loss_mask is not None:
+        valid = valid & jnp.take_along_axis(loss_mask.astype(bool), pc, axis=1).reshape(pos.shape)
+    if anchor_valid is not None:
+        valid = valid & anchor_valid[:, :, None]
+    return labels, valid
+
+
+def loss_weights(blk: int, gamma: float = 7.0) -> jax.Array:
+    """Per-offset loss weights ``[blk]``: 0 at offset 0, ``exp(-(k-1)/gamma)`` at offset k >= 1."""
+    k = jnp.arange(blk, dtype=F32)
+    return jnp.where(k >= 1, jnp.exp(-(k - 1) / gamma), 0.0)
+
+
+def dflash_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array | None = None,
+                gamma: float = 7.0) -> jax.Array:
+    """The DFlash objective: ``sum w_k m CE(logits, labels) / sum w_k m`` (0 if nothing is supervised).
+
+    logits ``[..., blk, V]``; labels ``[..., blk]``; weights ``[..., blk]`` the per-label validity / loss mask
+    (bool or float, default all 1), multiplied by the position decay ``loss_weights(blk, gamma)`` (offset 0
+    unsupervised).
+    """
+    blk = logits.shape[-2]
+    w = jnp.broadcast_to(loss_weights(blk, gamma), labels.shape)
+    if weights is not None:
+        w = w * weights.astype(F32)
+    logp = jax.nn.log_softmax(logits.astype(F32), axis=-1)
+    ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
+
+
+def acceptance_length(logits: jax.Array, labels: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """Greedy acceptance length per block ``[...]``: 1 + the length of the correct prefix of the drafts at
+    offsets 1..blk-1 (an invalid label ends the prefix)."""
+    hit = jnp.argmax(logits, axis=-1) == labels
+    if valid is not None:
+        hit = hit & valid.astype(bool)
+    return 1 + jnp.sum(jnp.cumprod(hit[..., 1:].astype(jnp.int32), axis=-1), axis=-1)
