@@ -122,3 +122,21 @@ class TreeInput:
     start: jax.Array
     slots: jax.Array
     page_table: jax.Array
+
+
+@_pytree
+class DraftKV:
+    """The drafter's cached context K/V per sequence, in pages addressed by the target's page tables.
+
+    k[i], v[i]: [n_pages, page_size, drafter kv heads, drafter head_dim] for drafter layer i (k-normed, RoPE'd):
+    the projection of the fused target features of every committed position, computed once.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, dcfg, n_pages: int, page_size: int, dtype=jnp.bfloat16) -> "DraftKV":
+        shape = (n_pages, page_size, dcfg.num_kv_heads, dcfg.head_dim)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(dcfg.num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(dcfg.num_layers)))

@@ -1,0 +1,129 @@
+"""The speculative step as one pure function: draft -> DDTree -> packed verify -> accept -> commit.
+
+One executable per batch bucket does the whole round on the device; the host receives only the accepted
+tokens. The drafter reads its context K/V from ``DraftKV`` pages (same page tables as the target), and the
+commit appends the accepted positions' context K/V there, so nothing is recomputed across rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.engine.sampling import SamplingArrays
+from dflash_jax.models import attention, dflash, qwen36
+from dflash_jax.spec import ddtree, verify
+from dflash_jax.state import DraftKV, EngineState, TreeInput
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static settings of the speculative step (part of the compiled executable)."""
+
+    budget: int = 22
+    top_k: int | None = None
+    chain_seed: bool = True
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecInput:
+    """[B] per row: the pending root token, its position (= tokens in the cache), slot, and whether the row is
+    real; page_table [B, W]."""
+
+    root: jax.Array
+    start: jax.Array
+    slots: jax.Array
+    active: jax.Array
+    page_table: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecOutput:
+    """accepted [B, L+1]: tokens of the accepted path, root first (-1 padded); n_accepted [B] (root counted:
+    tokens committed this round); bonus [B]: the target's token after the path (the next root); tree_nodes [B]
+    valid draft nodes verified. Emitted this round: accepted[1:n_accepted] then bonus."""
+
+    accepted: jax.Array
+    n_accepted: jax.Array
+    bonus: jax.Array
+    tree_nodes: jax.Array
+
+
+def write_draft_context(dcfg: DrafterConfig, dparams, dkv: DraftKV, feats: jax.Array, positions: jax.Array,
+                        valid: jax.Array, page_table: jax.Array) -> DraftKV:
+    """Append committed positions to the drafter's context cache.
+
+    feats [B, T, n_feat * D] target features (concatenated in ``target_layer_ids`` order); positions, valid [B, T].
+    """
+    ctx = dflash.fuse(dparams, dcfg, feats)
+    ks, vs = dflash.context_kv(dparams, dcfg, ctx, positions)
+    out_k, out_v = [], []
+    for kp, vp, k, v in zip(dkv.k, dkv.v, ks, vs):
+        kp, vp = attention.write_kv(kp, vp, k, v, page_table, positions, valid)
+        out_k.append(kp)
+        out_v.append(vp)
+    return DraftKV(tuple(out_k), tuple(out_v))
+
+
+def features(feats: jax.Array) -> jax.Array:
+    """[n_feat, B, T, D] (layer outputs) -> [B, T, n_feat * D], layers concatenated in order."""
+    n, b, t, d = feats.shape
+    return jnp.moveaxis(feats, 0, 2).reshape(b, t, n * d)
+
+
+def _check(cfg: TargetConfig, dcfg: DrafterConfig) -> tuple[int, ...]:
+    layers = tuple(dcfg.target_layer_ids)
+    if list(layers) != sorted(layers):
+        raise ValueError(f"drafter target_layer_ids {layers} must be increasing")
+    dcfg.validate_against(cfg)
+    return layers
+
+
+def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, dkv: DraftKV,
+               inp: SpecInput) -> ddtree.Tree:
+    """One drafter forward per row from the cached context -> a DDTree of at most ``spec.budget`` nodes."""
+    ctx_k = tuple(attention.gather_pages(k, inp.page_table) for k in dkv.k)
+    ctx_v = tuple(attention.gather_pages(v, inp.page_table) for v in dkv.v)
+    c = ctx_k[0].shape[1]
+    ctx_pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (inp.root.shape[0], c))
+    ctx_valid = ctx_pos < inp.start[:, None]
+    blocks = dflash.make_blocks(dcfg, inp.root)
+    logits = dflash.draft_forward(dparams, dcfg, params["embed"], params["lm_head"], blocks, inp.start,
+                                  ctx_k, ctx_v, ctx_pos, ctx_valid)
+    logp = jax.nn.log_softmax(logits[:, 1:], axis=-1)
+    tree = ddtree.build_tree(logp, spec.budget, spec.top_k, spec.chain_seed)
+    return tree.with_root(inp.root)
+
+
+def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,
+              dkv: DraftKV, inp: SpecInput, samp: SamplingArrays):
+    """One speculative round for B rows -> (state', dkv', SpecOutput). Lossless: the emitted tokens are
+    distributed exactly as the target's own (greedy rows: identical to AR greedy)."""
+    layers = _check(cfg, dcfg)
+    tree = draft_tree(cfg, dcfg, spec, params, dparams, dkv, inp)
+    valid = tree.valid & inp.active[:, None]
+    parents = jnp.where(valid, tree.parent, -1).at[:, 0].set(-1)
+    tin = TreeInput(tokens=tree.tokens, positions=ddtree.positions(tree, inp.start), parents=parents,
+                    ancestors=tree.ancestors, valid=valid, start=inp.start, slots=inp.slots,
+                    page_table=inp.page_table)
+    h, scratch, feats = qwen36.forward_tree(params, cfg, tin, state.kv, state.rec, layers)
+    logits = qwen36.lm_logits(params, h)  # [B, N, V]
+    y = verify.sample_per_slot(logits, samp.temperature, samp.top_k, samp.top_p, samp.seed, samp.step)
+    slots, n_acc, bonus = verify.accept_sampled(tree, y)
+    n_acc = jnp.where(inp.active, n_acc, 0)
+    kv, rec = qwen36.commit_tree(cfg, state.kv, state.rec, tin, scratch, slots, n_acc)
+    idx = jnp.clip(slots, 0, None)
+    acc_feats = jnp.take_along_axis(features(feats), idx[:, :, None], axis=1)  # [B, L+1, F]
+    l1 = slots.shape[1]
+    pos = inp.start[:, None] + jnp.arange(l1, dtype=jnp.int32)[None]
+    keep = jnp.arange(l1)[None] < n_acc[:, None]
+    dkv = write_draft_context(dcfg, dparams, dkv, acc_feats, pos, keep, inp.page_table)
+    toks = jnp.where(keep, jnp.take_along_axis(tree.tokens, idx, axis=1), -1)
+    out = SpecOutput(accepted=toks, n_accepted=n_acc, bonus=bonus,
+                     tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32))
+    return EngineState(kv=kv, rec=rec), dkv, out
