@@ -37,6 +37,72 @@ def _positive(val: int, key: str, where: str) -> int:
     return val
 
 
+def _req_positive(d: Mapping[str, Any], key: str, where: str) -> int:
+    """A required int key that must be > 0."""
+    return _positive(_req(d, key, int, where), key, where)
+
+
+def _read_config_json(path: str | os.PathLike, kind: str) -> Any:
+    """The parsed config.json at ``path`` (the file, or a ``kind`` checkpoint directory holding one)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    if not os.path.exists(p):
+        raise ConfigError(f"no config.json at {p!r}; pass a {kind} checkpoint directory")
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from e
+
+
+def _top_object(raw: Any, where: str) -> None:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: top level must be a JSON object, got {type(raw).__name__}")
+
+
+def _check_layer_types(layer_types: Any, n_layers: int, allowed: tuple[str, str], where: str) -> tuple[str, ...]:
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ConfigError(f"{where}: key 'layer_types' must list {n_layers} entries (num_hidden_layers)")
+    bad = sorted({t for t in layer_types if t not in allowed}, key=str)
+    if bad:
+        raise ConfigError(f"{where}: key 'layer_types' has unsupported entries {bad}; "
+                          f"expected {allowed[0]!r}/{allowed[1]!r}")
+    return tuple(layer_types)
+
+
+def _check_dense_silu(d: Mapping[str, Any], where: str) -> None:
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: key 'hidden_act' must be 'silu', got {act!r}")
+    if d.get("attention_bias", False):
+        raise ConfigError(f"{where}: key 'attention_bias' = true is not supported")
+
+
+def _rope(d: Mapping[str, Any], where: str, rope_types: tuple[str, ...] = ("default",)
+          ) -> tuple[Mapping[str, Any], float]:
+    """``(rope_parameters, rope_theta)``; ``rope_scaling`` and a top-level ``rope_theta`` are accepted."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        raise ConfigError(f"{where}: key 'rope_parameters' must be an object")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in rope_types:
+        raise ConfigError(f"{where}: key 'rope_parameters.rope_type' = {rope_type!r} is not supported (only 'default')")
+    theta = rope.get("rope_theta", d.get("rope_theta"))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{where}: key 'rope_theta' (or 'rope_parameters.rope_theta') must be a positive number, "
+                          f"got {theta!r}")
+    return rope, float(theta)
+
+
+def _grouped_heads(d: Mapping[str, Any], heads_key: str, kv_key: str, where: str) -> tuple[int, int]:
+    """Two positive head counts, the first a multiple of the second."""
+    nh, nkv = _req_positive(d, heads_key, where), _req_positive(d, kv_key, where)
+    if nh % nkv:
+        raise ConfigError(f"{where}: {heads_key} ({nh}) must be a multiple of {kv_key} ({nkv})")
+    return nh, nkv
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """The text model of a Qwen3.5/3.6 hybrid (Gated DeltaNet + gated full attention)."""
@@ -109,8 +175,7 @@ class TargetConfig:
     # ---- parsing -------------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> "TargetConfig":
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"config.json: top level must be a JSON object, got {type(raw).__name__}")
+        _top_object(raw, "config.json")
         mt = raw.get("model_type")
         if mt not in TARGET_MODEL_TYPES:
             raise ConfigError(
@@ -121,39 +186,23 @@ class TargetConfig:
             raise ConfigError("config.json: key 'text_config' must be an object")
         w = "config.json text_config" if d is not raw else "config.json"
 
-        n_layers = _positive(_req(d, "num_hidden_layers", int, w), "num_hidden_layers", w)
+        n_layers = _req_positive(d, "num_hidden_layers", w)
         layer_types = d.get("layer_types")
         if layer_types is None:
             interval = d.get("full_attention_interval", 4)
             if not isinstance(interval, int) or interval <= 0:
                 raise ConfigError(f"{w}: key 'full_attention_interval' must be a positive int, got {interval!r}")
             layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
-        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-            raise ConfigError(f"{w}: key 'layer_types' must list {n_layers} entries (num_hidden_layers)")
-        bad = sorted({t for t in layer_types if t not in (LINEAR, FULL)})
-        if bad:
-            raise ConfigError(f"{w}: key 'layer_types' has unsupported entries {bad}; expected {LINEAR!r}/{FULL!r}")
+        layer_types = _check_layer_types(layer_types, n_layers, (LINEAR, FULL), w)
 
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{w}: key 'hidden_act' must be 'silu', got {act!r}")
-        if d.get("attention_bias", False):
-            raise ConfigError(f"{w}: key 'attention_bias' = true is not supported")
+        _check_dense_silu(d, w)
         if d.get("mlp_only_layers"):
             raise ConfigError(f"{w}: key 'mlp_only_layers' is not supported (dense hybrid only)")
         if "num_experts" in d and d.get("num_experts"):
             raise ConfigError(f"{w}: key 'num_experts' is set; mixture-of-experts Qwen3.5 variants are not supported")
 
-        head_dim = _positive(_req(d, "head_dim", int, w), "head_dim", w)
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if not isinstance(rope, Mapping):
-            raise ConfigError(f"{w}: key 'rope_parameters' must be an object")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise ConfigError(f"{w}: key 'rope_parameters.rope_type' = {rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", d.get("rope_theta"))
-        if not isinstance(theta, (int, float)) or theta <= 0:
-            raise ConfigError(f"{w}: key 'rope_parameters.rope_theta' must be a positive number, got {theta!r}")
+        head_dim = _req_positive(d, "head_dim", w)
+        rope, theta = _rope(d, w, ("default", "mrope"))
         prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
         if not isinstance(prf, (int, float)) or not 0 < prf <= 1:
             raise ConfigError(f"{w}: key 'partial_rotary_factor' must be in (0, 1], got {prf!r}")
@@ -167,36 +216,29 @@ class TargetConfig:
         if section is not None and sum(section) != rotary_dim // 2:
             raise ConfigError(f"{w}: key 'rope_parameters.mrope_section' {section} must sum to rotary_dim/2 = {rotary_dim // 2}")
 
-        nh = _positive(_req(d, "num_attention_heads", int, w), "num_attention_heads", w)
-        nkv = _positive(_req(d, "num_key_value_heads", int, w), "num_key_value_heads", w)
-        if nh % nkv:
-            raise ConfigError(f"{w}: num_attention_heads ({nh}) must be a multiple of num_key_value_heads ({nkv})")
-        lk = _positive(_req(d, "linear_num_key_heads", int, w), "linear_num_key_heads", w)
-        lv = _positive(_req(d, "linear_num_value_heads", int, w), "linear_num_value_heads", w)
-        if lv % lk:
-            raise ConfigError(f"{w}: linear_num_value_heads ({lv}) must be a multiple of linear_num_key_heads ({lk})")
+        nh, nkv = _grouped_heads(d, "num_attention_heads", "num_key_value_heads", w)
+        lv, lk = _grouped_heads(d, "linear_num_value_heads", "linear_num_key_heads", w)
 
         eos = d.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         tie = bool(raw.get("tie_word_embeddings", d.get("tie_word_embeddings", False)))
         return cls(
-            vocab_size=_positive(_req(d, "vocab_size", int, w), "vocab_size", w),
-            hidden_size=_positive(_req(d, "hidden_size", int, w), "hidden_size", w),
-            intermediate_size=_positive(_req(d, "intermediate_size", int, w), "intermediate_size", w),
+            vocab_size=_req_positive(d, "vocab_size", w),
+            hidden_size=_req_positive(d, "hidden_size", w),
+            intermediate_size=_req_positive(d, "intermediate_size", w),
             num_layers=n_layers,
-            layer_types=tuple(layer_types),
+            layer_types=layer_types,
             num_heads=nh,
             num_kv_heads=nkv,
             head_dim=head_dim,
             rotary_dim=rotary_dim,
-            rope_theta=float(theta),
+            rope_theta=theta,
             attn_output_gate=bool(d.get("attn_output_gate", True)),
             lin_num_k_heads=lk,
             lin_num_v_heads=lv,
-            lin_k_dim=_positive(_req(d, "linear_key_head_dim", int, w), "linear_key_head_dim", w),
-            lin_v_dim=_positive(_req(d, "linear_value_head_dim", int, w), "linear_value_head_dim", w),
-            conv_kernel=_positive(_req({"linear_conv_kernel_dim": 4, **d}, "linear_conv_kernel_dim", int, w),
-                                  "linear_conv_kernel_dim", w),
+            lin_k_dim=_req_positive(d, "linear_key_head_dim", w),
+            lin_v_dim=_req_positive(d, "linear_value_head_dim", w),
+            conv_kernel=_req_positive({"linear_conv_kernel_dim": 4, **d}, "linear_conv_kernel_dim", w),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=tie,
             max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
@@ -207,17 +249,7 @@ class TargetConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "TargetConfig":
         """From a config.json file, or a checkpoint directory holding one."""
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.exists(p):
-            raise ConfigError(f"no config.json at {p!r}; pass a Hugging Face checkpoint directory")
-        try:
-            with open(p) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(_read_config_json(path, "Hugging Face"))
 
 
 def read_generation_eos(path: str | os.PathLike) -> tuple[int, ...]:
@@ -334,8 +366,7 @@ class DrafterConfig:
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> "DrafterConfig":
         w = "drafter config.json"
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{w}: top level must be a JSON object, got {type(raw).__name__}")
+        _top_object(raw, w)
         mt = raw.get("model_type")
         if mt not in DRAFTER_MODEL_TYPES:
             raise ConfigError(f"{w}: key 'model_type' = {mt!r} is not supported for the drafter; expected one of "
@@ -362,17 +393,13 @@ class DrafterConfig:
                                   f"{key!r} = {d[key]!r}")
             return dc.get(key, d.get(key, default))
 
-        n_layers = _positive(_req(d, "num_hidden_layers", int, w), "num_hidden_layers", w)
+        n_layers = _req_positive(d, "num_hidden_layers", w)
         layer_types = d.get("layer_types")
         if layer_types is None:
             if d.get("use_sliding_window", False):
                 raise ConfigError(f"{w}: key 'use_sliding_window' = true needs an explicit 'layer_types' list")
             layer_types = [FULL] * n_layers
-        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-            raise ConfigError(f"{w}: key 'layer_types' must list {n_layers} entries (num_hidden_layers)")
-        bad = sorted({t for t in layer_types if t not in (SLIDING, FULL)}, key=str)
-        if bad:
-            raise ConfigError(f"{w}: key 'layer_types' has unsupported entries {bad}; expected {SLIDING!r}/{FULL!r}")
+        layer_types = _check_layer_types(layer_types, n_layers, (SLIDING, FULL), w)
         window = d.get("sliding_window")
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
             raise ConfigError(f"{w}: key 'sliding_window' must be a positive int or null, got {window!r}")
@@ -382,31 +409,15 @@ class DrafterConfig:
             if d.get("use_sliding_window", True) is False:
                 raise ConfigError(f"{w}: key 'use_sliding_window' = false contradicts {SLIDING!r} in 'layer_types'")
 
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{w}: key 'hidden_act' must be 'silu', got {act!r}")
-        if d.get("attention_bias", False):
-            raise ConfigError(f"{w}: key 'attention_bias' = true is not supported")
+        _check_dense_silu(d, w)
         causal = d.get("is_causal")
         if causal is not None and not isinstance(causal, bool):
             raise ConfigError(f"{w}: key 'is_causal' must be a bool or null, got {causal!r}")
 
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if not isinstance(rope, Mapping):
-            raise ConfigError(f"{w}: key 'rope_parameters' must be an object")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"{w}: key 'rope_parameters.rope_type' = {rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", d.get("rope_theta"))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-            raise ConfigError(f"{w}: key 'rope_theta' (or 'rope_parameters.rope_theta') must be a positive number, "
-                              f"got {theta!r}")
+        _, theta = _rope(d, w)
 
-        hidden = _positive(_req(d, "hidden_size", int, w), "hidden_size", w)
-        nh = _positive(_req(d, "num_attention_heads", int, w), "num_attention_heads", w)
-        nkv = _positive(_req(d, "num_key_value_heads", int, w), "num_key_value_heads", w)
-        if nh % nkv:
-            raise ConfigError(f"{w}: num_attention_heads ({nh}) must be a multiple of num_key_value_heads ({nkv})")
+        hidden = _req_positive(d, "hidden_size", w)
+        nh, nkv = _grouped_heads(d, "num_attention_heads", "num_key_value_heads", w)
         head_dim = d.get("head_dim")
         if head_dim is None:
             if hidden % nh:
@@ -453,13 +464,13 @@ class DrafterConfig:
             raise ConfigError(f"{w}: key 'rms_norm_eps' must be a positive number, got {eps!r}")
         return cls(
             hidden_size=hidden,
-            intermediate_size=_positive(_req(d, "intermediate_size", int, w), "intermediate_size", w),
+            intermediate_size=_req_positive(d, "intermediate_size", w),
             num_layers=n_layers,
-            layer_types=tuple(layer_types),
+            layer_types=layer_types,
             num_heads=nh,
             num_kv_heads=nkv,
             head_dim=head_dim,
-            rope_theta=float(theta),
+            rope_theta=theta,
             block_size=block,
             mask_token_id=mask_id,
             target_layer_ids=tuple(ids),
@@ -504,14 +515,4 @@ class DrafterConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "DrafterConfig":
         """From a drafter config.json file, or a checkpoint directory holding one."""
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.exists(p):
-            raise ConfigError(f"no config.json at {p!r}; pass a DFlash drafter checkpoint directory")
-        try:
-            with open(p) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(_read_config_json(path, "DFlash drafter"))

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,24 +20,14 @@ from safetensors.numpy import save_file
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models.dflash import Params, param_shapes
-from dflash_jax.models.loader import CheckpointError, _get, _set, iter_tensors
+from dflash_jax.models.loader import _ATTN as _TARGET_ATTN
+from dflash_jax.models.loader import _LAYER as _TARGET_LAYER
+from dflash_jax.models.loader import CheckpointError, Placer, _get, stream_params
 
 SHARED_NAMES = ("embed_tokens.weight", "lm_head.weight")  # the target's; never part of the drafter
 
 _TOP = {"fc.weight": ("fc",), "hidden_norm.weight": ("hidden_norm",), "norm.weight": ("norm",)}
-_LAYER = {
-    "input_layernorm.weight": ("input_norm",),
-    "post_attention_layernorm.weight": ("post_norm",),
-    "self_attn.q_proj.weight": ("attn", "q"),
-    "self_attn.k_proj.weight": ("attn", "k"),
-    "self_attn.v_proj.weight": ("attn", "v"),
-    "self_attn.o_proj.weight": ("attn", "o"),
-    "self_attn.q_norm.weight": ("attn", "q_norm"),
-    "self_attn.k_norm.weight": ("attn", "k_norm"),
-    "mlp.gate_proj.weight": ("mlp", "gate"),
-    "mlp.up_proj.weight": ("mlp", "up"),
-    "mlp.down_proj.weight": ("mlp", "down"),
-}
+_LAYER = _TARGET_LAYER | _TARGET_ATTN  # a drafter layer is named like a target full-attention layer
 
 
 def hf_name_map(cfg: DrafterConfig) -> dict[str, tuple[Any, ...]]:
@@ -54,50 +43,17 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def load_drafter_params(path: str, cfg: DrafterConfig, dtype=jnp.bfloat16,
-                        place: Callable[[tuple[Any, ...], np.ndarray], jax.Array] | None = None) -> Params:
+def load_drafter_params(path: str, cfg: DrafterConfig, dtype=jnp.bfloat16, place: Placer | None = None) -> Params:
     """Stream a drafter checkpoint into a parameter pytree (one tensor on the host at a time).
 
     ``place(path, host_array)`` puts one tensor on its device(s) (default ``jax.device_put``).
     """
-    shapes = param_shapes(cfg, dtype)
-    tree: Params = jax.tree_util.tree_map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    tree["layers"] = list(tree["layers"])
-    names = hf_name_map(cfg)
-    place = place or (lambda _p, a: jax.device_put(a))
-    seen: set[str] = set()
-    for full_name, arr in iter_tensors(path):
-        name = _strip(full_name)
-        if name in SHARED_NAMES:
-            continue
-        if name not in names:
-            mm = re.match(r"layers\.(\d+)\.", name)
-            if mm and int(mm.group(1)) >= cfg.num_layers:
-                raise CheckpointError(f"tensor {full_name!r}: layer index beyond the drafter's "
-                                      f"num_hidden_layers={cfg.num_layers}")
-            raise CheckpointError(f"unexpected tensor {full_name!r} (shape {list(arr.shape)}) in drafter "
-                                  f"checkpoint {path!r}")
-        if name in seen:
-            raise CheckpointError(f"tensor {full_name!r} appears twice in the checkpoint")
-        seen.add(name)
-        p = names[name]
-        want = _get(shapes, p)
-        if tuple(arr.shape) != tuple(want.shape):
-            raise CheckpointError(f"tensor {full_name!r}: checkpoint shape {list(arr.shape)} != expected "
-                                  f"{list(want.shape)} from the drafter's config.json")
-        host = np.asarray(arr).astype(want.dtype, copy=False)
-        _set(tree, p, place(p, host))
-        del arr, host
-    missing = sorted(n for n in names if n not in seen)
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"drafter checkpoint {path!r} is missing tensor(s) {missing[:5]}{more}")
-    tree["layers"] = tuple(tree["layers"])
-    return tree
+    return stream_params(path, param_shapes(cfg, dtype), hf_name_map(cfg), _strip, place,
+                         skip=lambda name: name in SHARED_NAMES, where="drafter checkpoint",
+                         config="the drafter's config.json")
 
 
-def load_drafter(path: str | os.PathLike, dtype=jnp.bfloat16,
-                 place: Callable[[tuple[Any, ...], np.ndarray], jax.Array] | None = None
+def load_drafter(path: str | os.PathLike, dtype=jnp.bfloat16, place: Placer | None = None
                  ) -> tuple[DrafterConfig, Params]:
     """A drafter checkpoint directory -> ``(DrafterConfig, params)``."""
     p = os.fspath(path)

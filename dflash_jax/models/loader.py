@@ -120,30 +120,38 @@ def _get(tree: Params, path: tuple[Any, ...]) -> Any:
     return tree
 
 
-def load_params(path: str, cfg: TargetConfig, dtype=jnp.bfloat16,
-                place: Callable[[tuple[Any, ...], np.ndarray], jax.Array] | None = None) -> Params:
-    """Stream a checkpoint into a parameter pytree on the device.
+Placer = Callable[[tuple[Any, ...], np.ndarray], jax.Array]
 
-    ``place(path, host_array)`` puts one tensor on its device(s) (default: ``jax.device_put``); it is the
-    hook for sharded placement.
+
+def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
+                  strip: Callable[[str], str | None], place: Placer | None = None,
+                  skip: Callable[[str], bool] | None = None, where: str = "checkpoint",
+                  config: str = "config.json") -> Params:
+    """Stream the tensors of the checkpoint at ``path`` into a pytree shaped like ``shapes``.
+
+    Each tensor name goes through ``strip`` (None: ignore the tensor), then ``skip`` (True: ignore it), then
+    ``names`` (-> its path in the pytree); it is checked against ``shapes``, cast to the dtype there and put on
+    the device by ``place(path, host_array)`` (default ``jax.device_put``) before the next one is read. A
+    depthwise conv weight stored as (C, 1, K) is taken as (C, K). Unknown, duplicated, misshapen and missing
+    tensors raise ``CheckpointError`` naming the tensor; ``where`` names the checkpoint and ``config`` the
+    config it was checked against in those messages. ``shapes["layers"]`` is a sequence with one entry a layer.
     """
-    shapes = param_shapes(cfg, dtype)
-    # mutable copy of the structure (layers as lists of dicts) to fill in
     tree: Params = jax.tree_util.tree_map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     tree["layers"] = list(tree["layers"])
-    names = hf_name_map(cfg)
+    n_layers = len(shapes["layers"])
     place = place or (lambda _p, a: jax.device_put(a))
     seen: set[str] = set()
     for full_name, arr in iter_tensors(path):
-        name = _strip(full_name)
-        if name is None:
+        name = strip(full_name)
+        if name is None or skip is not None and skip(name):
             continue
         if name not in names:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            if re.match(r"layers\.(\d+)\.", name) and int(name.split(".")[1]) >= cfg.num_layers:
-                raise CheckpointError(f"tensor {full_name!r}: layer index beyond num_hidden_layers={cfg.num_layers}")
-            raise CheckpointError(f"unexpected tensor {full_name!r} (shape {list(arr.shape)}) for this config")
+            m = re.match(r"layers\.(\d+)\.", name)
+            if m and int(m.group(1)) >= n_layers:
+                raise CheckpointError(f"tensor {full_name!r}: layer index beyond num_hidden_layers={n_layers} "
+                                      f"of {config}")
+            raise CheckpointError(f"unexpected tensor {full_name!r} (shape {list(arr.shape)}) in {where} "
+                                  f"{path!r} for this config")
         if name in seen:
             raise CheckpointError(f"tensor {full_name!r} appears twice in the checkpoint")
         seen.add(name)
@@ -153,15 +161,27 @@ def load_params(path: str, cfg: TargetConfig, dtype=jnp.bfloat16,
             arr = arr[:, 0, :]
         if tuple(arr.shape) != tuple(want.shape):
             raise CheckpointError(f"tensor {full_name!r}: checkpoint shape {list(arr.shape)} != expected "
-                                  f"{list(want.shape)} from config.json")
+                                  f"{list(want.shape)} from {config}")
         host = np.asarray(arr).astype(want.dtype, copy=False)
         _set(tree, p, place(p, host))
         del arr, host
     missing = sorted(n for n in names if n not in seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"checkpoint {path!r} is missing tensor(s) {missing[:5]}{more}")
-    if cfg.tie_word_embeddings:
-        tree["lm_head"] = tree["embed"]
+        raise CheckpointError(f"{where} {path!r} is missing tensor(s) {missing[:5]}{more}")
     tree["layers"] = tuple(tree["layers"])
+    return tree
+
+
+def load_params(path: str, cfg: TargetConfig, dtype=jnp.bfloat16, place: Placer | None = None) -> Params:
+    """Stream a checkpoint into a parameter pytree on the device.
+
+    ``place(path, host_array)`` puts one tensor on its device(s) (default: ``jax.device_put``); it is the
+    hook for sharded placement.
+    """
+    tied = cfg.tie_word_embeddings
+    tree = stream_params(path, param_shapes(cfg, dtype), hf_name_map(cfg), _strip, place,
+                         skip=lambda name: tied and name == "lm_head.weight")
+    if tied:
+        tree["lm_head"] = tree["embed"]
     return tree
