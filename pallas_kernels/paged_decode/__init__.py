@@ -1,0 +1,34 @@
+"""Single-token paged decode attention: op ``"paged_decode"`` in :mod:`pallas_kernels.registry`.
+
+Implementations (same signature ``(q [B,H,D], k_pages, v_pages, page_table [B,W], lengths [B], scale)``):
+
+- ``"reference"``: pure jnp (the engine's ``paged_attention`` with T = 1), any backend;
+- ``"pallas_triton"``: :func:`kernel.paged_decode` with the per-backend defaults of
+  :func:`kernel.default_config`; runs in interpret mode off GPU (when selected explicitly).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import registry
+from pallas_kernels.paged_decode.kernel import auto_partitions, block_plan, default_config, paged_decode
+from pallas_kernels.paged_decode.reference import paged_decode_reference
+
+
+def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                        lengths: jax.Array, scale: float) -> jax.Array:
+    """The registered Pallas implementation: tuned defaults, flash-decoding split chosen by batch."""
+    backend = registry.current_backend()
+    cfg = default_config(q.shape[-1], k_pages.shape[1], k_pages.dtype, backend=backend)
+    return paged_decode(q, k_pages, v_pages, page_table, lengths, float(scale),
+                        pages_per_block=cfg["pages_per_block"], num_partitions=None,
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                        interpret=backend not in registry.GPU_BACKENDS)
+
+
+registry.register("paged_decode", "reference", paged_decode_reference, backends=("any",))
+registry.register("paged_decode", "pallas_triton", paged_decode_pallas, backends=("gpu",))
+
+__all__ = ["auto_partitions", "block_plan", "default_config", "paged_decode", "paged_decode_pallas",
+           "paged_decode_reference"]
