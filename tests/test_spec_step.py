@@ -103,3 +103,60 @@ def test_spec_round_equals_ar_greedy_alone_and_batched():
     assert all(1 <= n <= 6 for n in nodes)  # the budget bounds the verified nodes
     both, _ = run("qwen36_tiny_a", prompts, 12)
     assert both == want
+
+
+# ---- the engine with a drafter ----------------------------------------------------------------------
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def engines(name, cohort_yield_min):
+    t, dcfg, dparams = setup(name)
+    opts = EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=16, max_model_len=128, page_size=8,
+                         spec=SpecConfig(budget=6), cohort_yield_min=cohort_yield_min)
+    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
+    eng.warmup()
+    return eng
+
+
+def test_engine_speculative_greedy_equals_ar_with_joins_stops_and_telemetry():
+    t, _, _ = setup("qwen36_tiny_a")
+    eng = engines("qwen36_tiny_a", 0.0)  # guard off: every round is speculative
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, t.config.vocab_size - 1, n).tolist() for n in (5, 21, 12)]
+    want = [t.greedy(p, 10) for p in prompts]
+    a = eng.submit(prompts[0], SamplingParams(max_tokens=10))
+    eng.step()
+    b = eng.submit(prompts[1], SamplingParams(max_tokens=10))
+    stop_tok = want[2][3]
+    c = eng.submit(prompts[2], SamplingParams(max_tokens=10, stop_token_ids=(stop_tok,)))
+    final = {}
+    while eng.has_work():
+        for o in eng.step():
+            if o.finish_reason:
+                final[o.request_id] = o
+    assert final[a].token_ids == want[0] and final[b].token_ids == want[1]
+    cut = want[2].index(stop_tok)
+    assert final[c].token_ids == want[2][:cut] and final[c].finish_reason == "stop"
+    for o in final.values():
+        st = o.stats
+        assert st["spec_mode"] == "ddtree" and st["draft_steps"] >= 1 and st["mean_accept_len"] >= 1
+        assert 0 <= st["accepted_tokens"] <= st["draft_nodes"]
+    assert eng.pages.num_free == eng.pages.n_pages - 1 and sorted(eng.free_slots) == [1, 2, 3, 4]
+    eng.pages.check_invariants()
+
+
+def test_cohort_yield_switches_a_useless_drafter_to_ar():
+    t, _, _ = setup("qwen36_tiny_a")
+    eng = engines("qwen36_tiny_a", 6.0)  # a random drafter emits ~1 token per round, far below 6
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, t.config.vocab_size - 1, n).tolist() for n in (7, 9)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == t.greedy(p, 12)
+        assert o.stats["spec_mode"] == "yielded" and o.stats["draft_steps"] == 1
+        assert o.stats["cohort_yield_mean"] < 6 and o.stats["decode_steps"] >= 8
+    assert eng.counters["cohort_yield"] >= 1
+    # requests that need the AR path never enter speculation
+    o = eng.generate([prompts[0]], SamplingParams(max_tokens=4, min_tokens=2))[0]
+    assert o.stats["spec_mode"] == "ar" and o.stats["draft_steps"] == 0

@@ -89,11 +89,11 @@ def device_step_ms(eng: Engine, c: int, context: int, iters: int = 10) -> float:
     samp = SamplingArrays.from_rows([], c)
     inp, samp = jax.device_put((inp, samp))
     fn = eng._exec[("decode", c)]
-    eng.state, out = fn(eng.target.params, eng.state, inp, samp)
+    eng.state, eng.dkv, out = fn(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
     for _ in range(iters):
-        eng.state, out = fn(eng.target.params, eng.state, inp, samp)
+        eng.state, eng.dkv, out = fn(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp)
     jax.block_until_ready(out)
     return 1e3 * (time.perf_counter() - t0) / iters
 

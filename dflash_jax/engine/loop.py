@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -23,10 +24,12 @@ import numpy as np
 
 from dflash_jax.engine import compile as compile_mod
 from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
+from dflash_jax.config import DrafterConfig
+from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step_fn
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models.tokenizer import Tokenizer
-from dflash_jax.state import EngineState, StepInput
+from dflash_jax.state import DraftKV, EngineState, StepInput
 from dflash_jax.target import Target, load_target
 
 FinishReason = str  # "stop" | "length" | "abort"
@@ -49,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: bool = False  # per-token logprobs wanted: such requests decode AR (speculative rounds return tokens)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -73,6 +77,12 @@ class RequestStats:
     finished: float | None = None
     prefill_chunks: int = 0
     decode_steps: int = 0
+    spec_mode: str = "ar"  # "ddtree" | "ar" | "yielded" (cohort-yield guard switched it to AR)
+    spec_steps: int = 0
+    draft_nodes: int = 0  # tree nodes verified
+    accepted_tokens: int = 0  # draft tokens accepted (bonus tokens not counted)
+    emitted_spec: int = 0  # tokens emitted by speculative rounds (accepted + bonus)
+    cohort_yield_mean: float | None = None  # tokens per request of the cohort's first round, when it yielded
 
     def as_dict(self, n_out: int) -> dict:
         ttft = None if self.first_token is None else self.first_token - self.arrival
@@ -80,7 +90,11 @@ class RequestStats:
                else (self.finished - self.first_token) / (n_out - 1))
         return {"ttft_s": ttft, "tpot_s": dec, "queue_s": None if self.admitted is None else self.admitted - self.arrival,
                 "prefill_chunks": self.prefill_chunks, "decode_steps": self.decode_steps,
-                "e2e_s": None if self.finished is None else self.finished - self.arrival}
+                "e2e_s": None if self.finished is None else self.finished - self.arrival,
+                "spec_mode": self.spec_mode, "draft_steps": self.spec_steps, "draft_nodes": self.draft_nodes,
+                "accepted_tokens": self.accepted_tokens,
+                "mean_accept_len": self.emitted_spec / self.spec_steps if self.spec_steps else None,
+                "cohort_yield_mean": self.cohort_yield_mean}
 
 
 @dataclasses.dataclass
@@ -128,6 +142,8 @@ class EngineOptions:
     prefill_chunk: int = 64
     prefill_batch: int = 2
     kv_dtype: str | None = None  # default: the params' dtype
+    spec: SpecConfig | None = None  # DDTree speculative decoding (needs a drafter)
+    cohort_yield_min: float = 6.0  # a cohort whose first round emits fewer tokens per request goes AR (0 = never)
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -143,8 +159,13 @@ class Engine:
     """
 
     def __init__(self, target: Target, tokenizer: Tokenizer | None = None, options: EngineOptions = EngineOptions(),
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+                 eos_token_ids: Sequence[int] | None = None,
+                 drafter: tuple[DrafterConfig, dict] | None = None) -> None:
         o = options
+        if o.spec is not None and drafter is None:
+            raise ValueError("speculative decoding (options.spec) needs a drafter: pass drafter=(DrafterConfig, params)")
+        if drafter is not None:
+            drafter[0].validate_against(target.config)
         if o.max_batch < 1 or o.prefill_batch < 1 or o.prefill_chunk < 1:
             raise ValueError("max_batch, prefill_batch and prefill_chunk must be >= 1")
         if o.max_model_len > target.config.max_position_embeddings:
@@ -153,17 +174,22 @@ class Engine:
         self.target, self.cfg, self.tokenizer, self.options = target, target.config, tokenizer, o
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
-        self.width = -(-o.max_model_len // o.page_size)  # page-table width
+        self.dcfg, self.dparams = drafter if drafter is not None else (None, None)
+        self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
+        self.width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # page-table width
         n_pages = o.n_pages or o.max_batch * self.width + 1
         self.pages = PageAllocator(n_pages, o.page_size)
         dtype = self.target.params["layers"][0]["mlp"]["gate"].dtype
         kv_dtype = jnp.dtype(o.kv_dtype) if o.kv_dtype else dtype
         self.state = EngineState.zeros(self.cfg, n_pages=n_pages, page_size=o.page_size, n_slots=o.max_batch + 1,
                                        dtype=kv_dtype)
+        self.dkv = DraftKV.zeros(self.dcfg, n_pages, o.page_size, kv_dtype) if self.dcfg is not None else None
         self.free_slots = list(range(1, o.max_batch + 1))
         self.decode_buckets = _buckets(o.max_batch)
         self.prefill_buckets = _buckets(min(o.prefill_batch, o.max_batch))
-        self._jit = step_fn(self.cfg)
+        self._jit = step_fn(self.cfg, self.dcfg)
+        self._spec_jit = (jax.jit(functools.partial(spec_step, self.cfg, self.dcfg, o.spec), donate_argnums=(2, 3))
+                          if o.spec is not None else None)
         self._exec: dict[tuple[str, int], Callable] = {}
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: dict[int, _Request] = {}  # admitted, in prefill or decode
@@ -173,9 +199,16 @@ class Engine:
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, target_path: str, dtype: str = "float32", warmup: bool = True, **options) -> "Engine":
+    def from_pretrained(cls, target_path: str, dtype: str = "float32", warmup: bool = True,
+                        drafter_path: str | None = None, **options) -> "Engine":
+        """Load a target (and optionally a DFlash drafter) checkpoint; ``options`` are ``EngineOptions`` fields."""
         target = load_target(target_path, dtype=dtype)
-        eng = cls(target, Tokenizer.from_dir(target_path), EngineOptions(**options))
+        drafter = None
+        if drafter_path is not None:
+            from dflash_jax.models.dflash_loader import load_drafter
+
+            drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype)
+        eng = cls(target, Tokenizer.from_dir(target_path), EngineOptions(**options), drafter=drafter)
         if warmup:
             eng.warmup()
         return eng
@@ -183,11 +216,23 @@ class Engine:
     def _shapes(self, kind: str, b: int):
         t = self.options.prefill_chunk if kind == "prefill" else 1
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        inp = StepInput(tokens=i32(b, t), positions=i32(b, t), n_valid=i32(b), slots=i32(b),
-                        page_table=i32(b, self.width))
+        if kind == "spec":
+            inp = SpecInput(root=i32(b), start=i32(b), slots=i32(b), active=jax.ShapeDtypeStruct((b,), jnp.bool_),
+                            page_table=i32(b, self.width))
+        else:
+            inp = StepInput(tokens=i32(b, t), positions=i32(b, t), n_valid=i32(b), slots=i32(b),
+                            page_table=i32(b, self.width))
         samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       SamplingArrays.from_rows([], b))
         return inp, samp
+
+    def _lower(self, kind: str, b: int):
+        fn = self._spec_jit if kind == "spec" else self._jit
+        return fn.lower(self.target.params, self.dparams, self.state, self.dkv, *self._shapes(kind, b))
+
+    def _kinds(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        kinds = (("prefill", self.prefill_buckets), ("decode", self.decode_buckets))
+        return kinds + ((("spec", self.decode_buckets),) if self._spec_jit is not None else ())
 
     def warmup(self, progress: Callable[[str, float], None] | None = None,
                workers: int | None = None) -> dict[str, float]:
@@ -196,11 +241,10 @@ class Engine:
         Lowering (Python tracing) runs in this thread; XLA compilations run concurrently on
         ``workers`` threads (default: one per CPU core, up to the number of buckets).
         """
-        todo = [(kind, b) for kind, buckets in (("prefill", self.prefill_buckets), ("decode", self.decode_buckets))
-                for b in buckets if (kind, b) not in self._exec]
+        todo = [(kind, b) for kind, buckets in self._kinds() for b in buckets if (kind, b) not in self._exec]
         if not todo:
             return dict(self.warmup_report)
-        lowered = {key: self._jit.lower(self.target.params, self.state, *self._shapes(*key)) for key in todo}
+        lowered = {key: self._lower(*key) for key in todo}
 
         def build(key):
             t0 = time.perf_counter()
@@ -252,7 +296,11 @@ class Engine:
                                   f"{(self.pages.n_pages - 1) * self.pages.page_size}")
         rid = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else rid
-        self.waiting.append(_Request(rid, ids, sampling, seed, RequestStats(time.perf_counter())))
+        stats = RequestStats(time.perf_counter())
+        # min_tokens bans and per-token logprobs exist on the AR path only
+        if self._spec_jit is not None and not sampling.min_tokens and not sampling.logprobs:
+            stats.spec_mode = "ddtree"
+        self.waiting.append(_Request(rid, ids, sampling, seed, stats))
         return rid
 
     def _banned(self, sp: SamplingParams) -> tuple[int, ...]:
@@ -286,9 +334,14 @@ class Engine:
             for r in self._prefill(pre):
                 changed[r.rid] = r
         dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None
-               and r.rid not in changed][: self.decode_buckets[-1]]
-        if dec:
-            for r in self._decode(dec):
+               and r.rid not in changed]
+        spec = [r for r in dec if r.stats.spec_mode == "ddtree"][: self.decode_buckets[-1]]
+        ar = [r for r in dec if r.stats.spec_mode != "ddtree"][: self.decode_buckets[-1]]
+        if spec:
+            for r in self._spec(spec):
+                changed[r.rid] = r
+        if ar:
+            for r in self._decode(ar):
                 changed[r.rid] = r
         now = time.perf_counter()
         for r in changed.values():
@@ -303,7 +356,7 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             r = self.waiting[0]
-            need = len(r.prompt) + r.sp.max_tokens
+            need = len(r.prompt) + r.sp.max_tokens + (self.spec_span if r.stats.spec_mode == "ddtree" else 0)
             if not self.pages.can_admit(need):
                 self.counters["admission_deferred"] += 1
                 break  # FIFO: wait for pages to free up
@@ -337,18 +390,61 @@ class Engine:
         slots = np.zeros(b, np.int32)
         slots[: len(rows)] = [r.slot for r in rows]
         table = self.pages.page_tables([r.rid for r in rows] + [None] * (b - len(rows)), self.width)
-        samp = SamplingArrays.from_rows(
-            [RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
-                         self._banned(r.sp))
-             for r in rows], b)
+        samp = self._row_sampling(rows, b)
         inp = StepInput(tokens=tok, positions=pos, n_valid=nv, slots=slots, page_table=table)
+        return self._call(kind, b, inp, samp)
+
+    def _call(self, kind: str, b: int, inp, samp):
         fn = self._exec.get((kind, b))
         if fn is None:
             self.counters["lazy_compiles"] += 1
-            fn = self._exec[(kind, b)] = self._jit.lower(self.target.params, self.state, *self._shapes(kind, b)).compile()
-        self.state, out = fn(self.target.params, self.state, inp, samp)
+            fn = self._exec[(kind, b)] = self._lower(kind, b).compile()
+        self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, inp, samp)
         self.counters[f"{kind}_steps"] += 1
         return jax.device_get(out)
+
+    def _row_sampling(self, rows: list[_Request], b: int) -> SamplingArrays:
+        return SamplingArrays.from_rows(
+            [RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
+                         self._banned(r.sp)) for r in rows], b)
+
+    def _spec(self, rows: list[_Request]) -> list[_Request]:
+        """One speculative round for every row; apply each row's burst in order; cohort-yield after round one."""
+        b = self._bucket(self.decode_buckets, len(rows))
+        for r in rows:
+            self.pages.grow(r.rid, r.n_cached + self.spec_span)
+        pad = b - len(rows)
+        inp = SpecInput(root=np.array([r.tokens[-1] for r in rows] + [0] * pad, np.int32),
+                        start=np.array([r.n_cached for r in rows] + [0] * pad, np.int32),
+                        slots=np.array([r.slot for r in rows] + [0] * pad, np.int32),
+                        active=np.array([True] * len(rows) + [False] * pad),
+                        page_table=self.pages.page_tables([r.rid for r in rows] + [None] * pad, self.width))
+        out = self._call("spec", b, inp, self._row_sampling(rows, b))
+        cohort = []
+        for i, r in enumerate(rows):
+            n = int(out.n_accepted[i])
+            burst = [int(t) for t in out.accepted[i, 1:n]] + [int(out.bonus[i])]
+            st = r.stats
+            st.spec_steps += 1
+            st.draft_nodes += int(out.tree_nodes[i])
+            st.accepted_tokens += n - 1
+            st.emitted_spec += len(burst)
+            for tok in burst:  # the decode contract, token by token; nothing past a stop is emitted
+                self._accept_token(r, tok, float("nan"), [])
+                if r.finish is not None:
+                    break
+            if r.finish is None:
+                self.pages.truncate(r.rid, r.n_cached)
+            if st.spec_steps == 1:
+                cohort.append(r)
+        if cohort and self.options.cohort_yield_min > 0:
+            mean = sum(r.stats.emitted_spec for r in cohort) / len(cohort)
+            if mean < self.options.cohort_yield_min:
+                self.counters["cohort_yield"] += 1
+                for r in cohort:
+                    r.stats.spec_mode = "yielded"
+                    r.stats.cohort_yield_mean = mean
+        return rows
 
     def _prefill(self, rows: list[_Request]) -> list[_Request]:
         c = self.options.prefill_chunk
@@ -384,16 +480,19 @@ class Engine:
 
     # ---- the decode contract ----------------------------------------------------------------------
     def _accept(self, r: _Request, out: StepOutput, row: int) -> None:
+        self._accept_token(r, int(out.tokens[row]), float(out.logprobs[row]),
+                           [(int(t), float(lp)) for t, lp in zip(out.top_ids[row], out.top_logprobs[row])])
+
+    def _accept_token(self, r: _Request, tok: int, logprob: float, top: list[tuple[int, float]]) -> None:
         """Apply one generated token: stop ids / EOS end the request without emitting the token."""
-        tok = int(out.tokens[row])
         n_before = len(r.tokens)
         if tok in r.sp.stop_token_ids or (not r.sp.ignore_eos and tok in self.eos_token_ids):
             if n_before >= r.sp.min_tokens:
                 r.finish = "stop"
                 return
         r.tokens.append(tok)
-        r.logprobs.append(float(out.logprobs[row]))
-        r.top.append([(int(t), float(lp)) for t, lp in zip(out.top_ids[row], out.top_logprobs[row])])
+        r.logprobs.append(logprob)
+        r.top.append(top)
         if r.sp.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(r.tokens)
             hits = [i for i in (text.find(s) for s in r.sp.stop) if i >= 0]

@@ -13,10 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import TargetConfig
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.engine.sampling import SamplingArrays, sample
 from dflash_jax.models import qwen36
-from dflash_jax.state import EngineState, StepInput
+from dflash_jax.state import DraftKV, EngineState, StepInput
 
 
 @jax.tree_util.register_dataclass
@@ -30,19 +30,29 @@ class StepOutput:
     top_logprobs: jax.Array
 
 
-def step(cfg: TargetConfig, params, state: EngineState, inp: StepInput, samp: SamplingArrays):
-    """Run ``inp`` ([B, T] tokens) through the target and sample each row's next token."""
-    h, kv, rec, _ = qwen36.forward(params, cfg, inp, state.kv, state.rec)
+def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: EngineState, dkv: DraftKV | None,
+         inp: StepInput, samp: SamplingArrays):
+    """Run ``inp`` ([B, T] tokens) through the target and sample each row's next token.
+
+    With a drafter (``dcfg`` set), the drafter's context cache is extended with these positions too, so a
+    sequence can draft from any point. Returns ``(state', dkv', StepOutput)``.
+    """
+    layers = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
+    h, kv, rec, feats = qwen36.forward(params, cfg, inp, state.kv, state.rec, layers)
+    if dcfg is not None:
+        from dflash_jax.engine.spec_steps import features, write_draft_context
+
+        dkv = write_draft_context(dcfg, dparams, dkv, features(feats), inp.positions, inp.valid, inp.page_table)
     last = jnp.clip(inp.n_valid - 1, 0, inp.tokens.shape[1] - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = qwen36.lm_logits(params, h_last)
     tok, logp, top_ids, top_lp = sample(logits, samp)
-    return EngineState(kv=kv, rec=rec), StepOutput(tok, logp, top_ids, top_lp)
+    return EngineState(kv=kv, rec=rec), dkv, StepOutput(tok, logp, top_ids, top_lp)
 
 
-def step_fn(cfg: TargetConfig):
-    """``f(params, state, inp, samp)`` jitted for ``cfg`` with the state donated.
+def step_fn(cfg: TargetConfig, dcfg: DrafterConfig | None = None):
+    """``f(params, dparams, state, dkv, inp, samp)`` jitted with the state (and drafter cache) donated.
 
     The same function serves prefill buckets (T = chunk) and decode buckets (T = 1).
     """
-    return jax.jit(functools.partial(step, cfg), donate_argnums=(1,))
+    return jax.jit(functools.partial(step, cfg, dcfg), donate_argnums=(2, 3))
