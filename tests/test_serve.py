@@ -275,3 +275,49 @@ def test_sigterm_drains_running_requests_then_exits(server):
     assert got[-1] == "data: [DONE]"
     # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit too
     assert server["proc"].wait(60) in (0, -signal.SIGTERM)
+
+
+def test_ddtree_flags_start_a_speculative_server(tmp_path):
+    """--ddtree --drafter serves losslessly (same greedy text as the AR server) and reports the mode."""
+    import jax
+    import jax.numpy as jnp
+
+    import dflash_jax as dj
+    from dflash_jax.config import DrafterConfig
+    from dflash_jax.models import dflash
+    from dflash_jax.models.dflash_loader import save_drafter
+    from dflash_jax.models.tokenizer import Tokenizer
+
+    model = _model_dir(str(tmp_path))
+    tcfg = dj.TargetConfig.from_file(model)
+    dcfg = DrafterConfig.from_hf_dict({
+        "model_type": "qwen3", "hidden_size": tcfg.hidden_size, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 1e7, "block_size": 4,
+        "dflash_config": {"mask_token_id": 9, "target_layer_ids": [1, 5]}})
+    save_drafter(str(tmp_path / "drafter"), dcfg, dflash.init_params(dcfg, jax.random.key(0), jnp.float32))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", "--model", model, "--port", str(port),
+                             "--max-concurrency", "1", "--max-model-len", "128", "--page-size", "8",
+                             "--prefill-chunk", "32", "--ddtree", "--drafter", str(tmp_path / "drafter"),
+                             "--ddtree-budget", "4", "--cohort-yield-min", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            if proc.poll() is not None:
+                pytest.fail(proc.stdout.read())
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        r = c.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        tel = r.choices[0].model_extra["telemetry"]
+        assert tel["spec_mode"] == "ddtree" and tel["draft_steps"] >= 1 and r.usage.completion_tokens == 6
+        want = dj.load_target(model).greedy([5, 6, 7, 8], 6)
+        assert r.choices[0].text == Tokenizer.from_dir(model).decode(want)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

@@ -3,8 +3,8 @@
     python -m dflash_jax.serve --model PATH [--host 127.0.0.1] [--port 8000] [--max-concurrency 8]
     python -m dflash_jax.serve --config configs/h200.yaml --model PATH
 
-Flags use the seed system's names. Features that this build cannot run yet (DDTree speculation,
-PFlash prompt compression, KVFlash bounded residency, fast rollback, a separate drafter) are rejected
+Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation. Features that
+this build cannot run yet (PFlash prompt compression, KVFlash bounded residency, fast rollback) are rejected
 at start-up with a message naming the flag, never silently ignored.
 """
 
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-drafter", default=None)
     ap.add_argument("--kvflash", default=None, help="off | auto | N tokens")
     ap.add_argument("--fast-rollback", action="store_true", default=None)
+    ap.add_argument("--cohort-yield-min", type=float, default=None,
+                    help="a cohort whose first DDTree round emits fewer tokens per request continues AR (0 = never)")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=None)
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
-            "prefill_compression": "off", "kvflash": "off"}
+            "prefill_compression": "off", "kvflash": "off", "cohort_yield_min": 6.0}
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -82,10 +84,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     ns = argparse.Namespace(**{k: merged.get(k) for k in set(vars(args)) | set(merged)})
 
     unavailable = []
-    if ns.ddtree:
-        unavailable.append("--ddtree (speculative decoding)")
-    if ns.drafter:
-        unavailable.append("--drafter")
+    if ns.ddtree and not ns.drafter:
+        raise StartupError("--ddtree needs --drafter PATH (a DFlash drafter checkpoint directory)")
+    if ns.drafter and not ns.ddtree:
+        raise StartupError("--drafter is only used with --ddtree; add --ddtree or drop --drafter")
+    if ns.drafter and not os.path.isdir(ns.drafter):
+        raise StartupError(f"--drafter {ns.drafter}: not a directory")
+    if ns.ddtree and not 1 <= int(ns.ddtree_budget) <= 256:
+        raise StartupError(f"--ddtree-budget must be in [1, 256], got {ns.ddtree_budget}")
     if ns.fast_rollback:
         unavailable.append("--fast-rollback")
     if ns.prefill_compression not in (None, "off"):
@@ -140,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from dflash_jax.engine.loop import Engine, EngineOptions
+    from dflash_jax.engine.spec_steps import SpecConfig
+    from dflash_jax.models.dflash_loader import load_drafter
     from dflash_jax.models.tokenizer import Tokenizer
     from dflash_jax.serve.app import Server, build_app
     from dflash_jax.target import load_target
@@ -149,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with jax.default_device(device):
         target = load_target(args.model, dtype=dtype)
+        drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
+        spec = SpecConfig(budget=int(args.ddtree_budget)) if args.ddtree else None
         eng = Engine(target, Tokenizer.from_dir(args.model),
                      EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
                                    max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
-                                   prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency)))
+                                   prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
+                                   spec=spec, cohort_yield_min=float(args.cohort_yield_min)),
+                     drafter=drafter)
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
         print(f"model {args.model} ({dtype}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
@@ -167,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
                     default_thinking=args.enable_thinking in (True, "true"))
-    print(f"features: spec_mode=ar, prefill_compression=off, kvflash=off, max_concurrency={args.max_concurrency}",
+    mode = (f"ddtree(budget={args.ddtree_budget}, drafter={args.drafter}, mode=packed-verify-replay, "
+            f"cohort_yield_min={args.cohort_yield_min})" if args.ddtree else "ar")
+    print(f"features: spec_mode={mode}, prefill_compression=off, kvflash=off, max_concurrency={args.max_concurrency}",
           flush=True)
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",

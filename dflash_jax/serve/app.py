@@ -29,8 +29,8 @@ log = logging.getLogger("dflash_jax.serve")
 
 
 def _telemetry(o: RequestOutput) -> dict[str, Any]:
-    return {"effective_prompt_tokens": len(o.prompt_token_ids), "spec_mode": "ar", "draft_steps": 0,
-            "accepted_tokens": 0, "kv_pages_in": 0, "kv_pages_out": 0, **o.stats}
+    """Per-request telemetry: the engine's stats (spec_mode, draft_steps, accepted_tokens, timings, ...)."""
+    return {"effective_prompt_tokens": len(o.prompt_token_ids), "kv_pages_in": 0, "kv_pages_out": 0, **o.stats}
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -57,10 +57,9 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 default_thinking: bool = True, features: dict[str, Any] | None = None) -> None:
+                 default_thinking: bool = True) -> None:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.default_thinking = default_thinking
-        self.features = features or {"spec_mode": "ar"}
         self.runner = EngineRunner(engine)
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -68,10 +67,11 @@ class Server:
     # ---- request -> engine -----------------------------------------------------------------------
     def _sampling(self, req, stops: tuple[str, ...]) -> SamplingParams:
         max_tokens = req.max_completion_tokens or req.max_tokens or 16
+        wants_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else bool(req.logprobs)
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
                               top_p=req.top_p, seed=req.seed, stop=stops,
                               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                              min_tokens=req.min_tokens)
+                              min_tokens=req.min_tokens, logprobs=wants_logprobs)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -114,6 +114,8 @@ class Server:
             self.metrics.ttft.observe(o.stats["ttft_s"])
         if o.stats.get("tpot_s") is not None:
             self.metrics.tpot.observe(o.stats["tpot_s"])
+        if o.stats.get("mean_accept_len") is not None:
+            self.metrics.accept_len.observe(o.stats["mean_accept_len"])
 
     def _usage(self, prompt_len: int, outs: list[RequestOutput]) -> dict[str, int]:
         c = sum(len(o.token_ids) for o in outs)
@@ -352,6 +354,7 @@ class Server:
         m.total_pages.set(eng.pages.n_pages - 1)
         m.free_slots.set(len(eng.free_slots))
         m.engine_faults.set(self.runner.faults)
+        m.cohort_yield.set(eng.counters["cohort_yield"])
 
 
 def build_app(server: Server) -> FastAPI:

@@ -17,7 +17,8 @@ class Metrics:
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1))
         self.accept_len = Histogram("dflash_acceptance_length", "Tokens emitted per speculative step", registry=r,
                                     buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
-        self.cohort_yield = Counter("dflash_cohort_yield_events", "Cohorts switched to AR by the yield guard", registry=r)
+        self.cohort_yield = Gauge("dflash_cohort_yield_events", "Cohorts switched to AR by the yield guard so far",
+                                  registry=r)
         self.kv_pages_in = Counter("dflash_kv_pages_in", "KV pages brought back to the device", registry=r)
         self.kv_pages_out = Counter("dflash_kv_pages_out", "KV pages moved to host memory", registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for admission", registry=r)
