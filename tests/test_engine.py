@@ -462,3 +462,11 @@ def test_stream_yields_growing_snapshots(eng):
 
     hot = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
     assert list(eng.stream(p, hot))[-1].token_ids == alone(eng, p, hot).token_ids
+
+
+def test_closing_a_stream_early_aborts_its_request(eng):
+    it = eng.stream(prompts(A)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    first = next(it)
+    assert len(first.token_ids) == 1 and eng.running
+    it.close()
+    assert not eng.running and not eng.waiting  # the autouse check also verifies pages and slots came back

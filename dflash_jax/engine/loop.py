@@ -536,17 +536,24 @@ class Engine:
         return [final[i] for i in ids]
 
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams()) -> Iterator[RequestOutput]:
-        """Yield the request's output after every step that changed it (runs the loop in this thread)."""
+        """Yield the request's output after every step that changed it (runs the loop in this thread).
+
+        Other requests advance too (their outputs are not returned here: drive ``step()`` yourself to serve
+        several). Closing the iterator early aborts the request and frees its pages and slot.
+        """
         rid = self.submit(prompt, sampling)
-        while True:
-            outs = self.step()
-            for o in outs:
-                if o.request_id == rid:
-                    yield o
-                    if o.finish_reason is not None:
-                        return
-            if not self.has_work():
-                return
+        done = False
+        try:
+            while not done:
+                for o in self.step():
+                    if o.request_id == rid:
+                        done = o.finish_reason is not None
+                        yield o
+                if not self.has_work():
+                    return
+        finally:
+            if not done:
+                self.abort(rid)
 
     def compile_count(self) -> int:
         return compile_mod.compile_count()
