@@ -77,6 +77,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
     "ceiling": (_ceiling_args, _ceiling_run, "weight-stream ceiling of a decode step (DESIGN.md §8)"),
     "ar": (lambda p: _lazy("ar").add_arguments(p), lambda a, c: _lazy("ar").run(a, c),
            "AR decode throughput of the engine at several concurrencies"),
+    "spec": (lambda p: _lazy("spec").add_arguments(p), lambda a, c: _lazy("spec").run(a, c),
+             "speculative round cost (step overhead vs AR) and oracle-draft throughput"),
 }
 
 

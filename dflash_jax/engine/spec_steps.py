@@ -100,12 +100,10 @@ def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params,
     return tree.with_root(inp.root)
 
 
-def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,
-              dkv: DraftKV, inp: SpecInput, samp: SamplingArrays):
-    """One speculative round for B rows -> (state', dkv', SpecOutput). Lossless: the emitted tokens are
-    distributed exactly as the target's own (greedy rows: identical to AR greedy)."""
+def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state: EngineState, dkv: DraftKV,
+                  inp: SpecInput, samp: SamplingArrays, tree: ddtree.Tree):
+    """Verify B trees in one target pass, accept losslessly, commit target state and drafter context."""
     layers = _check(cfg, dcfg)
-    tree = draft_tree(cfg, dcfg, spec, params, dparams, dkv, inp)
     valid = tree.valid & inp.active[:, None]
     parents = jnp.where(valid, tree.parent, -1).at[:, 0].set(-1)
     tin = TreeInput(tokens=tree.tokens, positions=ddtree.positions(tree, inp.start), parents=parents,
@@ -127,3 +125,23 @@ def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, 
     out = SpecOutput(accepted=toks, n_accepted=n_acc, bonus=bonus,
                      tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32))
     return EngineState(kv=kv, rec=rec), dkv, out
+
+
+def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,
+              dkv: DraftKV, inp: SpecInput, samp: SamplingArrays):
+    """One speculative round for B rows -> (state', dkv', SpecOutput). Lossless: the emitted tokens are
+    distributed exactly as the target's own (greedy rows: identical to AR greedy)."""
+    tree = draft_tree(cfg, dcfg, spec, params, dparams, dkv, inp)
+    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree)
+
+
+def oracle_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,
+                dkv: DraftKV, inp: SpecInput, samp: SamplingArrays, proposal: jax.Array):
+    """A speculative round whose tree comes from given proposals instead of the drafter (forced acceptance,
+    for benchmarks): ``proposal [B, L]`` token ids at depths 1..L become a chain (the rest of the budget is
+    filled from a flat distribution). Verification, acceptance and commit are the real ones."""
+    v = cfg.vocab_size
+    onehot = jax.nn.one_hot(proposal, v, dtype=jnp.float32)
+    logp = jax.nn.log_softmax(onehot * 20.0, axis=-1)
+    tree = ddtree.build_tree(logp, spec.budget, spec.top_k, True).with_root(inp.root)
+    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree)

@@ -1,0 +1,174 @@
+"""``python -m dflash_jax.bench spec``: the cost of a speculative round and forced-acceptance throughput.
+
+1. Step overhead (``bN.step_overhead``): device time of one draft + DDTree + verify + commit round divided by one
+   AR decode step, same batch B, same context, both the engine's compiled executables run back to back.
+2. Oracle draft (``oracle_tau{T}.b1.*``, clearly forced acceptance): the target's own greedy continuation is
+   recorded by AR decoding, then a B=1 speculative loop proposes it as the tree's chain, each position replaced
+   by a random token with the probability that makes the expected tokens per round T. Verification, acceptance
+   and commit are the real ones; the emitted tokens must equal the AR continuation (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.bench import results
+from dflash_jax.bench.ar import device_step_ms
+from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.engine.sampling import SamplingArrays
+from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
+from dflash_jax.models import dflash, qwen36
+from dflash_jax.target import Target, load_target
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF target checkpoint directory")
+    src.add_argument("--random-weights", metavar="CONFIG", help="target config.json given random weights")
+    dsrc = p.add_mutually_exclusive_group(required=True)
+    dsrc.add_argument("--drafter", help="DFlash drafter checkpoint directory")
+    dsrc.add_argument("--random-drafter", metavar="CONFIG", help="drafter config.json given random weights")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--budget", type=int, default=22)
+    p.add_argument("--context", type=int, default=4096, help="tokens in the cache when steps are timed")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--oracle-tau", type=float, default=6.5, help="0 skips the oracle-draft run")
+    p.add_argument("--oracle-tokens", type=int, default=128)
+
+
+def chain_keep_prob(tau: float, depth: int) -> float:
+    """q such that 1 + sum_{k=1..depth} q^k = tau (expected tokens per round of a chain whose positions are
+    independently right with probability q; the bonus token counts)."""
+    if not 1.0 <= tau <= depth + 1:
+        raise ValueError(f"tau must be in [1, {depth + 1}], got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        q = (lo + hi) / 2
+        if 1 + sum(q ** k for k in range(1, depth + 1)) < tau:
+            lo = q
+        else:
+            hi = q
+    return (lo + hi) / 2
+
+
+def spec_step_ms(eng: Engine, b: int, context: int, iters: int) -> float:
+    """Back-to-back speculative rounds of bucket ``b`` at ``context`` (device time per round)."""
+    w = eng.width
+    inp = SpecInput(root=np.zeros(b, np.int32), start=np.full(b, context, np.int32),
+                    slots=np.arange(1, b + 1, dtype=np.int32), active=np.ones(b, bool),
+                    page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (b, 1)) % eng.pages.n_pages)
+    samp = SamplingArrays.from_rows([], b)
+    inp, samp = jax.device_put((inp, samp))
+    fn = eng._exec[("spec", b)]
+    args = lambda: (eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp)
+    eng.state, eng.dkv, out = fn(*args())
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        eng.state, eng.dkv, out = fn(*args())
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
+def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, tau: float, seed: int = 0) -> dict:
+    """B=1 loop with proposals from the recorded greedy continuation, corrupted to expected ``tau``."""
+    cfg, dcfg = eng.cfg, eng.dcfg
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+    truth = eng.generate([prompt], SamplingParams(max_tokens=n_tokens + dcfg.block_size, ignore_eos=True))[0].token_ids
+    depth = dcfg.block_size - 1
+    q = chain_keep_prob(tau, min(depth, spec.budget))  # the tree's chain holds at most `budget` nodes
+    step = jax.jit(functools.partial(oracle_step, cfg, dcfg, spec), donate_argnums=(2, 3))
+    # prefill through the engine, then drive rounds by hand on that request's slot and pages
+    rid = eng.submit(prompt, SamplingParams(max_tokens=n_tokens + dcfg.block_size + 1, ignore_eos=True))
+    while not eng.running.get(rid) or not eng.running[rid].tokens:
+        eng.step()
+    r = eng.running[rid]
+    out_tokens = list(r.tokens)
+    start = r.n_cached
+    samp = jax.device_put(SamplingArrays.from_rows([], 1))
+    eng.pages.grow(rid, len(prompt) + n_tokens + dcfg.block_size)
+    table = eng.pages.page_tables([rid], eng.width)
+    rounds, t_total = 0, 0.0
+    compiled = False
+    while len(out_tokens) < n_tokens:
+        pos = len(out_tokens)  # proposals for depths 1..L: the continuation after the root
+        prop = np.array([truth[pos + d] if rng.random() < q else int(rng.integers(0, cfg.vocab_size))
+                         for d in range(depth)], np.int32)[None]
+        inp = SpecInput(root=np.array([out_tokens[-1]], np.int32), start=np.array([start], np.int32),
+                        slots=np.array([r.slot], np.int32), active=np.ones(1, bool), page_table=table)
+        t0 = time.perf_counter()
+        eng.state, eng.dkv, o = step(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp, prop)
+        o = jax.device_get(o)
+        dt = time.perf_counter() - t0
+        if compiled:
+            t_total += dt
+            rounds += 1
+        else:  # the first round compiles the oracle step: not timed, still applied
+            compiled = True
+            first_emitted = int(o.n_accepted[0])
+        n = int(o.n_accepted[0])
+        out_tokens += [int(t) for t in o.accepted[0, 1:n]] + [int(o.bonus[0])]
+        start += n
+    eng.abort(rid)
+    emitted = len(out_tokens) - 1 - first_emitted  # tokens from the timed rounds
+    if out_tokens[:n_tokens] != truth[:n_tokens]:
+        raise RuntimeError("oracle speculative output differs from AR greedy: losslessness broken")
+    return {"tok_s": emitted / t_total, "tau_measured": emitted / rounds, "round_ms": 1e3 * t_total / rounds,
+            "rounds": rounds}
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    dtype = jnp.dtype(args.dtype)
+    if args.model:
+        target = load_target(args.model, dtype=args.dtype)
+    else:
+        cfg = TargetConfig.from_file(args.random_weights)
+        target = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
+    if args.drafter:
+        from dflash_jax.models.dflash_loader import load_drafter
+
+        dcfg, dparams = load_drafter(args.drafter, dtype=dtype)
+    else:
+        dcfg = DrafterConfig.from_file(args.random_drafter)
+        dparams = dflash.init_params(dcfg, jax.random.key(1), dtype)
+    jax.block_until_ready((target.params, dparams))
+    spec = SpecConfig(budget=args.budget)
+    max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8
+    eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
+                                             prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
+                                             cohort_yield_min=0.0), drafter=(dcfg, dparams))
+    t0 = time.perf_counter()
+    eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
+    figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "budget": args.budget,
+                                 "block_size": dcfg.block_size}
+    for b in args.batch:
+        ar_ms = device_step_ms(eng, b, args.context, args.iters)
+        sp_ms = spec_step_ms(eng, b, args.context, args.iters)
+        figures.update({f"b{b}.ar_step_ms": ar_ms, f"b{b}.spec_step_ms": sp_ms, f"b{b}.step_overhead": sp_ms / ar_ms})
+        print(f"b{b}: AR {ar_ms:.2f} ms, DDTree round {sp_ms:.2f} ms, overhead {sp_ms / ar_ms:.3f}", flush=True)
+    if args.oracle_tau > 0:
+        m = oracle_run(eng, spec, args.context, args.oracle_tokens, args.oracle_tau)
+        key = f"oracle_tau{args.oracle_tau:g}.b1"
+        figures.update({f"{key}.tok_s": m["tok_s"], f"{key}.tau_measured": m["tau_measured"],
+                        f"{key}.round_ms": m["round_ms"]})
+        print(f"oracle draft (forced acceptance, tau {args.oracle_tau}): {m['tok_s']:.1f} tok/s, "
+              f"measured tau {m['tau_measured']:.2f}", flush=True)
+    results.print_table(figures)
+    if not args.no_write:
+        extra = {"target": args.model or args.random_weights, "drafter": args.drafter or args.random_drafter,
+                 "weights": "checkpoint" if args.model else "random", "dtype": args.dtype, "context": args.context,
+                 "oracle": "forced acceptance: proposals are the target's own greedy continuation, corrupted "
+                           "per position to the requested expected tokens per round"}
+        print("wrote", results.write_result("spec", figures, command, extra, out_dir=args.out_dir))
+    return 0

@@ -1,0 +1,37 @@
+"""The speculative benchmark runs end to end on CPU (small shapes) and its oracle loop checks losslessness."""
+
+import json
+import os
+
+import pytest
+
+from conftest import FIXTURES
+from dflash_jax.bench.__main__ import main
+from dflash_jax.bench.spec import chain_keep_prob
+
+pytestmark = pytest.mark.xdist_group("bench_spec")
+
+
+def test_chain_keep_prob_hits_the_expected_tokens_per_round():
+    for tau, depth in [(6.5, 15), (3.0, 6), (1.0, 4), (16.0, 15)]:
+        q = chain_keep_prob(tau, depth)
+        assert abs(1 + sum(q ** k for k in range(1, depth + 1)) - tau) < 1e-6
+    with pytest.raises(ValueError, match="tau"):
+        chain_keep_prob(20.0, 15)
+
+
+def test_spec_bench_smoke(tmp_path):
+    drafter = tmp_path / "drafter.json"
+    drafter.write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1e7,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "block_size": 8,
+        "dflash_config": {"mask_token_id": 250, "target_layer_ids": [0, 1, 2]}}))
+    rc = main(["spec", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-drafter", str(drafter),
+               "--dtype", "float32", "--batch", "1", "2", "--budget", "6", "--context", "40", "--prefill-chunk", "32",
+               "--iters", "2", "--oracle-tau", "3", "--oracle-tokens", "24", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("spec_")]
+    figs = json.loads(res.read_text())["figures"]
+    assert figs["b1.step_overhead"] > 0 and figs["b2.spec_step_ms"] > 0
+    assert figs["oracle_tau3.b1.tau_measured"] >= 1 and figs["oracle_tau3.b1.tok_s"] > 0
