@@ -1,0 +1,355 @@
+"""Speculative prefill ("PFlash", reference §5): a small scorer model ranks prompt tokens by the attention its last
+prompt tokens pay them; only the best 32-token chunks (plus forced head/tail/protected chunks) reach the target.
+
+Pipeline (``compress``):
+
+1. ``scorer(ids, options) -> [T]`` token importance. ``DenseScorer`` prefills the prompt with a Qwen3 dense model
+   (``models.dense``), takes the queries of the last ``n_query`` prompt tokens at the last ``n_layers`` layers, and
+   reduces their attention ``[L, H, nq, T]`` by max over (layer, head), mean over queries, then an average-pool
+   smoothing of ``pool_kernel`` tokens (``score_tokens`` is the same reduction on a materialised tensor).
+2. ``select_chunks``: split into ``chunk``-token chunks scored by their mean; always keep the best chunk, the head
+   and tail chunks and every chunk holding a ``must_keep`` token (chat structure, tool calls/responses, the system
+   turn: see ``protected_mask``), then add chunks by score until ``ceil(keep_ratio * T)`` tokens are kept.
+3. The kept token ids, in their original order, are the effective prompt the target prefills (contiguously
+   re-numbered, as lucebox does; ``kept_indices`` gives the original positions for a SpecPrefill-style variant).
+
+Modes: ``off`` never compresses; ``always`` compresses every prompt of at least ``min_tokens`` tokens; ``auto`` does
+the same but leaves tool-calling requests alone and skips prompts where the forced chunks alone would keep more than
+``auto_max_ratio`` of the prompt (the scoring pass would not pay for itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.models import dense
+
+MODES = ("off", "auto", "always")
+
+
+class PFlashError(ValueError):
+    """Invalid PFlash options or inputs; the message names the option."""
+
+
+def _int_opt(name: str, val: Any, lo: int) -> None:
+    if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+        raise PFlashError(f"pflash option {name!r} must be an int >= {lo}, got {val!r}")
+
+
+def _ratio_opt(name: str, val: Any) -> None:
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 < val <= 1.0:
+        raise PFlashError(f"pflash option {name!r} must be a number in (0, 1], got {val!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PFlashOptions:
+    """Prompt compression settings (validated on construction).
+
+    mode: "off" | "auto" | "always". keep_ratio: fraction of prompt tokens kept (lucebox server default 0.05;
+    guidance 0.02 at 128K, 0.10 at 32K). min_tokens: prompts shorter than this are never compressed. chunk: selection
+    granularity in tokens. head_tokens / tail_tokens: the chunks covering the first / last this many tokens are always
+    kept (lucebox: 8 and 24 chunks of 32). n_query: tail queries scored. n_layers: the scorer's last layers used
+    (None: all). pool_kernel: odd smoothing window (1: none). nope: score with pre-RoPE q/k (lucebox default).
+    auto_max_ratio: in auto mode, skip prompts whose forced chunks alone keep more than this fraction.
+    """
+
+    mode: str = "off"
+    keep_ratio: float = 0.05
+    min_tokens: int = 32768
+    chunk: int = 32
+    head_tokens: int = 256
+    tail_tokens: int = 768
+    n_query: int = 8
+    n_layers: int | None = None
+    pool_kernel: int = 13
+    nope: bool = True
+    auto_max_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise PFlashError(f"pflash option 'mode' must be one of {MODES}, got {self.mode!r}")
+        _ratio_opt("keep_ratio", self.keep_ratio)
+        _ratio_opt("auto_max_ratio", self.auto_max_ratio)
+        _int_opt("min_tokens", self.min_tokens, 0)
+        _int_opt("chunk", self.chunk, 1)
+        _int_opt("head_tokens", self.head_tokens, 0)
+        _int_opt("tail_tokens", self.tail_tokens, 0)
+        _int_opt("n_query", self.n_query, 1)
+        _int_opt("pool_kernel", self.pool_kernel, 1)
+        if self.pool_kernel % 2 == 0:
+            raise PFlashError(f"pflash option 'pool_kernel' must be odd (a centred window), got {self.pool_kernel}")
+        if self.n_layers is not None:
+            _int_opt("n_layers", self.n_layers, 1)
+        if not isinstance(self.nope, bool):
+            raise PFlashError(f"pflash option 'nope' must be a bool, got {self.nope!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# scores
+# ---------------------------------------------------------------------------------------------
+def smooth(x: Any, kernel: int) -> jax.Array:
+    """Centred moving average of a 1-D array over ``kernel`` (odd) entries, averaging only entries inside the array
+    (AvgPool1D with same padding and ``count_include_pad=False``)."""
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise PFlashError(f"pflash option 'pool_kernel' must be an odd int >= 1, got {kernel!r}")
+    x = jnp.asarray(x, jnp.float32)
+    if kernel == 1 or x.shape[0] == 0:
+        return x
+    t, r = x.shape[0], kernel // 2
+    c = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(x)])
+    i = jnp.arange(t)
+    lo, hi = jnp.maximum(i - r, 0), jnp.minimum(i + r + 1, t)
+    return (c[hi] - c[lo]) / (hi - lo).astype(jnp.float32)
+
+
+def score_tokens(attn: Any, pool_kernel: int = 13) -> jax.Array:
+    """Token importance ``[T]`` from tail attention ``[..., Q, T]`` (e.g. ``[L, H, Q, T]`` from
+    ``dense.tail_attention``): max over every leading axis (layers, heads), mean over the Q queries, then
+    ``smooth(., pool_kernel)``."""
+    a = jnp.asarray(attn, jnp.float32)
+    if a.ndim < 2:
+        raise PFlashError(f"attention must be [..., Q, T], got shape {a.shape}")
+    if a.ndim > 2:
+        a = a.reshape((-1,) + a.shape[-2:]).max(axis=0)
+    return smooth(a.mean(axis=0), pool_kernel)
+
+
+def chunk_means(scores: np.ndarray, chunk: int) -> np.ndarray:
+    """Mean score of each ``chunk``-token chunk (the last one may be shorter): ``[ceil(T / chunk)]``."""
+    t = scores.shape[0]
+    n = -(-t // chunk)
+    pad = np.zeros(n * chunk, np.float64)
+    pad[:t] = scores
+    sizes = np.full(n, chunk, np.float64)
+    sizes[-1] = t - (n - 1) * chunk
+    return pad.reshape(n, chunk).sum(axis=1) / sizes
+
+
+def _forced_chunks(t: int, chunk: int, head_tokens: int, tail_tokens: int,
+                   must_keep: np.ndarray | None) -> np.ndarray:
+    """Boolean ``[n_chunks]``: head, tail and must_keep chunks."""
+    n = -(-t // chunk)
+    keep = np.zeros(n, bool)
+    if head_tokens > 0:
+        keep[:-(-min(head_tokens, t) // chunk)] = True
+    if tail_tokens > 0:
+        keep[max(0, t - tail_tokens) // chunk:] = True
+    if must_keep is not None:
+        keep[np.unique(np.flatnonzero(must_keep) // chunk)] = True
+    return keep
+
+
+def _chunk_sizes(t: int, chunk: int) -> np.ndarray:
+    n = -(-t // chunk)
+    sizes = np.full(n, chunk, np.int64)
+    sizes[-1] = t - (n - 1) * chunk
+    return sizes
+
+
+def _check_must_keep(must_keep: Any, t: int) -> np.ndarray | None:
+    if must_keep is None:
+        return None
+    m = np.asarray(must_keep)
+    if m.dtype != np.bool_ or m.shape != (t,):
+        raise PFlashError(f"must_keep must be a bool mask of shape ({t},), got {m.dtype} {m.shape}")
+    return m
+
+
+def select_chunks(scores: Any, *, chunk: int = 32, keep_ratio: float, head_tokens: int = 0, tail_tokens: int = 0,
+                  must_keep: Any = None) -> np.ndarray:
+    """Token indices to keep (sorted, original order), chunk by chunk.
+
+    Kept: the chunk with the highest mean score (ties: the earliest), the chunks covering the first ``head_tokens``
+    and last ``tail_tokens`` tokens, every chunk holding a ``must_keep`` token, then further chunks by descending
+    mean score while fewer than ``ceil(keep_ratio * T)`` tokens are kept. So when those forced chunks fit the budget,
+    ``ceil(keep_ratio * T) <= kept < ceil(keep_ratio * T) + chunk``; otherwise exactly the forced chunks are kept.
+    """
+    s = np.asarray(scores, np.float64)
+    if s.ndim != 1 or s.shape[0] == 0:
+        raise PFlashError(f"scores must be a non-empty 1-D array, got shape {s.shape}")
+    if not np.isfinite(s).all():
+        raise PFlashError("scores must be finite")
+    _int_opt("chunk", chunk, 1)
+    _int_opt("head_tokens", head_tokens, 0)
+    _int_opt("tail_tokens", tail_tokens, 0)
+    _ratio_opt("keep_ratio", keep_ratio)
+    t = s.shape[0]
+    mk = _check_must_keep(must_keep, t)
+    means = chunk_means(s, chunk)
+    sizes = _chunk_sizes(t, chunk)
+    order = np.argsort(-means, kind="stable")
+    keep = _forced_chunks(t, chunk, head_tokens, tail_tokens, mk)
+    keep[order[0]] = True
+    target = math.ceil(keep_ratio * t)
+    kept = int(sizes[keep].sum())
+    for c in order:
+        if kept >= target:
+            break
+        if not keep[c]:
+            keep[c] = True
+            kept += int(sizes[c])
+    return np.flatnonzero(np.repeat(keep, chunk)[:t])
+
+
+# ---------------------------------------------------------------------------------------------
+# protected spans
+# ---------------------------------------------------------------------------------------------
+def span_mask(ids: Any, open_id: int | None, close_id: int | None) -> np.ndarray:
+    """Marks every token from each ``open_id`` through the next ``close_id`` (inclusive); an unclosed span runs to the
+    end of the prompt. All False when either id is None."""
+    arr = np.asarray(ids).reshape(-1)
+    m = np.zeros(arr.shape, bool)
+    if open_id is None or close_id is None:
+        return m
+    depth_start = None
+    for i, tok in enumerate(arr.tolist()):
+        if depth_start is None and tok == open_id:
+            depth_start = i
+        elif depth_start is not None and tok == close_id:
+            m[depth_start:i + 1] = True
+            depth_start = None
+    if depth_start is not None:
+        m[depth_start:] = True
+    return m
+
+
+def protected_mask(ids: Any, tokenizer: Any, *, system: bool = True, tools: bool = True) -> np.ndarray:
+    """The ``must_keep`` mask for a chat prompt: ``tokenizer.structural_mask(ids)`` (template tokens, role headers)
+    plus, with ``tools``, every ``<tool_call>…</tool_call>`` and ``<tool_response>…</tool_response>`` span, and with
+    ``system``, every system turn (``<|im_start|>system … <|im_end|>``, which also holds the tool definitions).
+
+    ``tokenizer`` is a ``models.tokenizer.Tokenizer`` (or anything with its ``structural_mask``, ``decode`` and
+    special-token id attributes).
+    """
+    arr = np.asarray(ids, np.int64).reshape(-1)
+    m = np.asarray(tokenizer.structural_mask(arr), bool).copy()
+    if tools:
+        m |= span_mask(arr, tokenizer.tool_call_id, tokenizer.tool_call_end_id)
+        m |= span_mask(arr, tokenizer.tool_response_id, tokenizer.tool_response_end_id)
+    if system and tokenizer.im_start_id is not None and tokenizer.im_end_id is not None:
+        for p in np.flatnonzero(arr == tokenizer.im_start_id):
+            head = tokenizer.decode(arr[p + 1:p + 4].tolist(), skip_special_tokens=False)
+            if head.startswith("system"):
+                ends = np.flatnonzero(arr[p:] == tokenizer.im_end_id)
+                m[p:p + ends[0] + 1 if ends.size else arr.shape[0]] = True
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# scorers
+# ---------------------------------------------------------------------------------------------
+Scorer = Callable[[np.ndarray, PFlashOptions], Any]
+"""``scorer(ids [T] int32, options) -> importance [T]`` (any array-like; higher = keep)."""
+
+
+@functools.partial(jax.jit, static_argnames=("layers", "theta", "nope"))
+def _tail_max(qs: jax.Array, k: jax.Array, q_start: jax.Array, layers: tuple[int, ...], theta: float,
+              nope: bool) -> jax.Array:
+    """``[nq, cap]``: max over layers and heads of the tail attention, one layer's ``[H, nq, cap]`` at a time."""
+    out = None
+    for j, li in enumerate(layers):
+        p = dense.tail_probs(qs[j], k[li], q_start, theta, nope).max(axis=0)
+        out = p if out is None else jnp.maximum(out, p)
+    return out
+
+
+class DenseScorer:
+    """A Qwen3 dense model (``models.dense``) as a PFlash scorer.
+
+    Equals ``score_tokens(dense.tail_attention(...), pool_kernel)`` but reduces over heads and layers as it goes,
+    so only one layer's ``[H, n_query, T]`` probabilities exist at a time. ``prefill_chunk`` is the prefill chunk
+    (and attention key block) of the scoring pass; the token ids must be in the scorer's vocabulary (a scorer from
+    another tokenizer family needs the detokenise/retokenise path of reference §5.2).
+    """
+
+    def __init__(self, params: dense.Params, cfg: dense.DenseConfig, *, prefill_chunk: int = 512) -> None:
+        _int_opt("prefill_chunk", prefill_chunk, 1)
+        self.params, self.cfg, self.prefill_chunk = params, cfg, prefill_chunk
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype=jnp.bfloat16, prefill_chunk: int = 512) -> "DenseScorer":
+        cfg, params = dense.load_dense(path, dtype)
+        return cls(params, cfg, prefill_chunk=prefill_chunk)
+
+    def __call__(self, ids: np.ndarray, options: PFlashOptions) -> np.ndarray:
+        qs, cache, q_start = dense.tail_queries(self.params, self.cfg, ids, n_query=options.n_query,
+                                                n_layers=options.n_layers, chunk=self.prefill_chunk)
+        layers = dense._layer_ids(self.cfg, options.n_layers)
+        per_q = _tail_max(qs, cache.k, jnp.int32(q_start), layers, self.cfg.rope_theta, options.nope)
+        s = smooth(per_q[:, :cache.length].mean(axis=0), options.pool_kernel)
+        return np.asarray(jax.block_until_ready(s))
+
+
+# ---------------------------------------------------------------------------------------------
+# compression
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CompressionResult:
+    """What ``compress`` did. ``effective_ids`` is what the target prefills; ``kept_indices`` their original
+    positions; ``ratio = effective_tokens / raw_tokens``; ``scoring_s`` the scorer's wall time (0 if not run).
+    ``reason``: "compressed", "off", "short" (< min_tokens), "tools" (auto mode, tool request) or "no_gain"
+    (auto mode, forced chunks alone exceed auto_max_ratio)."""
+
+    effective_ids: np.ndarray
+    kept_indices: np.ndarray
+    raw_tokens: int
+    effective_tokens: int
+    ratio: float
+    scoring_s: float
+    compressed: bool = False
+    reason: str = "off"
+
+    def telemetry(self) -> dict[str, Any]:
+        """Fields for a response's telemetry / metrics."""
+        return {"raw_prompt_tokens": self.raw_tokens, "effective_prompt_tokens": self.effective_tokens,
+                "pflash_ratio": self.ratio, "pflash_scoring_s": self.scoring_s, "pflash": self.reason}
+
+
+def _untouched(ids: np.ndarray, reason: str) -> CompressionResult:
+    t = int(ids.shape[0])
+    return CompressionResult(ids, np.arange(t, dtype=np.int64), t, t, 1.0, 0.0, False, reason)
+
+
+def compress(prompt_ids: Any, scorer: Scorer, options: PFlashOptions, *, must_keep: Any = None,
+             tool_request: bool = False) -> CompressionResult:
+    """Compress a prompt with ``scorer`` under ``options`` (see the module docstring for the modes).
+
+    ``must_keep`` [T] bool marks tokens that are never dropped (e.g. ``protected_mask``); ``tool_request`` says the
+    request carries tools (auto mode then leaves it alone).
+    """
+    if not isinstance(options, PFlashOptions):
+        raise PFlashError(f"options must be PFlashOptions, got {type(options).__name__}")
+    ids = np.asarray(prompt_ids)
+    if ids.ndim != 1 or ids.shape[0] == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise PFlashError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got {ids.dtype} {ids.shape}")
+    ids = ids.astype(np.int32)
+    t = int(ids.shape[0])
+    mk = _check_must_keep(must_keep, t)
+    o = options
+    if o.mode == "off":
+        return _untouched(ids, "off")
+    if t < o.min_tokens:
+        return _untouched(ids, "short")
+    if o.mode == "auto":
+        if tool_request:
+            return _untouched(ids, "tools")
+        forced = _forced_chunks(t, o.chunk, o.head_tokens, o.tail_tokens, mk)
+        if _chunk_sizes(t, o.chunk)[forced].sum() > o.auto_max_ratio * t:
+            return _untouched(ids, "no_gain")
+    t0 = time.perf_counter()
+    scores = np.asarray(scorer(ids, o), np.float64)
+    scoring_s = time.perf_counter() - t0
+    if scores.shape != (t,):
+        raise PFlashError(f"the scorer returned shape {scores.shape}, expected ({t},)")
+    kept = select_chunks(scores, chunk=o.chunk, keep_ratio=o.keep_ratio, head_tokens=o.head_tokens,
+                         tail_tokens=o.tail_tokens, must_keep=mk)
+    eff = ids[kept]
+    return CompressionResult(eff, kept, t, int(eff.shape[0]), eff.shape[0] / t, scoring_s, True, "compressed")

@@ -1,0 +1,211 @@
+"""The Qwen3 dense scorer model: shapes, chunked prefill == one full pass, tail attention, HF round trip, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dflash_jax.config import ConfigError
+from dflash_jax.models import dense
+from dflash_jax.models.loader import CheckpointError
+from dflash_jax.models.qwen36 import rms_norm
+
+CFG = dense.DenseConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                        num_kv_heads=2, head_dim=8, rope_theta=1e4)
+TIED = dense.DenseConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
+T = 37  # not a multiple of any chunk used
+
+
+@pytest.fixture(scope="module")
+def params():
+    return dense.init_params(CFG, jax.random.key(0), jnp.float32, norm_noise=0.1)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, T).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def full(params, ids):
+    return dense.forward(params, CFG, ids)
+
+
+def _hf(**over):
+    d = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+         "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+         "head_dim": 128, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+         "rope_scaling": None, "tie_word_embeddings": True, "max_position_embeddings": 40960,
+         "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28, "torch_dtype": "bfloat16"}
+    d.update(over)
+    return {k: v for k, v in d.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+# ---- config --------------------------------------------------------------------------------------------------------
+def test_config_parses_qwen3_0_6b_and_round_trips():
+    cfg = dense.DenseConfig.from_hf_dict(_hf())
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (28, 16, 8, 128)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 1e6
+    assert dense.DenseConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert dense.DenseConfig.from_hf_dict(_hf(head_dim=_DROP)).head_dim == 1024 // 16
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"model_type": "qwen3_5"}, "model_type"),
+    ({"vocab_size": _DROP}, "vocab_size"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"layer_types": ["sliding_attention"] * 28}, "layer_types"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ({"dflash_config": {"mask_token_id": 1}}, "dflash_config"),
+    ({"head_dim": 7}, "head_dim"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    ({"num_experts": 8}, "num_experts"),
+])
+def test_bad_config_names_the_key(over, key):
+    with pytest.raises(ConfigError, match=key):
+        dense.DenseConfig.from_hf_dict(_hf(**over))
+
+
+# ---- shapes --------------------------------------------------------------------------------------------------------
+def test_param_shapes_and_init(params):
+    chex.assert_trees_all_equal_shapes_and_dtypes(params, dense.param_shapes(CFG, jnp.float32))
+    tied = dense.init_params(TIED, jax.random.key(1), jnp.bfloat16)
+    assert tied["lm_head"] is tied["embed"]
+    assert tied["layers"][0]["attn"]["q_norm"].dtype == jnp.float32 and tied["embed"].dtype == jnp.bfloat16
+
+
+def test_forward_shapes(full):
+    logits, k, v = full
+    chex.assert_shape(logits, (T, CFG.vocab_size))
+    chex.assert_shape([k, v], (CFG.num_layers, T, CFG.num_kv_heads, CFG.head_dim))
+    chex.assert_tree_all_finite(full)
+
+
+# ---- chunked prefill -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [4, 16, 64])
+def test_chunked_prefill_equals_full_pass(params, ids, full, chunk):
+    logits, k, v = full
+    last, cache = dense.prefill_chunked(params, CFG, ids, chunk=chunk)
+    assert cache.length == T and cache.k.shape[1] % chunk == 0 and cache.k.shape[1] >= T
+    chex.assert_shape(last, (CFG.vocab_size,))
+    np.testing.assert_allclose(last, logits[-1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cache.k[:, :T], k, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cache.v[:, :T], v, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_capacity_and_id_errors(params, ids):
+    assert dense.capacity_for(T, 4) == 48 and dense.capacity_for(1, 4) == 4 and dense.capacity_for(33, 1) == 48
+    with pytest.raises(ValueError, match="capacity"):
+        dense.prefill_chunked(params, CFG, ids, chunk=16, capacity=40)
+    with pytest.raises(ValueError, match="vocab_size"):
+        dense.prefill_chunked(params, CFG, np.array([1, CFG.vocab_size]), chunk=16)
+    with pytest.raises(ValueError, match="chunk"):
+        dense.prefill_chunked(params, CFG, ids, chunk=0)
+
+
+# ---- tail attention ------------------------------------------------------------------------------------------------
+def _layer0_reference(params, ids, nq, nope):
+    """Tail probabilities of layer 0 from a plain T x T computation (its input is the embedding)."""
+    a = params["layers"][0]["attn"]
+    u = rms_norm(params["embed"][ids], params["layers"][0]["input_norm"], CFG.rms_norm_eps)
+    pos = jnp.arange(T)
+    q = rms_norm((u @ a["q"].T).reshape(T, CFG.num_heads, -1), a["q_norm"], CFG.rms_norm_eps)
+    k = rms_norm((u @ a["k"].T).reshape(T, CFG.num_kv_heads, -1), a["k_norm"], CFG.rms_norm_eps)
+    if not nope:
+        q, k = dense._rope1(q, pos, CFG.rope_theta), dense._rope1(k, pos, CFG.rope_theta)
+    k = jnp.repeat(k, CFG.num_heads // CFG.num_kv_heads, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q, k) * CFG.head_dim ** -0.5
+    s = jnp.where(pos[None, :] <= pos[:, None], s, -jnp.inf)
+    return jax.nn.softmax(s, axis=-1)[:, T - nq:]
+
+
+@pytest.mark.parametrize("nope", [False, True])
+def test_tail_attention_rows_causal_and_match_reference(params, ids, nope):
+    nq = 8
+    att = dense.tail_attention(params, CFG, ids, n_query=nq, chunk=8, nope=nope)
+    chex.assert_shape(att, (CFG.num_layers, CFG.num_heads, nq, T))
+    np.testing.assert_allclose(att.sum(-1), 1.0, atol=1e-5)
+    for i in range(nq):
+        assert float(jnp.abs(att[:, :, i, T - nq + i + 1:]).max(initial=0.0)) == 0.0  # nothing after the query
+    assert float(att.min()) >= 0.0
+    np.testing.assert_allclose(att[0], _layer0_reference(params, ids, nq, nope), rtol=1e-4, atol=1e-6)
+    # the last n_layers only, and independent of the prefill chunk
+    last2 = dense.tail_attention(params, CFG, ids, n_query=nq, n_layers=2, chunk=16, nope=nope)
+    np.testing.assert_allclose(last2, att[1:], rtol=1e-4, atol=1e-6)
+
+
+def test_tail_attention_short_prompt_and_errors(params, ids):
+    att = dense.tail_attention(params, CFG, ids[:5], n_query=8, chunk=4)
+    chex.assert_shape(att, (CFG.num_layers, CFG.num_heads, 5, 5))
+    np.testing.assert_allclose(att.sum(-1), 1.0, atol=1e-5)
+    with pytest.raises(ValueError, match="n_layers"):
+        dense.tail_attention(params, CFG, ids, n_layers=CFG.num_layers + 1)
+    with pytest.raises(ValueError, match="n_query"):
+        dense.tail_attention(params, CFG, ids, n_query=0)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [CFG, TIED], ids=["untied", "tied"])
+def test_save_load_round_trip(tmp_path, cfg):
+    p = dense.init_params(cfg, jax.random.key(2), jnp.float32, norm_noise=0.1)
+    dense.save_dense(tmp_path, cfg, p)
+    names = set(load_file(os.path.join(tmp_path, "model.safetensors")))
+    assert "model.embed_tokens.weight" in names and "model.layers.2.self_attn.k_norm.weight" in names
+    assert ("lm_head.weight" in names) != cfg.tie_word_embeddings
+    cfg2, p2 = dense.load_dense(tmp_path, jnp.float32)
+    assert cfg2 == cfg
+    chex.assert_trees_all_equal(p2, p)
+    if cfg.tie_word_embeddings:
+        assert p2["lm_head"] is p2["embed"]
+    _, bf = dense.load_dense(tmp_path, jnp.bfloat16)
+    assert bf["embed"].dtype == jnp.bfloat16 and bf["final_norm"].dtype == jnp.float32
+
+
+def _rewrite(tmp_path, edit):
+    src = os.path.join(tmp_path, "model.safetensors")
+    t = load_file(src)
+    edit(t)
+    save_file(t, src)
+
+
+def test_tied_checkpoint_with_lm_head_copy_loads(tmp_path):
+    p = dense.init_params(TIED, jax.random.key(3), jnp.float32)
+    dense.save_dense(tmp_path, TIED, p)
+    _rewrite(tmp_path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"]))
+    _, p2 = dense.load_dense(tmp_path, jnp.float32)
+    assert p2["lm_head"] is p2["embed"]
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"[6:]),
+    (lambda t: t.__setitem__("model.norm.weight", np.ones(5, np.float32)), "model.norm.weight"),
+    (lambda t: t.__setitem__("model.extra.weight", np.ones(2, np.float32)), "model.extra.weight"),
+    (lambda t: t.__setitem__("model.layers.3.input_layernorm.weight", np.ones(32, np.float32)), "num_hidden_layers"),
+    (lambda t: t.pop("lm_head.weight"), "lm_head.weight"),
+])
+def test_bad_checkpoint_errors(tmp_path, params, edit, needle):
+    dense.save_dense(tmp_path, CFG, params)
+    _rewrite(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=needle.replace(".", r"\.")):
+        dense.load_dense(tmp_path, jnp.float32)
+
+
+def test_bad_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        dense.load_dense(tmp_path)
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(_hf(num_hidden_layers=0), f)
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        dense.load_dense(tmp_path)

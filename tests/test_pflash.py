@@ -1,0 +1,222 @@
+"""PFlash compression: chunk selection properties, options, score reductions, a needle, an end-to-end run."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_jax.models import dense
+from dflash_jax.prefill import pflash
+from dflash_jax.prefill.pflash import PFlashError, PFlashOptions
+
+SCFG = dense.DenseConfig(vocab_size=211, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, rope_theta=1e4)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    return pflash.DenseScorer(dense.init_params(SCFG, jax.random.key(0), jnp.float32, norm_noise=0.1), SCFG,
+                              prefill_chunk=256)
+
+
+# ---- chunk selection properties ------------------------------------------------------------------------------------
+@st.composite
+def selections(draw):
+    t = draw(st.integers(1, 700))
+    chunk = draw(st.sampled_from([1, 3, 8, 32]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scores = rng.random(t) if draw(st.booleans()) else rng.integers(0, 3, t).astype(float)  # with ties
+    density = draw(st.sampled_from([0.0, 0.002, 0.05]))
+    must = rng.random(t) < density if draw(st.booleans()) else None
+    return dict(scores=scores, chunk=chunk, keep_ratio=draw(st.floats(0.01, 1.0)),
+                head_tokens=draw(st.integers(0, 100)), tail_tokens=draw(st.integers(0, 100)), must_keep=must)
+
+
+@settings(max_examples=150, deadline=None)
+@given(selections())
+def test_select_chunks_properties(kw):
+    s, c = kw["scores"], kw["chunk"]
+    t = len(s)
+    kept = pflash.select_chunks(**kw)
+    assert kept.dtype.kind == "i" and np.all(np.diff(kept) > 0) and kept.min() >= 0 and kept.max() < t
+    ks = set(kept.tolist())
+    # whole chunks only
+    chunks = set((kept // c).tolist())
+    assert ks == {i for ch in chunks for i in range(ch * c, min(t, ch * c + c))}
+    # head, tail, the best chunk (earliest on ties) and every must_keep token
+    assert set(range(min(kw["head_tokens"], t))) <= ks
+    assert set(range(max(0, t - kw["tail_tokens"]), t)) <= ks
+    means = pflash.chunk_means(s, c)
+    best = int(np.flatnonzero(means == means.max())[0])
+    assert best in chunks
+    if kw["must_keep"] is not None:
+        assert set(np.flatnonzero(kw["must_keep"]).tolist()) <= ks
+    # the keep ratio, within one chunk, whenever the forced chunks fit in it
+    forced = pflash._forced_chunks(t, c, kw["head_tokens"], kw["tail_tokens"], kw["must_keep"])
+    forced[best] = True
+    forced_tokens = int(pflash._chunk_sizes(t, c)[forced].sum())
+    target = math.ceil(kw["keep_ratio"] * t)
+    if forced_tokens <= target:
+        assert target <= len(kept) < target + c
+    else:
+        assert len(kept) == forced_tokens
+    # every kept non-forced chunk scores at least as high as every dropped chunk
+    extra = [ch for ch in chunks if not forced[ch]]
+    dropped = sorted(set(range(len(means))) - chunks)
+    if extra and dropped:
+        assert min(means[extra]) >= max(means[dropped])
+
+
+def test_select_chunks_errors():
+    with pytest.raises(PFlashError, match="keep_ratio"):
+        pflash.select_chunks(np.ones(10), keep_ratio=0.0)
+    with pytest.raises(PFlashError, match="must_keep"):
+        pflash.select_chunks(np.ones(10), keep_ratio=0.5, must_keep=np.ones(9, bool))
+    with pytest.raises(PFlashError, match="finite"):
+        pflash.select_chunks(np.array([1.0, np.nan]), keep_ratio=0.5)
+
+
+# ---- options and modes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, name", [
+    ({"mode": "sometimes"}, "mode"), ({"keep_ratio": 0.0}, "keep_ratio"), ({"keep_ratio": 1.5}, "keep_ratio"),
+    ({"min_tokens": -1}, "min_tokens"), ({"chunk": 0}, "chunk"), ({"head_tokens": -1}, "head_tokens"),
+    ({"tail_tokens": 1.5}, "tail_tokens"), ({"n_query": 0}, "n_query"), ({"pool_kernel": 4}, "pool_kernel"),
+    ({"n_layers": 0}, "n_layers"), ({"nope": 1}, "nope"), ({"auto_max_ratio": 2}, "auto_max_ratio"),
+])
+def test_options_validation_names_the_option(kw, name):
+    with pytest.raises(PFlashError, match=f"'{name}'"):
+        PFlashOptions(**kw)
+
+
+def _never(ids, options):
+    raise AssertionError("the scorer must not run")
+
+
+def _ramp(ids, options):
+    return np.arange(len(ids), dtype=np.float64)[::-1].copy()  # earlier tokens score higher
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3000), st.sampled_from(["off", "auto", "always"]), st.integers(0, 4000))
+def test_off_and_short_prompts_untouched(t, mode, min_tokens):
+    ids = np.arange(t) % 50
+    o = PFlashOptions(mode=mode, min_tokens=min_tokens, keep_ratio=0.1, head_tokens=0, tail_tokens=0)
+    if mode == "off" or t < min_tokens:
+        r = pflash.compress(ids, _never, o)
+        assert not r.compressed and r.reason == ("off" if mode == "off" else "short")
+        assert r.effective_tokens == r.raw_tokens == t and r.ratio == 1.0 and r.scoring_s == 0.0
+        np.testing.assert_array_equal(r.effective_ids, ids)
+        np.testing.assert_array_equal(r.kept_indices, np.arange(t))
+    else:
+        r = pflash.compress(ids, _ramp, o)
+        assert r.compressed and r.effective_tokens <= max(math.ceil(0.1 * t) + 31, 32)
+        np.testing.assert_array_equal(r.effective_ids, ids[r.kept_indices])  # order preserved
+        assert np.all(np.diff(r.kept_indices) > 0)
+
+
+def test_auto_mode_skips_tool_requests_and_no_gain_prompts():
+    ids = np.arange(4096) % 100
+    auto = PFlashOptions(mode="auto", min_tokens=1024, keep_ratio=0.05)
+    assert pflash.compress(ids, _never, auto, tool_request=True).reason == "tools"
+    mk = np.zeros(4096, bool)
+    mk[::20] = True  # protected tokens everywhere: nothing to gain
+    assert pflash.compress(ids, _never, auto, must_keep=mk).reason == "no_gain"
+    always = PFlashOptions(mode="always", min_tokens=1024, keep_ratio=0.05)
+    r = pflash.compress(ids, _ramp, always, tool_request=True, must_keep=mk)
+    assert r.compressed and r.effective_tokens == 4096  # every chunk holds a protected token
+    r = pflash.compress(ids, _ramp, auto)
+    assert r.compressed and r.reason == "compressed" and r.ratio < 0.3
+
+
+def test_must_keep_tokens_survive_compression():
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 100, 5000)
+    mk = np.zeros(5000, bool)
+    mk[[7, 1234, 2500, 2501, 4001]] = True
+    o = PFlashOptions(mode="always", min_tokens=0, keep_ratio=0.02, head_tokens=32, tail_tokens=32)
+    r = pflash.compress(ids, lambda i, _: rng.random(len(i)), o, must_keep=mk)
+    assert set(np.flatnonzero(mk)) <= set(r.kept_indices.tolist())
+    with pytest.raises(PFlashError, match="must_keep"):
+        pflash.compress(ids, _ramp, o, must_keep=mk[:10])
+    with pytest.raises(PFlashError, match="scorer returned"):
+        pflash.compress(ids, lambda i, _: np.ones(3), o)
+
+
+# ---- scoring reductions --------------------------------------------------------------------------------------------
+def test_smooth_and_score_tokens():
+    x = np.random.default_rng(2).random(50)
+    np.testing.assert_allclose(pflash.smooth(x, 1), x, rtol=1e-6)
+    np.testing.assert_allclose(pflash.smooth(np.full(20, 3.0), 13), 3.0, rtol=1e-6)  # no padding damping at edges
+    np.testing.assert_allclose(pflash.smooth(x, 5)[10], x[8:13].mean(), rtol=1e-6)
+    att = np.random.default_rng(3).random((3, 4, 8, 50))
+    np.testing.assert_allclose(pflash.score_tokens(att, 5), pflash.smooth(att.max(axis=(0, 1)).mean(0), 5),
+                               rtol=1e-6)
+    with pytest.raises(PFlashError, match="pool_kernel"):
+        pflash.smooth(x, 4)
+
+
+def test_needle_chunk_is_kept():
+    """Attention where one head of one layer spikes on a needle that straddles two chunks, deep in a 32K prompt:
+    with the default options (5% keep, 256 head / 768 tail tokens) both of its chunks survive."""
+    rng = np.random.default_rng(4)
+    t = 32768
+    att = rng.random((2, 4, 8, t)).astype(np.float32) * 1e-4
+    att[1, 2, :, 9000:9010] = 0.05  # chunks 281 and 282
+    o = PFlashOptions(mode="auto")
+    scores = pflash.score_tokens(att, o.pool_kernel)
+    kept = pflash.select_chunks(scores, chunk=o.chunk, keep_ratio=o.keep_ratio, head_tokens=o.head_tokens,
+                                tail_tokens=o.tail_tokens)
+    assert set(range(9000, 9010)) <= set(kept.tolist())
+    assert len(kept) < 0.05 * t + 32
+
+
+def test_dense_scorer_matches_score_tokens_of_tail_attention(scorer):
+    ids = np.random.default_rng(5).integers(0, SCFG.vocab_size, 300)
+    for nope in (False, True):
+        o = PFlashOptions(n_query=8, pool_kernel=13, nope=nope, n_layers=2)
+        att = dense.tail_attention(scorer.params, SCFG, ids, n_query=8, n_layers=2, chunk=256, nope=nope)
+        np.testing.assert_allclose(scorer(ids, o), pflash.score_tokens(att, 13), rtol=1e-5, atol=1e-8)
+
+
+def test_compress_end_to_end_2k(scorer):
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, SCFG.vocab_size, 2048).astype(np.int32)
+    mk = np.zeros(2048, bool)
+    mk[[100, 1500]] = True
+    o = PFlashOptions(mode="always", min_tokens=1024, keep_ratio=0.1, head_tokens=32, tail_tokens=64)
+    r = pflash.compress(ids, scorer, o, must_keep=mk)
+    assert r.compressed and r.raw_tokens == 2048
+    assert r.effective_ids.shape == r.kept_indices.shape == (r.effective_tokens,)
+    assert r.effective_ids.dtype == np.int32
+    assert 205 <= r.effective_tokens < 205 + 32 and r.ratio == pytest.approx(r.effective_tokens / 2048)
+    np.testing.assert_array_equal(r.effective_ids, ids[r.kept_indices])
+    assert {100, 1500} | set(range(32)) | set(range(1984, 2048)) <= set(r.kept_indices.tolist())
+    assert r.scoring_s > 0.0
+    tel = r.telemetry()
+    assert tel["raw_prompt_tokens"] == 2048 and tel["effective_prompt_tokens"] == r.effective_tokens
+
+
+# ---- protected spans -----------------------------------------------------------------------------------------------
+def test_span_and_protected_masks():
+    ids = np.array([1, 50, 5, 6, 51, 7, 50, 8])
+    np.testing.assert_array_equal(pflash.span_mask(ids, 50, 51), [0, 1, 1, 1, 1, 0, 1, 1])
+    assert not pflash.span_mask(ids, None, 51).any()
+    # <|im_start|>=90 system=91 \n=92 ... <|im_end|>=93; <tool_call>=60 </tool_call>=61; user=94
+    tok = types.SimpleNamespace(
+        im_start_id=90, im_end_id=93, tool_call_id=60, tool_call_end_id=61, tool_response_id=None,
+        tool_response_end_id=None, structural_mask=lambda a: np.isin(a, [90, 93]),
+        decode=lambda xs, skip_special_tokens=False: "".join({91: "system", 92: "\n", 94: "user"}.get(x, "x")
+                                                             for x in xs))
+    ids = np.array([90, 91, 92, 5, 5, 93, 90, 94, 92, 5, 60, 5, 61, 5, 93])
+    m = pflash.protected_mask(ids, tok)
+    np.testing.assert_array_equal(m, [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 1])
+    m = pflash.protected_mask(ids, tok, system=False, tools=False)
+    np.testing.assert_array_equal(m, np.isin(ids, [90, 93]))
