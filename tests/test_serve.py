@@ -14,6 +14,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -318,6 +319,52 @@ def test_ddtree_flags_start_a_speculative_server(tmp_path):
         assert tel["spec_mode"] == "ddtree" and tel["draft_steps"] >= 1 and r.usage.completion_tokens == 6
         want = dj.load_target(model).greedy([5, 6, 7, 8], 6)
         assert r.choices[0].text == Tokenizer.from_dir(model).decode(want)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def test_prefill_compression_bills_raw_and_prefills_effective(tmp_path):
+    """--prefill-compression always: a long prompt is compressed once before admission; usage stays raw."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.models import dense
+
+    model = _model_dir(str(tmp_path))
+    scfg = dense.DenseConfig.from_hf_dict({
+        "model_type": "qwen3", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "tie_word_embeddings": True, "max_position_embeddings": 4096})
+    dense.save_dense(str(tmp_path / "scorer"), scfg, dense.init_params(scfg, jax.random.key(0), jnp.float32))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", "--model", model, "--port", str(port),
+                             "--max-concurrency", "1", "--max-model-len", "1536", "--page-size", "16",
+                             "--prefill-chunk", "128", "--prefill-compression", "always",
+                             "--prefill-drafter", str(tmp_path / "scorer"), "--prefill-min-tokens", "1024",
+                             "--prefill-keep-ratio", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            if proc.poll() is not None:
+                pytest.fail(proc.stdout.read())
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        raw = 3000  # over max_model_len: only its compressed form fits (head 256 + tail 768 + ~5 % kept)
+        long_prompt = [int(i) for i in np.random.default_rng(0).integers(20, 500, raw)]
+        r = c.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)
+        tel = r.choices[0].model_extra["telemetry"]
+        assert r.usage.prompt_tokens == raw and tel["raw_prompt_tokens"] == raw
+        assert tel["pflash"] == "compressed" and tel["effective_prompt_tokens"] <= 256 + 768 + 0.05 * raw + 2 * 32
+        assert tel["effective_prompt_tokens"] == round(tel["pflash_ratio"] * raw) and tel["pflash_scoring_s"] > 0
+        short = c.completions.create(model=MODEL, prompt=long_prompt[:20], max_tokens=2, temperature=0)
+        st = short.choices[0].model_extra["telemetry"]
+        assert st["pflash"] == "short" and st["effective_prompt_tokens"] == 20 == short.usage.prompt_tokens
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -3,8 +3,9 @@
     python -m dflash_jax.serve --model PATH [--host 127.0.0.1] [--port 8000] [--max-concurrency 8]
     python -m dflash_jax.serve --config configs/h200.yaml --model PATH
 
-Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation. Features that
-this build cannot run yet (PFlash prompt compression, KVFlash bounded residency, fast rollback) are rejected
+Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation, ``--prefill-compression auto|always
+--prefill-drafter PATH`` PFlash prompt compression. Features that
+this build cannot run yet (KVFlash bounded residency, fast rollback) are rejected
 at start-up with a message naming the flag, never silently ignored.
 """
 
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ddtree-budget", type=int, default=None)
     ap.add_argument("--draft-residency", choices=("persistent",), default=None)
     ap.add_argument("--prefill-compression", choices=("off", "auto", "always"), default=None)
-    ap.add_argument("--prefill-drafter", default=None)
+    ap.add_argument("--prefill-drafter", default=None, help="PFlash scorer: a dense Qwen3 checkpoint directory")
+    ap.add_argument("--prefill-keep-ratio", type=float, default=None, help="fraction of a long prompt kept (0.05)")
+    ap.add_argument("--prefill-min-tokens", type=int, default=None, help="shorter prompts are never compressed")
     ap.add_argument("--kvflash", default=None, help="off | auto | N tokens")
     ap.add_argument("--fast-rollback", action="store_true", default=None)
     ap.add_argument("--cohort-yield-min", type=float, default=None,
@@ -94,10 +97,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError(f"--ddtree-budget must be in [1, 256], got {ns.ddtree_budget}")
     if ns.fast_rollback:
         unavailable.append("--fast-rollback")
-    if ns.prefill_compression not in (None, "off"):
-        unavailable.append(f"--prefill-compression {ns.prefill_compression}")
-    if ns.prefill_drafter:
-        unavailable.append("--prefill-drafter")
+    if ns.prefill_compression not in (None, "off") and not ns.prefill_drafter:
+        raise StartupError(f"--prefill-compression {ns.prefill_compression} needs --prefill-drafter PATH "
+                           "(a dense Qwen3 scorer checkpoint)")
+    if ns.prefill_drafter and ns.prefill_compression in (None, "off"):
+        raise StartupError("--prefill-drafter is only used with --prefill-compression auto|always")
+    if ns.prefill_drafter and not os.path.isdir(ns.prefill_drafter):
+        raise StartupError(f"--prefill-drafter {ns.prefill_drafter}: not a directory")
     if str(ns.kvflash) not in ("off", "None"):
         unavailable.append(f"--kvflash {ns.kvflash}")
     if unavailable:
@@ -176,13 +182,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{bar}] {done[0]}/{n} {name} {dt:.1f}s", flush=True)
 
         eng.warmup(progress)
+    pflash = None
+    if args.prefill_compression not in (None, "off"):
+        from dflash_jax.prefill.pflash import DenseScorer, PFlashError, PFlashOptions
+
+        kw = {"mode": args.prefill_compression}
+        if args.prefill_keep_ratio is not None:
+            kw["keep_ratio"] = args.prefill_keep_ratio
+        if args.prefill_min_tokens is not None:
+            kw["min_tokens"] = args.prefill_min_tokens
+        try:
+            opts = PFlashOptions(**kw)
+        except PFlashError as e:
+            raise StartupError(str(e)) from e
+        with jax.default_device(device):  # resident for the server's life (--draft-residency persistent)
+            scorer = DenseScorer.from_pretrained(args.prefill_drafter, dtype=dtype)
+        if scorer.cfg.vocab_size < target.config.vocab_size:
+            raise StartupError(f"--prefill-drafter vocabulary ({scorer.cfg.vocab_size}) does not cover the target's "
+                               f"({target.config.vocab_size}); a scorer of another tokenizer family is not supported")
+        pflash = (opts, scorer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
-                    default_thinking=args.enable_thinking in (True, "true"))
+                    default_thinking=args.enable_thinking in (True, "true"), pflash=pflash)
     mode = (f"ddtree(budget={args.ddtree_budget}, drafter={args.drafter}, mode=packed-verify-replay, "
             f"cohort_yield_min={args.cohort_yield_min})" if args.ddtree else "ar")
-    print(f"features: spec_mode={mode}, prefill_compression=off, kvflash=off, max_concurrency={args.max_concurrency}",
-          flush=True)
+    pf = (f"{pflash[0].mode}(keep_ratio={pflash[0].keep_ratio}, min_tokens={pflash[0].min_tokens}, "
+          f"scorer={args.prefill_drafter})" if pflash else "off")
+    print(f"features: spec_mode={mode}, prefill_compression={pf}, kvflash=off, "
+          f"max_concurrency={args.max_concurrency}", flush=True)
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=60)

@@ -8,6 +8,7 @@ Every response carries ``usage`` (raw prompt tokens are billed) and a ``telemetr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
@@ -28,9 +29,11 @@ from dflash_jax.serve.runner import EngineFault, EngineRunner
 log = logging.getLogger("dflash_jax.serve")
 
 
-def _telemetry(o: RequestOutput) -> dict[str, Any]:
-    """Per-request telemetry: the engine's stats (spec_mode, draft_steps, accepted_tokens, timings, ...)."""
-    return {"effective_prompt_tokens": len(o.prompt_token_ids), "kv_pages_in": 0, "kv_pages_out": 0, **o.stats}
+def _telemetry(o: RequestOutput, prep: dict[str, Any]) -> dict[str, Any]:
+    """Per-request telemetry: prompt preparation (raw vs effective tokens, PFlash) and the engine's stats
+    (spec_mode, draft_steps, accepted_tokens, timings, ...)."""
+    return {**prep, "effective_prompt_tokens": len(o.prompt_token_ids), "kv_pages_in": 0, "kv_pages_out": 0,
+            **o.stats}
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -57,8 +60,11 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 default_thinking: bool = True) -> None:
+                 default_thinking: bool = True, pflash: tuple[Any, Any] | None = None) -> None:
+        """``pflash``: ``(PFlashOptions, scorer)`` to compress prompts once before admission."""
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.pflash = pflash
+        self._prep_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-pflash")
         self.default_thinking = default_thinking
         self.runner = EngineRunner(engine)
         self.metrics = Metrics()
@@ -77,6 +83,22 @@ class Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            type_="not_found_error", param="model", code="model_not_found")
+
+    async def _prepare(self, prompt: list[int], tools: bool) -> tuple[list[int], dict[str, Any]]:
+        """Prompt compression, once per request before admission, off the event loop and the engine thread.
+        Returns the effective prompt and its telemetry; billing stays on the raw prompt."""
+        if self.pflash is None:
+            return prompt, {"raw_prompt_tokens": len(prompt), "pflash": "off"}
+        from dflash_jax.prefill.pflash import compress, protected_mask
+
+        opts, scorer = self.pflash
+        tok = self.engine.tokenizer
+        must_keep = protected_mask(prompt, tok) if tok is not None else None
+        loop = asyncio.get_running_loop()
+        res = await loop.run_in_executor(
+            self._prep_pool, lambda: compress(prompt, scorer, opts, must_keep=must_keep, tool_request=tools))
+        self.metrics.effective_prompt_tokens.inc(res.effective_tokens)
+        return [int(t) for t in res.effective_ids], res.telemetry()
 
     async def _start(self, prompt: list[int], sp: SamplingParams, n: int):
         subs = []
@@ -148,15 +170,16 @@ class Server:
             raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
         stops = req.stop_list()
         prompt = self._completion_prompt(req)
-        subs = await self._start(prompt, self._sampling(req, stops), req.n)
+        effective, prep = await self._prepare(prompt, tools=False)
+        subs = await self._start(effective, self._sampling(req, stops), req.n)
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, chat=False))
+            return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, prep, chat=False))
         outs = await self._gather(request, subs)
         choices = []
         for i, o in enumerate(outs):
-            c = {"index": i, "text": self._text(o), "finish_reason": o.finish_reason, "telemetry": _telemetry(o),
+            c = {"index": i, "text": self._text(o), "finish_reason": o.finish_reason, "telemetry": _telemetry(o, prep),
                  "logprobs": self._completion_logprobs(o, req.logprobs) if req.logprobs is not None else None}
             choices.append(c)
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
@@ -177,18 +200,19 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         stops = req.stop_list()
-        subs = await self._start(prompt, self._sampling(req, stops), req.n)
+        effective, prep = await self._prepare(prompt, tools=bool(tools))
+        subs = await self._start(effective, self._sampling(req, stops), req.n)
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req,
-                                                    chat=True, thinking=thinking, tools=bool(tools)))
+            return _sse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req, prep,
+                                     chat=True, thinking=thinking, tools=bool(tools)))
         outs = await self._gather(request, subs)
         choices = []
         for i, o in enumerate(outs):
             msg = self._assistant_message(self._text(o), thinking, bool(tools))
             finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
-            c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o),
+            c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o, prep),
                  "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
             choices.append(c)
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
@@ -244,7 +268,8 @@ class Server:
                                               "bytes": list(self._tok_str(a).encode())} for a, alp in alts[:k]]})
         return {"content": content}
 
-    async def _stream(self, request: Request, cid: str, obj: str, prompt: list[int], subs, stops, req, *,
+    async def _stream(self, request: Request, cid: str, obj: str, prompt: list[int], subs, stops, req,
+                      prep: dict[str, Any], *,
                       chat: bool, thinking: bool = False, tools: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         sent_text = [0] * len(subs)
@@ -259,7 +284,7 @@ class Server:
             else:
                 choice["text"] = delta
             if finish is not None and o is not None:
-                choice["telemetry"] = _telemetry(o)
+                choice["telemetry"] = _telemetry(o, prep)
             body = {"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
             if include_usage:
                 body["usage"] = None

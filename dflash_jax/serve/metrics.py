@@ -10,6 +10,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("dflash_requests", "Requests by endpoint and outcome", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens received (raw)", registry=r)
+        self.effective_prompt_tokens = Counter("dflash_effective_prompt_tokens",
+                                               "Prompt tokens after compression (prefilled)", registry=r)
         self.completion_tokens = Counter("dflash_completion_tokens", "Completion tokens generated", registry=r)
         self.ttft = Histogram("dflash_ttft_seconds", "Time to first token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
