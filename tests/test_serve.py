@@ -278,6 +278,24 @@ def test_sigterm_drains_running_requests_then_exits(server):
     assert server["proc"].wait(60) in (0, -signal.SIGTERM)
 
 
+def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start a server process with ``args`` on a free port; wait for /health. Returns (process, base URL)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            pytest.fail(proc.stdout.read())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    pytest.fail("server did not come up")
+
+
 def test_ddtree_flags_start_a_speculative_server(tmp_path):
     """--ddtree --drafter serves losslessly (same greedy text as the AR server) and reports the mode."""
     import jax
@@ -296,22 +314,10 @@ def test_ddtree_flags_start_a_speculative_server(tmp_path):
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rope_theta": 1e7, "block_size": 4,
         "dflash_config": {"mask_token_id": 9, "target_layer_ids": [1, 5]}})
     save_drafter(str(tmp_path / "drafter"), dcfg, dflash.init_params(dcfg, jax.random.key(0), jnp.float32))
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", "--model", model, "--port", str(port),
-                             "--max-concurrency", "1", "--max-model-len", "128", "--page-size", "8",
-                             "--prefill-chunk", "32", "--ddtree", "--drafter", str(tmp_path / "drafter"),
-                             "--ddtree-budget", "4", "--cohort-yield-min", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, base = _spawn(["--model", model, "--max-concurrency", "1", "--max-model-len", "128", "--page-size", "8",
+                         "--prefill-chunk", "32", "--ddtree", "--drafter", str(tmp_path / "drafter"),
+                         "--ddtree-budget", "4", "--cohort-yield-min", "0"])
     try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(proc.stdout.read())
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
                                  extra_body={"ignore_eos": True})
@@ -337,23 +343,11 @@ def test_prefill_compression_bills_raw_and_prefills_effective(tmp_path):
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
         "tie_word_embeddings": True, "max_position_embeddings": 4096})
     dense.save_dense(str(tmp_path / "scorer"), scfg, dense.init_params(scfg, jax.random.key(0), jnp.float32))
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.serve", "--model", model, "--port", str(port),
-                             "--max-concurrency", "1", "--max-model-len", "1536", "--page-size", "16",
-                             "--prefill-chunk", "128", "--prefill-compression", "always",
-                             "--prefill-drafter", str(tmp_path / "scorer"), "--prefill-min-tokens", "1024",
-                             "--prefill-keep-ratio", "0.05"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, base = _spawn(["--model", model, "--max-concurrency", "1", "--max-model-len", "1536", "--page-size", "16",
+                         "--prefill-chunk", "128", "--prefill-compression", "always",
+                         "--prefill-drafter", str(tmp_path / "scorer"), "--prefill-min-tokens", "1024",
+                         "--prefill-keep-ratio", "0.05"])
     try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(proc.stdout.read())
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         raw = 3000  # over max_model_len: only its compressed form fits (head 256 + tail 768 + ~5 % kept)
         long_prompt = [int(i) for i in np.random.default_rng(0).integers(20, 500, raw)]

@@ -109,6 +109,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if unavailable:
         raise StartupError("not available in this build yet: " + ", ".join(unavailable)
                            + ". Remove these flags (or set them to off) to serve with plain AR decoding.")
+    for spec in (ns.target_device, ns.draft_device):
+        if spec:
+            _platform(spec)
     if ns.draft_device and ns.target_device and _platform(ns.draft_device) != _platform(ns.target_device):
         raise StartupError(f"--target-device {ns.target_device} and --draft-device {ns.draft_device}: "
                            "mixed-device target/draft placement is not supported; use one device")
