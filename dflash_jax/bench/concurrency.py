@@ -1,0 +1,487 @@
+"""``python -m dflash_jax.bench concurrency``: paired AR / DDTree serving at several concurrencies, fail-closed.
+
+Method (the engine API, not the HTTP server):
+
+* Cases: ``ar`` and ``ddtree`` at every concurrency C of ``--concurrency``. Both modes of one C get the identical
+  prompts; request i has the same prompt at every C (the prompt set is one seeded list; C takes its first C).
+* Prompts: lengths uniform integers in ``[--prompt-len-min, --prompt-len-max]`` and token ids uniform in
+  ``[0, vocab)``, both from ``numpy.random.default_rng(--seed)`` (printed and recorded).
+* Every case gets a fresh ``Engine`` (all buckets compiled ahead by ``Engine.warmup``), then one warm-up batch of C
+  requests of 8 tokens (other prompts, same length distribution), then ``--repeats`` measured batches that reuse
+  that engine's executables. A batch: C requests submitted at once, temperature 0, seed ``--seed``, EOS ignored,
+  exactly ``--output-len`` completion tokens each; the loop calls ``Engine.step`` until all finish.
+* Figures are medians over the repeats: ``tok_s`` = output tokens of the batch / (last finish - first first
+  token) (output-window throughput, host clock after the step that produced them); ``req_decode_tok_s`` = median
+  over requests of 1 / ``tpot_s``; TTFT p50/p99 over the batch's requests (``numpy.percentile``, linear; from
+  submission); ``tpot_ms`` = median request ``tpot_s``; ``accept_per_step`` (ddtree) = mean over requests of
+  ``mean_accept_len`` (tokens a speculative round emitted, bonus included); ``cohort_yield_events`` = cohorts the
+  yield guard switched to AR during the batch.
+* Fail closed: every request of every case must prove its mode from ``RequestOutput.stats`` (ddtree:
+  ``spec_mode`` in {ddtree, yielded}, ``draft_steps >= 1``, ``accepted_tokens`` and ``mean_accept_len`` reported;
+  ar: ``spec_mode == "ar"`` and ``draft_steps == 0``) and exact token accounting (each request
+  ``--output-len`` tokens, finish ``length``; case total = the sum = C * output-len). Requested features this
+  engine does not have (``--pflash``, ``--kvflash``) are reported "not run: feature not available". Any of
+  these makes the exit status non-zero and no result file is written.
+* Reproducibility: sha256 of each request's greedy token ids (decimal ids joined by ``,``, UTF-8), compared
+  across repeats, across concurrencies (same prompt) and between ar and ddtree (lossless). Reported as the
+  ``reproducible`` figure and a mismatch list; it fails the run only with ``--require-reproducible``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.bench import results
+from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.engine.compile import compile_count
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.engine.spec_steps import SpecConfig
+from dflash_jax.models import dflash, qwen36
+from dflash_jax.target import Target, load_target
+
+MODES = ("ar", "ddtree")
+WARMUP_TOKENS = 8
+NOT_AVAILABLE = "not run: feature not available"
+# features the benchmark can be asked for that the engine does not implement yet: flag -> reason
+UNAVAILABLE_FEATURES = {
+    "pflash": "PFlash prompt compression is not implemented in the engine",
+    "kvflash": "KVFlash bounded KV residency is not implemented in the engine",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF target checkpoint directory")
+    src.add_argument("--random-weights", metavar="CONFIG", help="target config.json given random weights")
+    dsrc = p.add_mutually_exclusive_group(required=True)
+    dsrc.add_argument("--drafter", help="DFlash drafter checkpoint directory")
+    dsrc.add_argument("--random-drafter", metavar="CONFIG", help="drafter config.json given random weights")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    p.add_argument("--output-len", type=int, default=64, help="completion tokens per request (exactly)")
+    p.add_argument("--prompt-len-min", type=int, default=256)
+    p.add_argument("--prompt-len-max", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1, help="prompt RNG and sampling seed")
+    p.add_argument("--budget", type=int, default=22, help="DDTree node budget")
+    p.add_argument("--cohort-yield-min", type=float, default=6.0,
+                   help="a cohort whose first round emits fewer tokens per request goes AR (0 = never)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: prompt-len-max + output-len")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--prefill-batch", type=int, default=4)
+    p.add_argument("--pflash", action="store_true", help="request PFlash (not available: fails closed)")
+    p.add_argument("--kvflash", action="store_true", help="request KVFlash (not available: fails closed)")
+    p.add_argument("--require-reproducible", action="store_true",
+                   help="fail unless every greedy hash agrees across repeats, concurrencies and modes")
+
+
+# ---- prompts, hashes, proofs ---------------------------------------------------------------------------------
+def prompt_set(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts: lengths uniform in [lo, hi], ids uniform in [0, vocab), from ``default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, n)
+    return [rng.integers(0, vocab, int(k)).tolist() for k in lens]
+
+
+def token_hash(ids) -> str:
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
+
+
+def prove(mode: str, stats: dict) -> str | None:
+    """None if ``stats`` prove that ``mode`` ran for this request, else why not."""
+    need = ("spec_mode", "draft_steps", "accepted_tokens", "mean_accept_len")
+    missing = [k for k in need if k not in stats]
+    if missing:
+        return f"stats lack {missing}"
+    sm, ds = stats["spec_mode"], stats["draft_steps"]
+    if mode == "ar":
+        if sm != "ar" or ds != 0:
+            return f"AR not proved: spec_mode={sm!r}, draft_steps={ds!r} (want 'ar', 0)"
+        return None
+    if sm not in ("ddtree", "yielded"):
+        return f"DDTree not proved: spec_mode={sm!r} (want 'ddtree' or 'yielded')"
+    if not isinstance(ds, int) or ds < 1:
+        return f"DDTree not proved: draft_steps={ds!r} (want >= 1)"
+    acc = stats["accepted_tokens"]
+    if not isinstance(acc, int) or acc < 0:
+        return f"DDTree not proved: accepted_tokens={acc!r} not reported"
+    if stats["mean_accept_len"] is None:
+        return "DDTree not proved: mean_accept_len not reported"
+    return None
+
+
+def account(outs: list[dict], c: int, output_len: int) -> list[str]:
+    """Exact token accounting of one batch; returns the failures."""
+    bad = []
+    if len(outs) != c:
+        bad.append(f"{len(outs)} requests finished, {c} submitted")
+    for o in outs:
+        if o["n_tokens"] != output_len or o["finish"] != "length":
+            bad.append(f"request {o['index']}: {o['n_tokens']} tokens (finish {o['finish']!r}), want {output_len}")
+    total = sum(o["n_tokens"] for o in outs)
+    if total != c * output_len:
+        bad.append(f"total {total} tokens, want {c} x {output_len} = {c * output_len}")
+    return bad
+
+
+# ---- one batch, one case -------------------------------------------------------------------------------------
+def run_batch(eng: Engine, prompts: list[list[int]], output_len: int, seed: int) -> dict:
+    """Submit all prompts at once, step to completion; per-request outputs in prompt order plus the window."""
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, seed=seed, ignore_eos=True)
+    yields0 = eng.counters["cohort_yield"]
+    ids = [eng.submit(p, sp) for p in prompts]
+    index = {rid: i for i, rid in enumerate(ids)}
+    first_seen: dict[int, float] = {}
+    done: dict[int, tuple[float, object]] = {}
+    while len(done) < len(ids):
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id not in index:
+                continue
+            if o.token_ids and o.request_id not in first_seen:
+                first_seen[o.request_id] = now
+            if o.finish_reason is not None:
+                done[o.request_id] = (now, o)
+        if not eng.has_work() and len(done) < len(ids):
+            raise RuntimeError("engine went idle with requests unfinished")
+    reqs = []
+    for rid in ids:
+        t_fin, o = done[rid]
+        st = dict(o.stats)
+        reqs.append({"index": index[rid], "prompt_len": len(prompts[index[rid]]), "n_tokens": len(o.token_ids),
+                     "finish": o.finish_reason, "sha256": token_hash(o.token_ids), "stats": st})
+    firsts = [first_seen[r] for r in ids if r in first_seen]
+    window = (max(t for t, _ in done.values()) - min(firsts)) if firsts else 0.0
+    return {"requests": reqs, "window_s": window, "cohort_yield_events": eng.counters["cohort_yield"] - yields0}
+
+
+def batch_figures(b: dict, mode: str) -> dict[str, float | None]:
+    reqs = b["requests"]
+    total = sum(r["n_tokens"] for r in reqs)
+    ttft = [r["stats"]["ttft_s"] for r in reqs if r["stats"].get("ttft_s") is not None]
+    tpot = [r["stats"]["tpot_s"] for r in reqs if r["stats"].get("tpot_s")]
+    f: dict[str, float | None] = {
+        "tok_s": total / b["window_s"] if b["window_s"] > 0 else None,
+        "req_decode_tok_s": float(np.median([1 / t for t in tpot])) if tpot else None,
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
+        "tpot_ms": 1e3 * float(np.median(tpot)) if tpot else None,
+        "cohort_yield_events": b["cohort_yield_events"],
+        "output_tokens": total,
+    }
+    if mode == "ddtree":
+        acc = [r["stats"]["mean_accept_len"] for r in reqs if r["stats"].get("mean_accept_len") is not None]
+        f["accept_per_step"] = float(np.mean(acc)) if acc else None
+    return f
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None]
+    return float(np.median(vals)) if vals else None
+
+
+def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, args, max_len: int) -> dict:
+    """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches."""
+    spec = SpecConfig(budget=args.budget) if mode == "ddtree" else None
+    opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
+                         prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
+                         cohort_yield_min=args.cohort_yield_min)
+    eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
+    t0 = time.perf_counter()
+    eng.warmup()
+    compile_s = time.perf_counter() - t0
+    warm = run_batch(eng, warm_prompts, WARMUP_TOKENS, args.seed)
+    case = {"mode": mode, "c": c, "compile_s": compile_s, "batches": [], "accounting": [], "proof": []}
+    case["accounting"] += [f"warm-up: {m}" for m in account(warm["requests"], c, WARMUP_TOKENS)]
+    compiles0, lazy0 = compile_count(), eng.counters["lazy_compiles"]
+    for rep in range(args.repeats):
+        b = run_batch(eng, prompts, args.output_len, args.seed)
+        case["accounting"] += [f"repeat {rep}: {m}" for m in account(b["requests"], c, args.output_len)]
+        for r in b["requests"]:
+            why = prove(mode, r["stats"])
+            if why:
+                case["proof"].append(f"repeat {rep} request {r['index']}: {why}")
+        b["figures"] = batch_figures(b, mode)
+        case["batches"].append(b)
+    case["recompiles"] = compile_count() - compiles0 + eng.counters["lazy_compiles"] - lazy0
+    keys = case["batches"][0]["figures"].keys()
+    case["figures"] = {k: _median([b["figures"][k] for b in case["batches"]]) for k in keys}
+    case["figures"]["output_tokens"] = case["batches"][0]["figures"]["output_tokens"]  # every repeat: accounted
+    ev = case["figures"]["cohort_yield_events"]
+    case["figures"]["cohort_yield_events"] = int(ev) if ev is not None and float(ev).is_integer() else ev
+    case["n_requests"] = c * args.repeats
+    del eng
+    gc.collect()
+    return case
+
+
+# ---- reproducibility -------------------------------------------------------------------------------------------
+def reproducibility(cases: list[dict]) -> dict[str, list[dict]]:
+    """Mismatching greedy hashes: across repeats (same case), across concurrencies (same mode, repeat, prompt), and
+    between ar and ddtree (same C, repeat, prompt)."""
+    h: dict[tuple[int, str, int, int], str] = {}
+    for cs in cases:
+        for rep, b in enumerate(cs.get("batches", [])):
+            for r in b["requests"]:
+                h[(cs["c"], cs["mode"], rep, r["index"])] = r["sha256"]
+    out: dict[str, list[dict]] = {"repeats": [], "concurrency": [], "modes": []}
+    groups: dict[str, dict[tuple, dict]] = {"repeats": {}, "concurrency": {}, "modes": {}}
+    for (c, mode, rep, i), v in h.items():
+        groups["repeats"].setdefault((f"c{c}.{mode}", i), {})[f"repeat {rep}"] = v
+        groups["concurrency"].setdefault((f"{mode} repeat {rep}", i), {})[f"c{c}"] = v
+        groups["modes"].setdefault((f"c{c} repeat {rep}", i), {})[mode] = v
+    for kind, g in groups.items():
+        for (where, i), vals in sorted(g.items()):
+            if len(set(vals.values())) > 1:
+                out[kind].append({"where": where, "request": i, "hashes": {k: v[:16] for k, v in vals.items()}})
+    return out
+
+
+# ---- reports -----------------------------------------------------------------------------------------------------
+def feature_matrix(plan: list[tuple[int, str]], cases: dict, requested: list[str]) -> list[str]:
+    """Markdown: one row per case; a cell per feature (requested or not) and for token accounting."""
+    lines = ["| case | requests | ar | ddtree | " + " | ".join(UNAVAILABLE_FEATURES) + " | accounting |",
+             "|---|---|---|---|" + "---|" * len(UNAVAILABLE_FEATURES) + "---|"]
+    for c, mode in plan:
+        cs = cases.get((c, mode))
+        if cs is None or "error" in cs:
+            run_cell = "not run" if cs is None else "ERROR"
+            cells = [run_cell if mode == "ar" else "off", run_cell if mode == "ddtree" else "off"]
+            acc, n = run_cell, "-"
+        else:
+            n = cs["n_requests"]
+            ok = f"FAILED ({len(cs['proof'])} proofs missing)" if cs["proof"] else f"proved {n}/{n}"
+            cells = [ok, "off"] if mode == "ar" else ["off", ok]
+            acc = f"FAILED ({len(cs['accounting'])})" if cs["accounting"] else "passed"
+        feats = [NOT_AVAILABLE if f in requested else "not requested" for f in UNAVAILABLE_FEATURES]
+        lines.append(f"| c{c}.{mode} | {n} | " + " | ".join(cells + feats) + f" | {acc} |")
+    return lines
+
+
+def summary_table(conc: list[int], figures: dict) -> list[str]:
+    g = lambda k: figures.get(k)
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"
+    lines = ["| C | AR output-window tok/s | DDTree output-window tok/s | DDTree goodput vs AR | Accepted/step "
+             "| AR TTFT p50 s | DDTree TTFT p50 s | AR TPOT ms | DDTree TPOT ms | yield events |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in conc:
+        sp = g(f"c{c}.ddtree.speedup_vs_ar")
+        lines.append(f"| {c} | {f(g(f'c{c}.ar.tok_s'))} | {f(g(f'c{c}.ddtree.tok_s'))} | "
+                     f"{'-' if sp is None else f'{100 * (sp - 1):+.1f}%'} | {f(g(f'c{c}.ddtree.accept_per_step'))} | "
+                     f"{f(g(f'c{c}.ar.ttft_p50_s'), 3)} | {f(g(f'c{c}.ddtree.ttft_p50_s'), 3)} | "
+                     f"{f(g(f'c{c}.ar.tpot_ms'))} | {f(g(f'c{c}.ddtree.tpot_ms'))} | "
+                     f"{f(g(f'c{c}.ddtree.cohort_yield_events'), 0)} |")
+    return lines
+
+
+def plots(stem: str, conc: list[int], figures: dict, cases: list[dict]) -> list[str]:
+    """PNG plots next to the result file (if matplotlib is importable); returns the paths written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: plots skipped")
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, label in (("ar", "AR"), ("ddtree", "DDTree")):
+        xs = [c for c in conc if figures.get(f"c{c}.{mode}.tok_s") is not None]
+        ax.plot(xs, [figures[f"c{c}.{mode}.tok_s"] for c in xs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output-window tok/s")
+    ax.set_title("throughput vs concurrency")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(stem + ".throughput.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cs in cases:
+        if not cs.get("batches"):
+            continue
+        pts = {}
+        for b in cs["batches"]:
+            for r in b["requests"]:
+                if r["stats"].get("ttft_s") is not None:
+                    pts.setdefault(r["index"], (r["prompt_len"], []))[1].append(r["stats"]["ttft_s"])
+        xs = [p for p, _ in pts.values()]
+        ys = [float(np.median(v)) for _, v in pts.values()]
+        ax.scatter(xs, ys, s=12, marker="o" if cs["mode"] == "ar" else "x", label=f"c{cs['c']} {cs['mode']}")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT s (median over repeats)")
+    ax.set_title("TTFT vs prompt length")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    paths.append(stem + ".ttft.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+# ---- the command ---------------------------------------------------------------------------------------------------
+def _check_args(args) -> str | None:
+    if args.output_len < 2:
+        return "--output-len must be >= 2 (the output window needs a first token and a later finish)"
+    if not 1 <= args.prompt_len_min <= args.prompt_len_max:
+        return "need 1 <= --prompt-len-min <= --prompt-len-max"
+    if args.repeats < 1 or min(args.concurrency) < 1:
+        return "--repeats and every --concurrency must be >= 1"
+    return None
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    conc = sorted(dict.fromkeys(args.concurrency))
+    plan = [(c, m) for c in conc for m in MODES]
+    bad = _check_args(args)
+    if bad:
+        print(f"FAIL: {bad}")
+        return 2
+    requested = [f for f in UNAVAILABLE_FEATURES if getattr(args, f)]
+    if requested:  # fail closed before any work: these cases cannot be run, so nothing is reported as passed
+        print("feature matrix:")
+        print("\n".join(feature_matrix(plan, {}, requested)))
+        for f in requested:
+            print(f"FAIL: --{f} requested: {NOT_AVAILABLE} ({UNAVAILABLE_FEATURES[f]})")
+        return 2
+
+    dtype = jnp.dtype(args.dtype)
+    t0 = time.perf_counter()
+    if args.model:
+        target = load_target(args.model, dtype=args.dtype)
+    else:
+        cfg = TargetConfig.from_file(args.random_weights)
+        target = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
+    if args.drafter:
+        from dflash_jax.models.dflash_loader import load_drafter
+
+        drafter = load_drafter(args.drafter, dtype=dtype)
+    else:
+        dcfg = DrafterConfig.from_file(args.random_drafter)
+        drafter = (dcfg, dflash.init_params(dcfg, jax.random.key(1), dtype))
+    jax.block_until_ready((target.params, drafter[1]))
+    load_s = time.perf_counter() - t0
+    cfg = target.config
+    max_len = args.max_model_len or args.prompt_len_max + args.output_len
+    prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed)
+    warm_prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed + 1)
+    dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], token ids ~ "
+            f"uniform in [0, {cfg.vocab_size}), numpy default_rng({args.seed}); warm-up prompts: rng({args.seed + 1})")
+    print(f"loaded in {load_s:.1f}s; {dist}")
+    print(f"prompt lengths (request i at every C): {[len(p) for p in prompts]}", flush=True)
+
+    cases: dict[tuple[int, str], dict] = {}
+    for c, mode in plan:
+        t0 = time.perf_counter()
+        try:
+            cs = run_case(target, drafter, mode, c, prompts[:c], warm_prompts[:c], args, max_len)
+        except Exception as e:  # recorded; the run fails closed at the end
+            cs = {"mode": mode, "c": c, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+            print(f"c{c} {mode}: ERROR {cs['error']}", flush=True)
+            cases[(c, mode)] = cs
+            continue
+        cases[(c, mode)] = cs
+        fg = cs["figures"]
+        status = "ok" if not cs["proof"] and not cs["accounting"] else "FAILED"
+        acc = "" if mode == "ar" or fg.get("accept_per_step") is None else f", accept/step {fg['accept_per_step']:.2f}"
+        n = lambda k, p: "-" if fg.get(k) is None else f"{fg[k]:.{p}f}"
+        print(f"c{c} {mode}: {n('tok_s', 1)} tok/s, TTFT p50 {n('ttft_p50_s', 3)}s, TPOT {n('tpot_ms', 2)} ms{acc}, "
+              f"{int(fg['output_tokens'])}/{c * args.output_len} tokens, proof {status} "
+              f"(compile {cs['compile_s']:.1f}s, case {time.perf_counter() - t0:.1f}s)", flush=True)
+
+    figures: dict[str, float | None] = {"load_s": load_s}
+    for (c, mode), cs in cases.items():
+        for k, v in cs.get("figures", {}).items():
+            if k != "output_tokens":
+                figures[f"c{c}.{mode}.{k}"] = v
+        if "figures" in cs:
+            figures[f"c{c}.{mode}.output_tokens"] = cs["figures"]["output_tokens"]
+    for c in conc:
+        a, d = figures.get(f"c{c}.ar.tok_s"), figures.get(f"c{c}.ddtree.tok_s")
+        figures[f"c{c}.ddtree.speedup_vs_ar"] = d / a if a and d is not None else None
+    case_list = [cases[k] for k in plan]
+    repro = reproducibility(case_list)
+    n_mis = {k: len(v) for k, v in repro.items()}
+    figures["reproducible"] = int(not any(n_mis.values()))
+    for k, v in n_mis.items():
+        figures[f"repro.{k}_mismatches"] = v
+    figures["recompiles_after_warmup"] = sum(cs.get("recompiles", 0) for cs in case_list)
+
+    print("\nfeature matrix:")
+    print("\n".join(feature_matrix(plan, cases, [])))
+    print()
+    print("\n".join(summary_table(conc, figures)))
+    print()
+    results.print_table(figures)
+    if figures["reproducible"]:
+        print("reproducibility: all greedy hashes equal across repeats, concurrencies and ar/ddtree")
+    else:
+        print(f"reproducibility: mismatches {n_mis}")
+        for kind, lst in repro.items():
+            for m in lst:
+                print(f"  {'LOSSLESSNESS ' if kind == 'modes' else ''}{kind}: {m['where']} request {m['request']}: "
+                      f"{m['hashes']}")
+
+    failures = []
+    for cs in case_list:
+        name = f"c{cs['c']}.{cs['mode']}"
+        if "error" in cs:
+            failures.append(f"{name}: {cs['error']}")
+        failures += [f"{name}: proof: {m}" for m in cs.get("proof", [])]
+        failures += [f"{name}: accounting: {m}" for m in cs.get("accounting", [])]
+    if args.require_reproducible and not figures["reproducible"]:
+        failures.append(f"reproducibility required: mismatches {n_mis}")
+    if failures:
+        print(f"\nFAIL: {len(failures)} problem(s); no result written")
+        for m in failures:
+            print(f"  {m}")
+        return 1
+    print(f"\nPASS: {len(case_list)} cases, {sum(cs['n_requests'] for cs in case_list)} requests, "
+          f"{sum(int(cs['figures']['output_tokens']) * args.repeats for cs in case_list)} completion tokens: "
+          "exact token accounting and per-request feature proof")
+    if not args.no_write:
+        extra = {
+            "target": args.model or args.random_weights, "drafter": args.drafter or args.random_drafter,
+            "weights": "checkpoint" if args.model else "random", "dtype": args.dtype, "concurrency": conc,
+            "output_len": args.output_len, "repeats": args.repeats, "seed": args.seed, "budget": args.budget,
+            "cohort_yield_min": args.cohort_yield_min, "max_model_len": max_len, "page_size": args.page_size,
+            "prefill_chunk": args.prefill_chunk, "prefill_batch": args.prefill_batch,
+            "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "prompt_distribution": dist, "prompt_lens": [len(p) for p in prompts],
+            "hash": "sha256 of the decimal token ids joined by ',' (UTF-8)",
+            "feature_matrix": feature_matrix(plan, cases, []),
+            "accounting": "passed", "reproducibility": repro,
+            "cases": [{"case": f"c{cs['c']}.{cs['mode']}", "compile_s": cs["compile_s"],
+                       "recompiles": cs["recompiles"], "cohort_yield_events": [b["cohort_yield_events"]
+                                                                               for b in cs["batches"]],
+                       "repeats": [{"figures": b["figures"], "window_s": b["window_s"],
+                                    "requests": [{"i": r["index"], "prompt_len": r["prompt_len"],
+                                                  "tokens": r["n_tokens"], "sha256": r["sha256"],
+                                                  **{k: r["stats"].get(k) for k in (
+                                                      "ttft_s", "tpot_s", "spec_mode", "draft_steps",
+                                                      "draft_nodes", "accepted_tokens", "mean_accept_len",
+                                                      "cohort_yield_mean", "prefill_chunks", "decode_steps")}}
+                                                 for r in b["requests"]]} for b in cs["batches"]]}
+                      for cs in case_list],
+        }
+        path = results.write_result("concurrency", figures, command, extra, out_dir=args.out_dir)
+        print("wrote", path)
+        try:  # plots are a convenience: the measured result is already written
+            for p in plots(os.path.splitext(path)[0], conc, figures, case_list):
+                print("wrote", p)
+        except Exception as e:  # noqa: BLE001
+            print(f"plots skipped: {type(e).__name__}: {e}")
+    return 0
