@@ -17,6 +17,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import FIXTURES
 
@@ -211,6 +213,32 @@ def test_bad_input_gets_openai_error_json(server, kind, path, body, status, need
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle.lower() in err["message"].lower() and err["type"]
+
+
+_FIELDS = {"model": st.sampled_from([MODEL, "other", "", None]),
+           "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 600), max_size=20), st.none(),
+                               st.lists(st.lists(st.integers(0, 500), max_size=5), max_size=2)),
+           "max_tokens": st.one_of(st.integers(-3, 8), st.just(5000), st.none(), st.text(max_size=3)),
+           "temperature": st.one_of(st.floats(-1, 5), st.none()),
+           "top_p": st.one_of(st.floats(-1, 2), st.none()), "top_k": st.integers(-3, 50),
+           "n": st.integers(-1, 4), "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=20)),
+           "seed": st.one_of(st.integers(-2, 2**40), st.none()), "logprobs": st.one_of(st.integers(-1, 12), st.none()),
+           "min_tokens": st.integers(-1, 8), "stop_token_ids": st.lists(st.integers(-5, 2**33), max_size=10),
+           "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x", "tool"]),
+                                                       "content": st.one_of(st.text(max_size=20), st.none())}),
+                                max_size=3)}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.dictionaries(st.sampled_from(sorted(_FIELDS)), st.none(), max_size=8).flatmap(
+           lambda d: st.fixed_dictionaries({k: _FIELDS[k] for k in d})))
+def test_fuzzed_request_bodies_never_crash_the_server_or_leak(server, path, body):
+    r = httpx.post(server["base"] + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code in (200, 400, 404, 413), r.text
+    if r.status_code != 200:
+        assert r.json()["error"]["message"]
+    _idle(server)
 
 
 def test_api_key_is_required(server):
