@@ -374,8 +374,8 @@ def forward(params: Params, cfg: DenseConfig, ids: Any) -> tuple[jax.Array, jax.
     return _forward_jit(params, cfg, ids)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward_jit(params: Params, cfg: DenseConfig, ids: jax.Array):
+def _full(params: Params, cfg: DenseConfig, ids: jax.Array):
+    """One sequence, one causal pass: ids [T] -> (h [T, D] after the final norm, k, v [L, T, Hkv, hd])."""
     t = ids.shape[0]
     pos = jnp.arange(t, dtype=jnp.int32)
     eps = cfg.rms_norm_eps
@@ -395,8 +395,19 @@ def _forward_jit(params: Params, cfg: DenseConfig, ids: jax.Array):
         o = jnp.einsum("kgcn,nkd->ckgd", pr, v.astype(a)).reshape(t, -1).astype(h.dtype)
         h = h + linear(o, p["attn"]["o"])
         h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps))
-    h = rms_norm(h, params["final_norm"], eps)
-    return linear(h.astype(F32), params["lm_head"].astype(F32)), jnp.stack(ks), jnp.stack(vs)
+    return rms_norm(h, params["final_norm"], eps), jnp.stack(ks), jnp.stack(vs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward_jit(params: Params, cfg: DenseConfig, ids: jax.Array):
+    h, k, v = _full(params, cfg, ids)
+    return linear(h.astype(F32), params["lm_head"].astype(F32)), k, v
+
+
+def hidden_states(params: Params, cfg: DenseConfig, tokens: jax.Array) -> jax.Array:
+    """Batched full causal pass for training and evaluation: tokens [B, T] -> final-normed hidden [B, T, D]
+    (differentiable; the LM head is left to the caller)."""
+    return jax.vmap(lambda ids: _full(params, cfg, ids)[0])(tokens)
 
 
 # ---------------------------------------------------------------------------------------------

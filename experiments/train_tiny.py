@@ -1,0 +1,923 @@
+"""Train the shipped tiny model set (hybrid target, DFlash drafter, dense PFlash scorer) in one fixed-seed command.
+
+    python experiments/train_tiny.py --out dflash_jax/assets/tiny                  # the real run (H200, preset tiny)
+    python experiments/train_tiny.py --out /tmp/tiny --smoke                       # CPU, about a minute
+    python experiments/train_tiny.py --out OUT --resume                            # continue from the checkpoints
+    python experiments/train_tiny.py --out OUT --max-minutes 9 [--resume]          # stop in time (exit 3), resume
+
+Fixed seeds everywhere (init, batch order, anchors, corpus, eval anchors); on GPU ``--xla_gpu_deterministic_ops`` is
+set unless ``--no-deterministic``, and a resumed run gives the same weights as an uninterrupted one.
+
+Phases (each checkpointed with orbax every ``ckpt_every`` steps under ``--work-dir``; ``--resume`` continues the
+latest checkpoint of a phase, a finished phase is not re-run):
+
+1. data: ``experiments/corpus.py`` (stdlib sources split by the fixed sha1 rule, chat, needle) and the BPE of
+   ``experiments/train_tokenizer.py`` trained on the corpus' train split; documents are tokenised, joined with
+   ``<|endoftext|>`` and packed into ``seq_len`` rows (train; eval per kind: stdlib / chat / needle). Cached in the
+   work dir, keyed by the data settings.
+2. target: the real Qwen3.5/3.6 hybrid (``qwen36.forward`` with a fresh paged state per batch, so training runs the
+   same code that serves) trained with next-token CE, AdamW + warmup + cosine + global-norm clipping; fp32 master
+   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step. Held-out perplexity.
+3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``: random
+   anchors, blocks of ``block_size``, decayed CE (gamma 7); labels are the target's teacher-forced argmax
+   (``--drafter-labels target``, default) or the text (``data``). Held-out chain acceptance length tau: the
+   drafter's argmax block at fixed anchors against the target's exact greedy continuation from the anchor.
+4. scorer: a tiny plain Qwen3 dense LM (``tiny_configs.dense_*``) with the same recipe as the target.
+5. export (HF layout) to ``--out/{target,drafter,scorer}`` + ``train_report.json`` (+ ``loss_curves.png`` when
+   matplotlib is installed); the exported target is reloaded with ``dflash_jax.load_target`` and checked against
+   the trained parameters.
+
+Python API: ``main(argv) -> report dict``; ``save_target(path, cfg, params, dtype=None)``; ``target_hidden``;
+``init_target``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see dflash_jax/__init__.py
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from dflash_jax.config import FULL, DrafterConfig, TargetConfig  # noqa: E402
+from dflash_jax.engine.spec_steps import features  # noqa: E402
+from dflash_jax.models import dense  # noqa: E402
+from dflash_jax.models import dflash, loader, qwen36  # noqa: E402
+from dflash_jax.models.dflash_loader import load_drafter, save_drafter  # noqa: E402
+from dflash_jax.state import KVPages, RecurrentSlots, StepInput  # noqa: E402
+from experiments import tiny_configs as tc  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+F32 = jnp.float32
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# =====================================================================================================================
+# data
+# =====================================================================================================================
+
+@dataclasses.dataclass
+class Data:
+    tokenizer_dir: str
+    vocab_size: int
+    special_ids: dict[str, int]
+    train: np.ndarray                 # [N, T]
+    eval: dict[str, np.ndarray]       # kind -> [M, T]
+    meta: dict[str, Any]
+
+
+def _pack(docs: list[list[int]], sep: int, seq_len: int) -> np.ndarray:
+    flat = np.fromiter((t for d in docs for t in (*d, sep)), dtype=np.int32)
+    n = len(flat) // seq_len
+    return flat[: n * seq_len].reshape(n, seq_len)
+
+
+def _encode_all(tok, texts: list[str], batch: int = 2048) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i in range(0, len(texts), batch):
+        out.extend(e.ids for e in tok.encode_batch(texts[i:i + batch], add_special_tokens=False))
+    return out
+
+
+def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
+    """Corpus + tokenizer + packed token arrays, cached under ``work/data-<hash>``."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from experiments import corpus
+    from experiments.train_tokenizer import SPECIAL_TOKENS, train_bpe
+
+    key = {"data": d, "seq_len": seq_len, "seed": seed, "stdlib": corpus.stdlib_dir(),
+           "python": platform.python_version()}
+    h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    ddir = os.path.join(work, f"data-{h}")
+    done = os.path.join(ddir, "data.json")
+    cdir, tdir = os.path.join(ddir, "corpus"), os.path.join(ddir, "tokenizer")
+    if not os.path.exists(done):
+        t0 = time.time()
+        shutil.rmtree(ddir, ignore_errors=True)
+        argv = ["--out", cdir, "--seed", str(seed), "--n-chat", str(d["n_chat"]), "--n-eval-chat",
+                str(d["n_eval_chat"]), "--n-needle", str(d["n_needle"]), "--n-eval-needle", str(d["n_eval_needle"]),
+                "--needle-tokens", str(d["needle_tokens"])]
+        if d.get("max_files") is not None:
+            argv += ["--max-files", str(d["max_files"])]
+        log(f"[data] corpus: {' '.join(argv)}")
+        stats = corpus.main(argv)
+        t1 = time.time()
+        train_txt = os.path.join(cdir, "train.txt")
+        train_bpe(corpus.read_train_docs(train_txt), tdir, vocab_size=d["vocab_size"],
+                  max_bytes=int(d["tok_max_mb"] * 1e6))
+        t2 = time.time()
+        tok = HFTokenizer.from_file(os.path.join(tdir, "tokenizer.json"))
+        sep = tok.token_to_id(corpus.DOC_SEP)
+        train = _pack(_encode_all(tok, list(corpus.read_train_docs(train_txt))), sep, seq_len)
+        ev: dict[str, list[str]] = {}
+        with open(os.path.join(cdir, "eval.jsonl"), encoding="utf-8") as fh:
+            for line in fh:
+                r = json.loads(line)
+                ev.setdefault(r["kind"], []).append(r["text"])
+        evals = {k: _pack(_encode_all(tok, v), sep, seq_len) for k, v in sorted(ev.items())}
+        t3 = time.time()
+        dtype = np.uint16 if tok.get_vocab_size() < 65536 else np.int32
+        np.save(os.path.join(ddir, "train.npy"), train.astype(dtype))
+        for k, v in evals.items():
+            np.save(os.path.join(ddir, f"eval_{k}.npy"), v.astype(dtype))
+        with open(os.path.join(cdir, "split.json")) as fh:
+            split = json.load(fh)
+        meta = {"key": key, "corpus_stats": stats, "split_rule": split["rule"], "stdlib_dir": split["stdlib_dir"],
+                "eval_files": split["eval_files"], "n_train_files": split["n_train_files"],
+                "train_seqs": int(train.shape[0]), "train_tokens": int(train.size),
+                "eval_seqs": {k: int(v.shape[0]) for k, v in evals.items()},
+                "vocab_size": tok.get_vocab_size(), "special_ids": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
+                "seconds": {"corpus": round(t1 - t0, 1), "tokenizer": round(t2 - t1, 1),
+                            "encode": round(t3 - t2, 1)}}
+        with open(done, "w") as fh:
+            json.dump(meta, fh, indent=1)
+        log(f"[data] {meta['train_tokens']:,} train tokens in {meta['train_seqs']} rows of {seq_len}; eval rows "
+            f"{meta['eval_seqs']}; vocab {meta['vocab_size']}; {sum(meta['seconds'].values()):.1f}s")
+    else:
+        log(f"[data] cached: {ddir}")
+    with open(done) as fh:
+        meta = json.load(fh)
+    train = np.load(os.path.join(ddir, "train.npy")).astype(np.int32)
+    evals = {k: np.load(os.path.join(ddir, f"eval_{k}.npy")).astype(np.int32) for k in meta["eval_seqs"]}
+    meta["dir"] = ddir
+    return Data(tdir, meta["vocab_size"], meta["special_ids"], train, evals, meta)
+
+
+def _spread(n: int, k: int) -> np.ndarray:
+    """``k`` evenly spaced indices of ``range(n)`` (all when k >= n)."""
+    if k >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
+
+
+def eval_sets(data: Data, total: int) -> dict[str, np.ndarray]:
+    """The fixed held-out rows per kind: ``total`` split evenly over the kinds present, evenly spaced."""
+    kinds = [k for k, v in data.eval.items() if len(v)]
+    per = max(1, total // max(1, len(kinds)))
+    return {k: data.eval[k][_spread(len(data.eval[k]), per)] for k in kinds}
+
+
+class Batches:
+    """Deterministic batches: sample ``step*B + j`` is row ``perm_epoch[i % N]``, ``perm_epoch`` seeded by the
+    epoch, so a resumed run sees exactly the batches of an uninterrupted one."""
+
+    def __init__(self, rows: np.ndarray, batch: int, seed: int) -> None:
+        if len(rows) < 1:
+            raise ValueError("no training rows: the corpus is smaller than one sequence")
+        self.rows, self.batch, self.seed = rows, batch, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))}
+        return self._perms[epoch]
+
+    def __call__(self, step: int) -> np.ndarray:
+        n = len(self.rows)
+        idx = [self._perm(i // n)[i % n] for i in range(step * self.batch, (step + 1) * self.batch)]
+        return self.rows[np.asarray(idx)]
+
+
+# =====================================================================================================================
+# models
+# =====================================================================================================================
+
+def compute_params(params: Any, dtype) -> Any:
+    """Matrices cast to the compute dtype; norm weights, A_log and dt_bias stay float32 (as the loader does)."""
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+
+
+def init_target(cfg: TargetConfig, key: jax.Array, std: float = 0.02) -> qwen36.Params:
+    """HF-style float32 init (reference §6.2): linears and embeddings normal(0, std) (output projections
+    o / out / down scaled by 1/sqrt(2 L)), zero-centred norms 0, GDN output norm 1, dt_bias 1,
+    A_log = log U(0.01, 16), depthwise conv kaiming-uniform U(-1/sqrt(K), 1/sqrt(K))."""
+    shapes = qwen36.param_shapes(cfg, F32)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, s), k in zip(leaves, keys):
+        name = jax.tree_util.keystr(path)
+        last = name.rsplit("[", 1)[-1].strip("'[]")
+        if last == "A_log":
+            out.append(jnp.log(jax.random.uniform(k, s.shape, F32, 0.01, 16.0)))
+        elif last == "dt_bias" or name.endswith("['gdn']['norm']"):
+            out.append(jnp.ones(s.shape, F32))
+        elif len(s.shape) == 1:
+            out.append(jnp.zeros(s.shape, F32))  # zero-centred RMSNorm weights
+        elif last == "conv":
+            b = s.shape[1] ** -0.5
+            out.append(jax.random.uniform(k, s.shape, F32, -b, b))
+        else:
+            scale = std / (2 * cfg.num_layers) ** 0.5 if last in ("o", "out", "down") else std
+            out.append(scale * jax.random.normal(k, s.shape, F32))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def target_hidden(params: qwen36.Params, cfg: TargetConfig, tokens: jax.Array,
+                  return_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None]:
+    """Training-mode full-sequence forward of B rows from position 0 through ``qwen36.forward`` (the serving code):
+    a fresh paged KV (each row owns its pages) and fresh recurrent slots per call.
+    tokens [B, T] -> (final-normed hidden [B, T, D], feats [len(return_layers), B, T, D] | None)."""
+    b, t = tokens.shape
+    dtype = params["layers"][0]["mlp"]["gate"].dtype
+    ps = min(64, t)
+    w = -(-t // ps)
+    kv = KVPages.zeros(cfg, b * w + 1, ps, dtype)
+    rec = RecurrentSlots.zeros(cfg, b + 1, dtype)
+    inp = StepInput(tokens=tokens.astype(jnp.int32),
+                    positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                    n_valid=jnp.full((b,), t, jnp.int32), slots=jnp.arange(1, b + 1, dtype=jnp.int32),
+                    page_table=1 + jnp.arange(b * w, dtype=jnp.int32).reshape(b, w))
+    h, _, _, feats = qwen36.forward(params, cfg, inp, kv, rec, return_layers)
+    return h, feats
+
+
+def next_token_ce(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Per-position CE of predicting tokens[:, 1:] from logits[:, :-1] -> [B, T-1] float32."""
+    lg = logits[:, :-1].astype(F32)
+    tgt = tokens[:, 1:]
+    return jax.nn.logsumexp(lg, axis=-1) - jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
+
+
+def n_params(tree: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
+
+
+# =====================================================================================================================
+# export
+# =====================================================================================================================
+
+def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the Qwen3.5/3.6 HF layout (what ``loader.load_params``
+    reads): ``model.language_model.*`` + top-level ``lm_head.weight``; conv weights as ``[C, 1, K]``. ``dtype``
+    casts the matrices (default: their own dtype); norm weights, A_log and dt_bias are written in float32."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    shapes = qwen36.param_shapes(cfg, F32)
+    tensors: dict[str, np.ndarray] = {}
+    for name, p in loader.hf_name_map(cfg).items():
+        arr = jnp.asarray(loader._get(params, p))
+        want = loader._get(shapes, p).shape
+        if tuple(arr.shape) != tuple(want):
+            raise ValueError(f"parameter {'/'.join(map(str, p))} has shape {list(arr.shape)}, "
+                             f"config wants {list(want)}")
+        arr = arr.astype(F32 if arr.ndim == 1 else (dtype or arr.dtype))
+        if p[-1] == "conv":
+            arr = arr[:, None, :]
+        full = name if name == "lm_head.weight" else f"model.language_model.{name}"
+        tensors[full] = np.ascontiguousarray(np.asarray(jax.device_get(arr)))
+    mdt = str(jnp.dtype(dtype or params["embed"].dtype))
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(tc.target_hf_dict_from_config(cfg, mdt), fh, indent=2)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _copy_tokenizer(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+
+
+def _readable(root: str) -> None:
+    """safetensors writes 0600 files; shipped assets should be world-readable."""
+    for dp, _, fns in os.walk(root):
+        for f in fns:
+            os.chmod(os.path.join(dp, f), 0o644)
+
+
+# =====================================================================================================================
+# training loop
+# =====================================================================================================================
+
+def _global_norm(tree: Any) -> jax.Array:
+    tree_mod = getattr(optax, "tree", None)
+    return tree_mod.norm(tree) if tree_mod is not None and hasattr(tree_mod, "norm") else optax.global_norm(tree)
+
+
+def make_optimizer(hp: dict[str, Any]) -> tuple[optax.GradientTransformation, Callable]:
+    steps = max(1, hp["steps"])
+    warm = max(1, int(round(hp["warmup"] * steps)))
+    sched = optax.warmup_cosine_decay_schedule(0.0, hp["lr"], warm, max(steps, warm + 1), end_value=0.1 * hp["lr"])
+    decay_mask = lambda p: jax.tree_util.tree_map(lambda x: x.ndim >= 2, p)
+    tx = optax.chain(optax.clip_by_global_norm(hp["clip"]),
+                     optax.adamw(sched, b1=0.9, b2=0.95, eps=1e-8, weight_decay=hp["wd"], mask=decay_mask))
+    return tx, sched
+
+
+class OutOfTime(RuntimeError):
+    """The --max-minutes budget ran out; every phase so far is checkpointed."""
+
+
+@dataclasses.dataclass
+class PhaseResult:
+    params: Any
+    history: dict[str, list]
+    timing: dict[str, float]
+    resumed_from: int | None
+
+
+def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: Batches, hp: dict[str, Any], *,
+              work: str, resume: bool, seed: int, log_every: int, ckpt_every: int, eval_fn: Callable | None = None,
+              eval_every: int = 0, tokens_per_step: int = 0, deadline: float | None = None) -> PhaseResult:
+    """AdamW over ``loss_fn(params, frozen, batch, key) -> (loss, aux dict)`` for ``hp['steps']`` steps, with orbax
+    checkpoints (params, optimizer state) every ``ckpt_every`` steps and at the end, and a JSON loss history.
+    Past ``deadline`` (``time.time()``) it checkpoints and raises ``OutOfTime`` (continue with ``--resume``)."""
+    import orbax.checkpoint as ocp
+
+    steps = hp["steps"]
+    tx, sched = make_optimizer(hp)
+    opt_state = tx.init(params)
+    ckdir = os.path.abspath(os.path.join(work, "ckpt", name))
+    hist_path = os.path.join(work, "ckpt", f"{name}_history.json")
+    if not resume:
+        shutil.rmtree(ckdir, ignore_errors=True)
+    mngr = ocp.CheckpointManager(ckdir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, create=True, enable_async_checkpointing=False))
+    history: dict[str, list] = {"step": [], "loss": [], "grad_norm": [], "lr": [], "eval": []}
+    start, resumed = 0, None
+    if resume and mngr.latest_step() is not None:
+        start = resumed = int(mngr.latest_step())
+        state = mngr.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+        params, opt_state = state["params"], state["opt_state"]
+        if os.path.exists(hist_path):
+            with open(hist_path) as fh:
+                old = json.load(fh)
+            keep = [i for i, s in enumerate(old["step"]) if s <= start]
+            history = {k: [old[k][i] for i in keep] for k in ("step", "loss", "grad_norm", "lr")}
+            history["eval"] = [e for e in old.get("eval", []) if e["step"] <= start]
+        log(f"[{name}] resumed from step {start}")
+
+    base_key = jax.random.fold_in(jax.random.key(seed), int(hashlib.sha1(name.encode()).hexdigest()[:7], 16))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, frozen, batch, step):
+        key = jax.random.fold_in(base_key, step)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, batch, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss, _global_norm(grads), aux
+
+    def save(step: int) -> None:
+        mngr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+        mngr.wait_until_finished()
+        with open(hist_path, "w") as fh:
+            json.dump(history, fh)
+
+    t_start = time.perf_counter()
+    t_first = None
+    pending: list[tuple[int, Any, Any, Any]] = []
+    t_last, s_last = time.perf_counter(), start
+    for step in range(start, steps):
+        batch = jnp.asarray(batches(step))
+        params, opt_state, loss, gnorm, aux = train_step(params, opt_state, frozen, batch, jnp.int32(step))
+        pending.append((step, loss, gnorm, aux))
+        if t_first is None:
+            jax.block_until_ready(loss)
+            t_first = time.perf_counter() - t_start
+            t_last, s_last = time.perf_counter(), step + 1
+        last = step + 1 == steps
+        if (step + 1) % log_every == 0 or last:
+            got = jax.device_get(pending)
+            for s, l_, g, a in got:
+                history["step"].append(s + 1)
+                history["loss"].append(float(l_))
+                history["grad_norm"].append(float(g))
+                history["lr"].append(float(sched(s)))
+            pending = []
+            now = time.perf_counter()
+            rate = (step + 1 - s_last) / max(now - t_last, 1e-9)
+            s_, l_, g_, a_ = got[-1]
+            extra = " ".join(f"{k} {float(v):.3f}" for k, v in a_.items())
+            tok = f" {rate * tokens_per_step / 1e3:,.0f}k tok/s" if tokens_per_step and step + 1 > s_last else ""
+            log(f"[{name}] step {step + 1}/{steps} loss {float(l_):.4f} gnorm {float(g_):.3f} "
+                f"lr {float(sched(step)):.2e} {extra} {rate:.2f} step/s{tok}".replace("  ", " "))
+            t_last, s_last = now, step + 1
+        if eval_fn is not None and eval_every and (step + 1) % eval_every == 0 and not last:
+            ev = eval_fn(params)
+            history["eval"].append({"step": step + 1, **ev})
+            log(f"[{name}] eval @ {step + 1}: " + " ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+        if (step + 1) % ckpt_every == 0 or last:
+            save(step + 1)
+        elif deadline is not None and time.time() > deadline:
+            for s, l_, g, a in jax.device_get(pending):
+                history["step"].append(s + 1)
+                history["loss"].append(float(l_))
+                history["grad_norm"].append(float(g))
+                history["lr"].append(float(sched(s)))
+            save(step + 1)
+            mngr.close()
+            raise OutOfTime(f"[{name}] out of time at step {step + 1}/{steps}: checkpointed; rerun with --resume")
+    total = time.perf_counter() - t_start
+    n_run = steps - start
+    steady = (total - (t_first or 0.0)) / max(1, n_run - 1)
+    timing = {"seconds": round(total, 2), "first_step_seconds (compile)": round(t_first or 0.0, 2),
+              "steps_run": n_run, "step_seconds": round(steady, 4),
+              "tokens_per_second": round(tokens_per_step / steady, 1) if tokens_per_step and n_run > 1 else None}
+    mngr.close()
+    return PhaseResult(params, history, timing, resumed)
+
+
+# =====================================================================================================================
+# evaluation
+# =====================================================================================================================
+
+def make_lm_eval(hidden_fn: Callable, sets: dict[str, np.ndarray], batch: int) -> Callable[[Any], dict[str, float]]:
+    """``evaluate(params)``: held-out perplexity per kind and overall (token-weighted) of a causal LM given
+    ``hidden_fn(params, tokens) -> [B, T, D]`` (compiled once)."""
+
+    @jax.jit
+    def ce_sum(params, tokens, rows):
+        h = hidden_fn(params, tokens)
+        logits = jnp.einsum("btd,vd->btv", h, params["lm_head"].astype(h.dtype), preferred_element_type=F32)
+        ce = next_token_ce(logits, tokens) * rows[:, None]
+        return jnp.sum(ce), jnp.sum(rows) * (tokens.shape[1] - 1)
+
+    def evaluate(params) -> dict[str, float]:
+        out: dict[str, float] = {}
+        tot, cnt = 0.0, 0.0
+        for kind, rows in sets.items():
+            s = c = 0.0
+            for i in range(0, len(rows), batch):
+                chunk = rows[i:i + batch]
+                m = np.ones(batch, np.float32)
+                if len(chunk) < batch:
+                    m[len(chunk):] = 0
+                    chunk = np.concatenate([chunk, np.repeat(chunk[:1], batch - len(chunk), 0)])
+                a, b = jax.device_get(ce_sum(params, jnp.asarray(chunk), jnp.asarray(m)))
+                s, c = s + float(a), c + float(b)
+            out[f"ppl_{kind}"] = math.exp(s / max(c, 1))
+            tot, cnt = tot + s, cnt + c
+        out["ppl"] = math.exp(tot / max(cnt, 1))
+        out["loss"] = tot / max(cnt, 1)
+        return out
+
+    return evaluate
+
+
+def tau_anchors(n_rows: int, seq_len: int, per_row: int, seed: int, blk: int) -> np.ndarray:
+    """Fixed eval anchors ``[n_rows, per_row]``: distinct sorted positions in [blk, T-2] (each with context)."""
+    rng = np.random.default_rng([seed, 7])
+    lo, hi = min(blk, seq_len - 2), seq_len - 2
+    return np.stack([np.sort(rng.choice(np.arange(lo, hi + 1), size=min(per_row, hi - lo + 1), replace=False))
+                     for _ in range(n_rows)]).astype(np.int32)
+
+
+def greedy_labels(tparams: Any, tcfg: TargetConfig, rows: np.ndarray, anchors: np.ndarray, blk: int,
+                  chunk: int = 64) -> np.ndarray:
+    """The target's exact greedy continuation from every anchor: ``[M, N, blk]`` with entry 0 the anchor token
+    and entry k the k-th greedy token after the prefix ``x[0..a]`` (blk-1 full passes over ``[chunk, T+blk]``)."""
+    m, t = rows.shape
+    n = anchors.shape[1]
+    buf_rows = np.repeat(rows, n, axis=0)
+    a_flat = anchors.reshape(-1)
+    buf = np.concatenate([buf_rows, np.zeros((len(buf_rows), blk), np.int32)], axis=1)
+
+    @jax.jit
+    def rollout(params, buf, a):
+        r = jnp.arange(buf.shape[0])
+
+        def body(i, buf):
+            h, _ = target_hidden(params, tcfg, buf)
+            nxt = jnp.argmax(qwen36.lm_logits(params, h[r, a + i]), axis=-1).astype(buf.dtype)
+            return buf.at[r, a + i + 1].set(nxt)
+
+        return jax.lax.fori_loop(0, blk - 1, body, buf)
+
+    out = []
+    for i in range(0, len(buf), chunk):
+        b, aa = buf[i:i + chunk], a_flat[i:i + chunk]
+        pad = chunk - len(b) if len(buf) > chunk else 0
+        if pad:
+            b, aa = np.concatenate([b, np.repeat(b[:1], pad, 0)]), np.concatenate([aa, np.repeat(aa[:1], pad)])
+        res = np.asarray(jax.device_get(rollout(tparams, jnp.asarray(b), jnp.asarray(aa))))
+        res = res[: len(res) - pad]
+        out.append(np.stack([r_[a_:a_ + blk] for r_, a_ in zip(res, aa)]))
+    return np.concatenate(out).reshape(m, n, blk)
+
+
+def make_tau_eval(dcfg: DrafterConfig, tcfg: TargetConfig, tparams: Any, rows: np.ndarray, anchors: np.ndarray,
+                  labels_greedy: np.ndarray) -> Callable[[Any], dict[str, float]]:
+    """``evaluate(drafter_params)``: teacher-forced chain acceptance length at fixed anchors - the drafter's argmax
+    block (context = target features of positions < anchor) against the target's greedy continuation (``tau``) and
+    against the held-out text (``tau_text``); ``p_accept_k`` = fraction of blocks whose first k drafts all match."""
+    layers = tuple(dcfg.target_layer_ids)
+    blk = dcfg.block_size
+    tokens, anc = jnp.asarray(rows), jnp.asarray(anchors)
+
+    @jax.jit
+    def drafts(dparams, tparams):
+        _, feats = target_hidden(tparams, tcfg, tokens, layers)
+        logits = dflash.train_forward(dparams, dcfg, tparams["embed"], tparams["lm_head"], features(feats), tokens,
+                                      anc)
+        return jnp.argmax(logits, axis=-1)
+
+    pos = anchors[..., None] + np.arange(blk)
+    inside = pos < rows.shape[1]
+    text = np.take_along_axis(rows, np.clip(pos, 0, rows.shape[1] - 1).reshape(rows.shape[0], -1), 1).reshape(pos.shape)
+
+    def evaluate(dparams) -> dict[str, float]:
+        pred = np.asarray(jax.device_get(drafts(dparams, tparams)))
+
+        def accept(labels, valid=None):
+            hit = pred == labels
+            if valid is not None:
+                hit &= valid
+            pref = np.cumprod(hit[..., 1:], axis=-1)
+            return 1 + pref.sum(-1), pref
+
+        tau, pref = accept(labels_greedy)
+        tau_text, _ = accept(text, inside)
+        out = {"tau": float(tau.mean()), "tau_text": float(tau_text.mean()),
+               "first_draft_acc": float(pref[..., 0].mean())}
+        for k in (3, 7, 15):
+            if k < blk:
+                out[f"p_accept_{k}"] = float(pref[..., k - 1].mean())
+        return out
+
+    return evaluate
+
+
+# =====================================================================================================================
+# main
+# =====================================================================================================================
+
+def _set(cfg: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise SystemExit(f"--set wants KEY.PATH=VALUE, got {assignment!r}")
+    k, v = assignment.split("=", 1)
+    try:
+        val = json.loads(v)
+    except json.JSONDecodeError:
+        val = v
+    node = cfg
+    parts = k.split(".")
+    for p in parts[:-1]:
+        if p not in node or not isinstance(node[p], dict):
+            raise SystemExit(f"--set {k}: no section {p!r}")
+        node = node[p]
+    if parts[-1] not in node:
+        raise SystemExit(f"--set {k}: unknown key {parts[-1]!r} (known: {sorted(node)})")
+    node[parts[-1]] = val
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output dir: target/, drafter/, scorer/, train_report.json")
+    ap.add_argument("--preset", default="tiny", choices=sorted(tc.PRESETS))
+    ap.add_argument("--smoke", action="store_true", help="= --preset smoke (CPU, tiny sizes, a few steps)")
+    ap.add_argument("--work-dir", default=None,
+                    help="corpus, tokenizer, token arrays, orbax checkpoints (default build/train_tiny/<preset>)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue each phase from its latest checkpoint")
+    ap.add_argument("--steps", type=int, help="target steps")
+    ap.add_argument("--drafter-steps", type=int)
+    ap.add_argument("--scorer-steps", type=int)
+    ap.add_argument("--batch", type=int, help="target batch (sequences)")
+    ap.add_argument("--drafter-batch", type=int)
+    ap.add_argument("--scorer-batch", type=int)
+    ap.add_argument("--lr", type=float, help="target peak lr")
+    ap.add_argument("--drafter-lr", type=float)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--compute-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="matmul dtype inside the step (master weights stay float32); auto = bf16 on GPU/TPU")
+    ap.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
+                    help="dtype of exported matrices (default: bfloat16, float32 for --smoke)")
+    ap.add_argument("--drafter-labels", default="target", choices=("target", "data"),
+                    help="drafter labels: the target's teacher-forced argmax (default) or the text")
+    ap.add_argument("--no-scorer", action="store_true", help="skip the dense scorer")
+    ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
+                    help="allow non-deterministic GPU reductions (default: XLA_FLAGS --xla_gpu_deterministic_ops, "
+                         "so a rerun with the same seed reproduces the weights)")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="wall-clock budget: past it the running phase checkpoints and the script exits with code 3 "
+                         "(continue with --resume)")
+    ap.add_argument("--eval-every", type=int, help="held-out eval every N steps (0 = only at the end)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any preset value, e.g. --set target.hidden_size=512 --set data.n_chat=5000")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.preset = "smoke"
+    cfg = tc.preset(args.preset)
+    for a in args.set:
+        _set(cfg, a)
+    tr = cfg["train"]
+    for flag, sec, key in (("steps", "target", "steps"), ("drafter_steps", "drafter", "steps"),
+                           ("scorer_steps", "scorer", "steps"), ("batch", "target", "batch"),
+                           ("drafter_batch", "drafter", "batch"), ("scorer_batch", "scorer", "batch"),
+                           ("lr", "target", "lr"), ("drafter_lr", "drafter", "lr")):
+        if getattr(args, flag) is not None:
+            tr[sec][key] = getattr(args, flag)
+    if args.seq_len is not None:
+        cfg["seq_len"] = args.seq_len
+    if args.eval_every is not None:
+        cfg["eval"]["every"] = args.eval_every
+    if args.export_dtype is None:
+        args.export_dtype = "float32" if args.preset == "smoke" else "bfloat16"
+    if args.work_dir is None:
+        args.work_dir = os.path.join(_ROOT, "build", "train_tiny", args.preset)
+    return args, cfg
+
+
+def _plot(path: str, curves: dict[str, dict[str, list]]) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("[report] matplotlib is not installed: skipping loss_curves.png (curves are in train_report.json)")
+        return None
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
+    for ax, (name, h) in zip(axes[0], curves.items()):
+        ax.plot(h["step"], h["loss"], lw=0.8, label="train")
+        ev = h.get("eval") or []
+        if ev and "loss" in ev[0]:
+            ax.plot([e["step"] for e in ev], [e["loss"] for e in ev], "o-", label="held-out")
+        if ev and "tau" in ev[0]:
+            ax2 = ax.twinx()
+            ax2.plot([e["step"] for e in ev], [e["tau"] for e in ev], "s-", color="C2", label="held-out tau")
+            ax2.set_ylabel("tau (acceptance length)")
+            ax2.legend(loc="upper center")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _thin(h: dict[str, list], n: int = 400) -> dict[str, list]:
+    idx = _spread(len(h["step"]), n)
+    return {k: ([h[k][i] for i in idx] if k != "eval" else h[k]) for k in h}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every phase; returns the report (also written to ``--out/train_report.json``). With ``--max-minutes``,
+    a run that runs out of time returns ``{"incomplete": True, "message": ...}`` after checkpointing."""
+    args, cfg = parse_args(argv)
+    if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        # read when the backend starts (the first device use below); a no-op on CPU
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    deadline = None if args.max_minutes is None else time.time() + 60 * args.max_minutes
+    try:
+        return _main(args, cfg, deadline, argv)
+    except OutOfTime as e:
+        log(str(e))
+        return {"incomplete": True, "message": str(e)}
+
+
+def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
+          argv: Sequence[str] | None) -> dict[str, Any]:
+    t_all = time.perf_counter()
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    work, out = os.path.abspath(args.work_dir), os.path.abspath(args.out)
+    os.makedirs(work, exist_ok=True)
+    platform_name = jax.default_backend()
+    if platform_name != "cpu":  # resumed / repeated runs skip recompiling
+        jax.config.update("jax_compilation_cache_dir", os.path.join(work, "jax_cache"))
+    cdt = {"auto": "bfloat16" if platform_name in ("gpu", "cuda", "rocm", "tpu") else "float32"}.get(
+        args.compute_dtype, args.compute_dtype)
+    cdtype, edtype = jnp.dtype(cdt), jnp.dtype(args.export_dtype)
+    T = cfg["seq_len"]
+    log(f"[setup] preset {args.preset}, backend {platform_name} ({jax.devices()[0].device_kind}), compute {cdt}, "
+        f"export {args.export_dtype}, seq_len {T}, work {work}, out {out}")
+    seed = args.seed
+    settings = {"preset": args.preset, "config": cfg, "seed": seed, "compute_dtype": cdt,
+                "export_dtype": args.export_dtype, "drafter_labels": args.drafter_labels,
+                "scorer": not args.no_scorer, "deterministic": args.deterministic}
+    run_cfg_path = os.path.join(work, "run_config.json")
+    if args.resume and os.path.exists(run_cfg_path):
+        with open(run_cfg_path) as fh:
+            prev = json.load(fh)
+        if prev != json.loads(json.dumps(settings)):
+            raise SystemExit(f"--resume: the settings differ from the run in {work} (see {run_cfg_path}); "
+                             "rerun without --resume, or pass another --work-dir")
+    with open(run_cfg_path, "w") as fh:
+        json.dump(settings, fh, indent=1)
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    data = prepare_data(cfg["data"], T, seed, work)
+    t_data = time.perf_counter() - t0
+    sp = data.special_ids
+    ev_sets = eval_sets(data, cfg["eval"]["seqs"])
+    tau_pool = np.concatenate([data.eval[k] for k in ("chat", "stdlib") if k in data.eval and len(data.eval[k])])
+    tau_rows = tau_pool[_spread(len(tau_pool), cfg["eval"]["tau_seqs"])]
+
+    # ---- target --------------------------------------------------------------------------------------------------
+    tcfg = tc.target_config(cfg["target"], data.vocab_size, eos_token_id=sp["<|im_end|>"],
+                            pad_token_id=sp["<|endoftext|>"])
+    tp = init_target(tcfg, jax.random.key(seed))
+    log(f"[target] {n_params(tp):,} parameters; layers {''.join('A' if t == FULL else 'G' for t in tcfg.layer_types)}")
+    hp_t = cfg["train"]["target"]
+
+    def target_loss(params, frozen, tokens, key):
+        p = compute_params(params, cdtype)
+        h, _ = target_hidden(p, tcfg, tokens)
+        return jnp.mean(next_token_ce(qwen36.lm_logits(p, h), tokens)), {}
+
+    t_hidden = lambda p, tok: target_hidden(p, tcfg, tok)[0]
+    ev_batch = max(1, min(hp_t["batch"], 16))
+    t_eval_fn = make_lm_eval(t_hidden, ev_sets, ev_batch)
+    target_eval = lambda p: t_eval_fn(compute_params(p, cdtype))
+    res_t = run_phase("target", tp, None, target_loss, Batches(data.train, hp_t["batch"], seed), hp_t, work=work,
+                      resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
+                      eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
+                      deadline=deadline)
+    tp = res_t.params
+    t0 = time.perf_counter()
+    t_eval = target_eval(tp)
+    res_t.history["eval"].append({"step": hp_t["steps"], **t_eval})
+    log(f"[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
+        f" ({time.perf_counter() - t0:.1f}s)")
+
+    # ---- drafter -------------------------------------------------------------------------------------------------
+    dcfg = tc.drafter_config(cfg["drafter"], tcfg, sp["<|mask|>"])
+    dp = dflash.init_params(dcfg, jax.random.fold_in(jax.random.key(seed), 1), F32)
+    hp_d = cfg["train"]["drafter"]
+    frozen_t = compute_params(tp, cdtype)
+    layers = tuple(dcfg.target_layer_ids)
+    blk = dcfg.block_size
+    log(f"[drafter] {n_params(dp):,} parameters; {dcfg.num_layers} layers {dcfg.layer_types}; target layers "
+        f"{layers}; block {blk}; mask id {dcfg.mask_token_id}; labels = {args.drafter_labels}")
+
+    def drafter_loss(params, tparams, tokens, key):
+        p = compute_params(params, cdtype)
+        h, feats = target_hidden(tparams, tcfg, tokens, layers)
+        feats = jax.lax.stop_gradient(features(feats))
+        if args.drafter_labels == "target":
+            am = jnp.argmax(qwen36.lm_logits(tparams, h[:, :-1]), axis=-1).astype(tokens.dtype)
+            seq = jnp.concatenate([tokens[:, :1], am], axis=1)  # seq[t] = the target's prediction for position t
+        else:
+            seq = tokens
+        mask = jnp.ones(tokens.shape, bool).at[:, 0].set(False)  # anchors need context (position >= 1)
+        anchors, av = dflash.sample_anchors(key, mask, hp_d["anchors"])
+        logits = dflash.train_forward(p, dcfg, tparams["embed"], tparams["lm_head"], feats, tokens, anchors)
+        labels, valid = dflash.block_labels(dcfg, seq, anchors, None, av)
+        loss = dflash.dflash_loss(logits, labels, valid, hp_d["gamma"])
+        acc = dflash.acceptance_length(logits, labels, valid)
+        return loss, {"accept_len": jnp.sum(acc * av) / jnp.maximum(jnp.sum(av), 1)}
+
+    t0 = time.perf_counter()
+    anchors = tau_anchors(len(tau_rows), T, cfg["eval"]["tau_anchors"], seed, blk)
+    labels_g = greedy_labels(frozen_t, tcfg, tau_rows, anchors, blk)
+    t_labels = time.perf_counter() - t0
+    d_eval_fn = make_tau_eval(dcfg, tcfg, frozen_t, tau_rows, anchors, labels_g)
+    drafter_eval = lambda p: d_eval_fn(compute_params(p, cdtype))
+    tau_init = drafter_eval(dp)
+    log(f"[drafter] tau at init {tau_init['tau']:.3f} ({len(tau_rows)}x{anchors.shape[1]} anchors; greedy "
+        f"labels {t_labels:.1f}s)")
+    res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(data.train, hp_d["batch"], seed + 1), hp_d,
+                      work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
+                      ckpt_every=cfg["ckpt_every"], eval_fn=drafter_eval, eval_every=cfg["eval"]["every"],
+                      tokens_per_step=hp_d["batch"] * T, deadline=deadline)
+    dp = res_d.params
+    d_eval = drafter_eval(dp)
+    res_d.history["eval"].append({"step": hp_d["steps"], **d_eval})
+    log("[drafter] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in d_eval.items()))
+
+    # ---- scorer --------------------------------------------------------------------------------------------------
+    res_s, s_eval, scfg = None, None, None
+    if not args.no_scorer:
+        scfg = tc.dense_config(cfg["scorer"], data.vocab_size, eos_token_id=sp["<|im_end|>"],
+                               pad_token_id=sp["<|endoftext|>"])
+        sparams = dense.init_params(scfg, jax.random.fold_in(jax.random.key(seed), 2), F32)
+        hp_s = cfg["train"]["scorer"]
+        log(f"[scorer] {n_params(sparams):,} parameters (plain Qwen3 dense, {scfg.num_layers} layers)")
+
+        def scorer_loss(params, frozen, tokens, key):
+            p = compute_params(params, cdtype)
+            h = dense.hidden_states(p, scfg, tokens)
+            logits = jnp.einsum("btd,vd->btv", h, p["lm_head"].astype(h.dtype), preferred_element_type=F32)
+            return jnp.mean(next_token_ce(logits, tokens)), {}
+
+        s_hidden = lambda p, tok: dense.hidden_states(p, scfg, tok)
+        s_eval_fn = make_lm_eval(s_hidden, ev_sets, ev_batch)
+        scorer_eval = lambda p: s_eval_fn(compute_params(p, cdtype))
+        res_s = run_phase("scorer", sparams, None, scorer_loss, Batches(data.train, hp_s["batch"], seed + 2), hp_s,
+                          work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
+                          ckpt_every=cfg["ckpt_every"], eval_fn=scorer_eval, eval_every=cfg["eval"]["every"],
+                          tokens_per_step=hp_s["batch"] * T, deadline=deadline)
+        s_eval = scorer_eval(res_s.params)
+        res_s.history["eval"].append({"step": hp_s["steps"], **s_eval})
+        log("[scorer] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in s_eval.items()))
+
+    # ---- export --------------------------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    save_target(os.path.join(out, "target"), tcfg, tp, edtype)
+    _copy_tokenizer(data.tokenizer_dir, os.path.join(out, "target"))
+    save_drafter(os.path.join(out, "drafter"), dcfg, jax.tree_util.tree_map(
+        lambda x: x.astype(edtype) if x.ndim >= 2 else x, dp))
+    if res_s is not None:
+        dense.save_dense(os.path.join(out, "scorer"), scfg, jax.tree_util.tree_map(
+            lambda x: x.astype(edtype) if x.ndim >= 2 else x.astype(F32), res_s.params))
+        _copy_tokenizer(data.tokenizer_dir, os.path.join(out, "scorer"))
+    _readable(out)
+    check = verify_export(out, tcfg, tp, dcfg, dp, tau_rows[0, : min(T, 128)], edtype)
+    t_export = time.perf_counter() - t0
+    log(f"[export] {out}: " + " ".join(f"{k} {v}" for k, v in check.items()))
+
+    # ---- report --------------------------------------------------------------------------------------------------
+    curves = {"target": res_t.history, "drafter": res_d.history}
+    if res_s is not None:
+        curves["scorer"] = res_s.history
+    try:
+        png = _plot(os.path.join(out, "loss_curves.png"), curves)
+    except Exception as e:  # never lose the report to a plotting problem
+        log(f"[report] loss_curves.png failed: {e!r}")
+        png = None
+
+    def first_last(h):
+        k = max(1, min(10, len(h["loss"]) // 10))
+        return {"first": float(np.mean(h["loss"][:k])) if h["loss"] else None,
+                "last": float(np.mean(h["loss"][-k:])) if h["loss"] else None}
+
+    report = {
+        "command": "python experiments/train_tiny.py " + " ".join(argv_list),
+        "argv": argv_list, "settings": settings,
+        "seeds": {"base": seed, "target_init": f"key({seed})", "drafter_init": f"fold_in(key({seed}), 1)",
+                  "scorer_init": f"fold_in(key({seed}), 2)", "batch_order": {"target": seed, "drafter": seed + 1,
+                                                                              "scorer": seed + 2},
+                  "corpus": seed, "eval_anchors": [seed, 7]},
+        "environment": {"python": platform.python_version(), "jax": jax.__version__, "optax": optax.__version__,
+                        "backend": platform_name, "device": jax.devices()[0].device_kind,
+                        "n_devices": jax.device_count()},
+        "data": {k: v for k, v in data.meta.items() if k not in ("key", "dir")} | {
+            "held_out": {"stdlib_files": data.meta["eval_files"], "rule": data.meta["split_rule"],
+                         "eval_rows_used": {k: int(len(v)) for k, v in ev_sets.items()},
+                         "tau_rows": int(len(tau_rows)), "tau_anchors_per_row": int(anchors.shape[1])},
+            "work_dir": data.meta["dir"]},
+        "target": {"config": tc.target_hf_dict_from_config(tcfg, args.export_dtype)["text_config"],
+                   "parameters": n_params(tp), "held_out": t_eval, "train_loss": first_last(res_t.history),
+                   "timing": res_t.timing, "resumed_from": res_t.resumed_from, "hparams": hp_t},
+        "drafter": {"config": dcfg.to_hf_dict(), "parameters": n_params(dp), "held_out": d_eval,
+                    "held_out_at_init": tau_init, "train_loss": first_last(res_d.history), "timing": res_d.timing,
+                    "resumed_from": res_d.resumed_from, "hparams": hp_d,
+                    "greedy_label_seconds": round(t_labels, 2)},
+        "scorer": None if res_s is None else {
+            "config": scfg.to_hf_dict(), "parameters": n_params(res_s.params), "held_out": s_eval,
+            "train_loss": first_last(res_s.history), "timing": res_s.timing, "resumed_from": res_s.resumed_from,
+            "hparams": cfg["train"]["scorer"]},
+        "export": {"dir": out, "dtype": args.export_dtype, "check": check, "loss_curves_png": png,
+                   "seconds": round(t_export, 2)},
+        "timing": {"data_seconds": round(t_data, 2), "total_seconds": round(time.perf_counter() - t_all, 2)},
+        "curves": {k: _thin(v) for k, v in curves.items()},
+    }
+    with open(os.path.join(out, "train_report.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    log(f"[done] {report['timing']['total_seconds']:.1f}s; target ppl {t_eval['ppl']:.3f}, drafter tau "
+        f"{d_eval['tau']:.3f} (init {tau_init['tau']:.3f})" +
+        (f", scorer ppl {s_eval['ppl']:.3f}" if s_eval else "") + f"; report {out}/train_report.json")
+    return report
+
+
+def verify_export(out: str, tcfg: TargetConfig, tp: Any, dcfg: DrafterConfig, dp: Any, ids: np.ndarray,
+                  edtype) -> dict[str, Any]:
+    """Reload the exported target with ``dflash_jax.load_target`` and the drafter with ``load_drafter``; compare
+    logits with the trained parameters (rounded to the export dtype) and the drafter tensors."""
+    from dflash_jax import load_target
+
+    target = load_target(os.path.join(out, "target"), dtype="float32")
+    if target.config != tcfg:
+        raise RuntimeError("exported target config.json does not parse back to the trained config")
+    got = np.asarray(target.logits([int(i) for i in ids]))
+    rounded = jax.tree_util.tree_map(lambda x: x.astype(edtype).astype(F32) if x.ndim >= 2 else x, tp)
+    ref = jax.jit(lambda p, t: qwen36.lm_logits(p, target_hidden(p, tcfg, t)[0][0]))
+    want = np.asarray(ref(rounded, jnp.asarray(ids, jnp.int32)[None]))
+    dcfg2, dp2 = load_drafter(os.path.join(out, "drafter"), dtype=F32)
+    if dcfg2 != dcfg:
+        raise RuntimeError("exported drafter config.json does not parse back to the trained config")
+    ddiff = max(float(jnp.max(jnp.abs(a - (b.astype(edtype).astype(F32) if b.ndim >= 2 else b))))
+                for a, b in zip(jax.tree_util.tree_leaves(dp2), jax.tree_util.tree_leaves(dp)))
+    return {"target_max_abs_logit_diff": float(np.max(np.abs(got - want))),
+            "target_greedy_agree": float(np.mean(got.argmax(-1) == want.argmax(-1))),
+            "drafter_max_abs_param_diff": ddiff}
+
+
+if __name__ == "__main__":
+    sys.exit(3 if main().get("incomplete") else 0)

@@ -1,0 +1,98 @@
+"""experiments/train_tiny.py end to end at smoke size: corpus -> tokenizer -> target -> drafter -> scorer -> HF export,
+then the exported set is loaded back the way the engine and the server load it and generates from a text prompt."""
+
+import json
+import math
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import train_tiny  # noqa: E402
+
+from dflash_jax import load_target  # noqa: E402
+from dflash_jax.config import build_target_layer_ids  # noqa: E402
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
+from dflash_jax.models import dense  # noqa: E402
+from dflash_jax.models.dflash_loader import load_drafter  # noqa: E402
+from dflash_jax.models.tokenizer import Tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("train_tiny")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_tiny")
+    out, work = root / "tiny", root / "work"
+    report = train_tiny.main(["--smoke", "--out", str(out), "--work-dir", str(work)])
+    return out, work, report
+
+
+def test_smoke_run_trains_and_exports(smoke_run):
+    out, work, report = smoke_run
+    for sub, files in {"target": ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                  "generation_config.json"),
+                       "drafter": ("config.json", "model.safetensors"),
+                       "scorer": ("config.json", "model.safetensors", "tokenizer.json")}.items():
+        for f in files:
+            assert (out / sub / f).is_file(), f"{sub}/{f} missing"
+    with open(out / "train_report.json") as fh:
+        on_disk = json.load(fh)
+    assert on_disk["target"]["held_out"] == report["target"]["held_out"]
+    assert on_disk["command"].startswith("python experiments/train_tiny.py --smoke")
+    assert on_disk["data"]["held_out"]["stdlib_files"], "held-out file list recorded"
+
+    for phase in ("target", "drafter", "scorer"):
+        tl = report[phase]["train_loss"]
+        assert tl["last"] < tl["first"], f"{phase} loss did not go down: {tl}"
+        assert report[phase]["timing"]["steps_run"] == report[phase]["hparams"]["steps"]
+    ppl = report["target"]["held_out"]["ppl"]
+    assert math.isfinite(ppl) and ppl < report["data"]["vocab_size"], ppl  # better than uniform
+    assert math.isfinite(report["scorer"]["held_out"]["ppl"])
+    tau = report["drafter"]["held_out"]["tau"]
+    assert 1.0 <= tau <= 16.0 and report["drafter"]["held_out_at_init"]["tau"] >= 1.0
+    # the exported target reloads with the serving loader to the trained model (float32 export in --smoke)
+    check = report["export"]["check"]
+    assert check["target_max_abs_logit_diff"] < 1e-3 and check["target_greedy_agree"] == 1.0
+    assert check["drafter_max_abs_param_diff"] == 0.0
+    # orbax checkpoints of every phase
+    for phase in ("target", "drafter", "scorer"):
+        steps = report[phase]["hparams"]["steps"]
+        assert (work / "ckpt" / phase / str(steps)).is_dir()
+
+
+def test_exported_set_loads_and_generates(smoke_run):
+    out, _, report = smoke_run
+    target = load_target(out / "target", dtype="float32")
+    tok = Tokenizer.from_dir(str(out / "target"))
+    assert tok is not None and tok.vocab_size == target.config.vocab_size
+    assert tok.im_end_id in target.eos_token_ids
+    cfg = target.config
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
+        "full_attention",)
+
+    prompt = "def add(a, b):\n    return"
+    ids = tok.encode(prompt)
+    logits = np.asarray(target.logits(ids))
+    assert logits.shape == (len(ids), cfg.vocab_size) and np.isfinite(logits).all()
+
+    dcfg, dparams = load_drafter(out / "drafter", dtype=jnp.float32)
+    dcfg.validate_against(cfg)
+    assert dcfg.mask_token_id == tok.mask_token_id == tok.token_to_id("<|mask|>")
+    assert dcfg.target_layer_ids == build_target_layer_ids(cfg.num_layers, dcfg.num_layers)
+    assert dcfg.block_size == 16
+
+    scfg, sparams = dense.load_dense(str(out / "scorer"), jnp.float32)
+    assert scfg.vocab_size == cfg.vocab_size
+    h = np.asarray(dense.hidden_states(sparams, scfg, jnp.asarray(ids, jnp.int32)[None]))
+    assert np.isfinite(h).all()
+
+    eng = Engine(target, tok, EngineOptions(max_batch=1, max_model_len=128, prefill_chunk=16))
+    [res] = eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert res.finish_reason == "length" and len(res.token_ids) == 4
+    assert isinstance(res.text, str) and res.prompt_token_ids == ids
+    assert res.token_ids == target.greedy(ids, 4)  # the engine's greedy decode equals the reference
