@@ -103,6 +103,37 @@ def _grouped_heads(d: Mapping[str, Any], heads_key: str, kv_key: str, where: str
     return nh, nkv
 
 
+def _qwen3_attention(d: Mapping[str, Any], where: str,
+                     head_dim_missing: str = "hidden_size is not a multiple of heads") -> dict[str, Any]:
+    """The attention geometry of a Qwen3 config: ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``
+    (default ``hidden_size // num_attention_heads``) and ``rope_theta``, as keyword arguments of a config class.
+
+    ``head_dim_missing`` (a ``str.format`` template over ``hidden`` and ``nh``) ends the error raised when
+    ``head_dim`` is absent and cannot be derived.
+    """
+    _, theta = _rope(d, where)
+
+    hidden = _req_positive(d, "hidden_size", where)
+    nh, nkv = _grouped_heads(d, "num_attention_heads", "num_key_value_heads", where)
+    head_dim = d.get("head_dim")
+    if head_dim is None:
+        if hidden % nh:
+            detail = head_dim_missing.format(hidden=hidden, nh=nh)
+            raise ConfigError(f"{where}: key 'head_dim' is missing and {detail}")
+        head_dim = hidden // nh
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ConfigError(f"{where}: key 'head_dim' must be a positive even int, got {head_dim!r}")
+    return {"hidden_size": hidden, "num_heads": nh, "num_kv_heads": nkv, "head_dim": head_dim, "rope_theta": theta}
+
+
+def _rms_norm_eps(d: Mapping[str, Any], where: str) -> float:
+    """Key ``rms_norm_eps`` (default 1e-6), a positive number."""
+    eps = d.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        raise ConfigError(f"{where}: key 'rms_norm_eps' must be a positive number, got {eps!r}")
+    return float(eps)
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """The text model of a Qwen3.5/3.6 hybrid (Gated DeltaNet + gated full attention)."""
@@ -414,17 +445,7 @@ class DrafterConfig:
         if causal is not None and not isinstance(causal, bool):
             raise ConfigError(f"{w}: key 'is_causal' must be a bool or null, got {causal!r}")
 
-        _, theta = _rope(d, w)
-
-        hidden = _req_positive(d, "hidden_size", w)
-        nh, nkv = _grouped_heads(d, "num_attention_heads", "num_key_value_heads", w)
-        head_dim = d.get("head_dim")
-        if head_dim is None:
-            if hidden % nh:
-                raise ConfigError(f"{w}: key 'head_dim' is missing and hidden_size is not a multiple of heads")
-            head_dim = hidden // nh
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ConfigError(f"{w}: key 'head_dim' must be a positive even int, got {head_dim!r}")
+        attention = _qwen3_attention(d, w)
 
         block = dflash_value("block_size", 16)
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
@@ -459,23 +480,17 @@ class DrafterConfig:
         vocab = d.get("vocab_size")
         if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0):
             raise ConfigError(f"{w}: key 'vocab_size' must be a positive int, got {vocab!r}")
-        eps = d.get("rms_norm_eps", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-            raise ConfigError(f"{w}: key 'rms_norm_eps' must be a positive number, got {eps!r}")
+        eps = _rms_norm_eps(d, w)
         return cls(
-            hidden_size=hidden,
+            **attention,
             intermediate_size=_req_positive(d, "intermediate_size", w),
             num_layers=n_layers,
             layer_types=layer_types,
-            num_heads=nh,
-            num_kv_heads=nkv,
-            head_dim=head_dim,
-            rope_theta=theta,
             block_size=block,
             mask_token_id=mask_id,
             target_layer_ids=tuple(ids),
             sliding_window=window,
-            rms_norm_eps=float(eps),
+            rms_norm_eps=eps,
             num_target_layers=n_target,
             vocab_size=vocab,
             is_causal=causal,

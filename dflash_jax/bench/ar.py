@@ -16,17 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import ceiling, results, roofline
-from dflash_jax.config import TargetConfig
+from dflash_jax.bench.sources import add_target_arguments, load_target_source
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
-from dflash_jax.models import qwen36
-from dflash_jax.target import Target, load_target
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF checkpoint directory")
-    src.add_argument("--random-weights", metavar="CONFIG", help="config.json whose shapes get random weights")
+    add_target_arguments(p, model_help="HF checkpoint directory",
+                         random_help="config.json whose shapes get random weights")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     p.add_argument("--prompt-len", type=int, default=4096)
@@ -101,11 +98,7 @@ def device_step_ms(eng: Engine, c: int, context: int, iters: int = 10) -> float:
 def run(args: argparse.Namespace, command: str) -> int:
     dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
-    if args.model:
-        target = load_target(args.model, dtype=args.dtype)
-    else:
-        cfg = TargetConfig.from_file(args.random_weights)
-        target = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
+    target = load_target_source(args)
     jax.block_until_ready(target.params)
     cfg = target.config
     load_s = time.perf_counter() - t0

@@ -37,16 +37,14 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import results
-from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.spec_steps import SpecConfig
-from dflash_jax.models import dflash, qwen36
-from dflash_jax.target import Target, load_target
+from dflash_jax.target import Target
 
 MODES = ("ar", "ddtree")
 WARMUP_TOKENS = 8
@@ -59,12 +57,7 @@ UNAVAILABLE_FEATURES = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF target checkpoint directory")
-    src.add_argument("--random-weights", metavar="CONFIG", help="target config.json given random weights")
-    dsrc = p.add_mutually_exclusive_group(required=True)
-    dsrc.add_argument("--drafter", help="DFlash drafter checkpoint directory")
-    dsrc.add_argument("--random-drafter", metavar="CONFIG", help="drafter config.json given random weights")
+    add_source_arguments(p)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     p.add_argument("--output-len", type=int, default=64, help="completion tokens per request (exactly)")
@@ -358,20 +351,9 @@ def run(args: argparse.Namespace, command: str) -> int:
             print(f"FAIL: --{f} requested: {NOT_AVAILABLE} ({UNAVAILABLE_FEATURES[f]})")
         return 2
 
-    dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
-    if args.model:
-        target = load_target(args.model, dtype=args.dtype)
-    else:
-        cfg = TargetConfig.from_file(args.random_weights)
-        target = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
-    if args.drafter:
-        from dflash_jax.models.dflash_loader import load_drafter
-
-        drafter = load_drafter(args.drafter, dtype=dtype)
-    else:
-        dcfg = DrafterConfig.from_file(args.random_drafter)
-        drafter = (dcfg, dflash.init_params(dcfg, jax.random.key(1), dtype))
+    target = load_target_source(args)
+    drafter = load_drafter_source(args)
     jax.block_until_ready((target.params, drafter[1]))
     load_s = time.perf_counter() - t0
     cfg = target.config

@@ -15,26 +15,18 @@ import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import results
 from dflash_jax.bench.ar import device_step_ms
-from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.sampling import SamplingArrays
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
-from dflash_jax.models import dflash, qwen36
-from dflash_jax.target import Target, load_target
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF target checkpoint directory")
-    src.add_argument("--random-weights", metavar="CONFIG", help="target config.json given random weights")
-    dsrc = p.add_mutually_exclusive_group(required=True)
-    dsrc.add_argument("--drafter", help="DFlash drafter checkpoint directory")
-    dsrc.add_argument("--random-drafter", metavar="CONFIG", help="drafter config.json given random weights")
+    add_source_arguments(p)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--budget", type=int, default=22)
@@ -129,19 +121,8 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
 
 
 def run(args: argparse.Namespace, command: str) -> int:
-    dtype = jnp.dtype(args.dtype)
-    if args.model:
-        target = load_target(args.model, dtype=args.dtype)
-    else:
-        cfg = TargetConfig.from_file(args.random_weights)
-        target = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
-    if args.drafter:
-        from dflash_jax.models.dflash_loader import load_drafter
-
-        dcfg, dparams = load_drafter(args.drafter, dtype=dtype)
-    else:
-        dcfg = DrafterConfig.from_file(args.random_drafter)
-        dparams = dflash.init_params(dcfg, jax.random.key(1), dtype)
+    target = load_target_source(args)
+    dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))
     spec = SpecConfig(budget=args.budget)
     max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8

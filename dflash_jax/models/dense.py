@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from typing import Any, Mapping, NamedTuple
 
@@ -32,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from safetensors.numpy import save_file
 
-from dflash_jax.config import (FULL, ConfigError, _check_dense_silu, _grouped_heads, _read_config_json, _req_positive,
-                               _rope, _top_object)
-from dflash_jax.models.loader import _ATTN, _LAYER, CheckpointError, Placer, _get, stream_params
+from dflash_jax.config import (FULL, ConfigError, _check_dense_silu, _qwen3_attention, _read_config_json,
+                               _req_positive, _rms_norm_eps, _top_object)
+from dflash_jax.models.loader import _ATTN, _LAYER, Placer, load_checkpoint, save_checkpoint, stream_params
+from dflash_jax.models.qwen3_layers import qwen3_layer_shapes, random_params
 from dflash_jax.models.qwen36 import acc_dtype, linear, mlp, rms_norm, rope
 
 Params = dict[str, Any]
@@ -94,20 +93,8 @@ class DenseConfig:
         for key in ("num_experts", "moe_intermediate_size"):
             if raw.get(key):
                 raise ConfigError(f"{w}: key {key!r} is set; mixture-of-experts models are not supported")
-        _, theta = _rope(raw, w)
-        hidden = _req_positive(raw, "hidden_size", w)
-        nh, nkv = _grouped_heads(raw, "num_attention_heads", "num_key_value_heads", w)
-        head_dim = raw.get("head_dim")
-        if head_dim is None:
-            if hidden % nh:
-                raise ConfigError(f"{w}: key 'head_dim' is missing and hidden_size ({hidden}) is not a multiple of "
-                                  f"num_attention_heads ({nh})")
-            head_dim = hidden // nh
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ConfigError(f"{w}: key 'head_dim' must be a positive even int, got {head_dim!r}")
-        eps = raw.get("rms_norm_eps", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-            raise ConfigError(f"{w}: key 'rms_norm_eps' must be a positive number, got {eps!r}")
+        attention = _qwen3_attention(raw, w, "hidden_size ({hidden}) is not a multiple of num_attention_heads ({nh})")
+        eps = _rms_norm_eps(raw, w)
         tie = raw.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
             raise ConfigError(f"{w}: key 'tie_word_embeddings' must be a bool, got {tie!r}")
@@ -116,14 +103,10 @@ class DenseConfig:
             raise ConfigError(f"{w}: key 'max_position_embeddings' must be a positive int, got {mpe!r}")
         return cls(
             vocab_size=_req_positive(raw, "vocab_size", w),
-            hidden_size=hidden,
+            **attention,
             intermediate_size=_req_positive(raw, "intermediate_size", w),
             num_layers=n_layers,
-            num_heads=nh,
-            num_kv_heads=nkv,
-            head_dim=head_dim,
-            rope_theta=theta,
-            rms_norm_eps=float(eps),
+            rms_norm_eps=eps,
             tie_word_embeddings=tie,
             max_position_embeddings=mpe,
         )
@@ -163,16 +146,7 @@ def param_shapes(cfg: DenseConfig, dtype=jnp.bfloat16) -> Params:
     """The parameter pytree as ``jax.ShapeDtypeStruct`` leaves (``lm_head`` present even when tied)."""
     S = jax.ShapeDtypeStruct
     vec = acc_dtype(dtype)
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    layers = tuple(
-        {
-            "input_norm": S((d,), vec), "post_norm": S((d,), vec),
-            "attn": {"q": S((cfg.num_heads * hd, d), dtype), "k": S((cfg.num_kv_heads * hd, d), dtype),
-                     "v": S((cfg.num_kv_heads * hd, d), dtype), "o": S((d, cfg.num_heads * hd), dtype),
-                     "q_norm": S((hd,), vec), "k_norm": S((hd,), vec)},
-            "mlp": {"gate": S((f, d), dtype), "up": S((f, d), dtype), "down": S((d, f), dtype)},
-        }
-        for _ in range(cfg.num_layers))
+    d, layers = cfg.hidden_size, qwen3_layer_shapes(cfg, dtype, vec)
     return {"embed": S((cfg.vocab_size, d), dtype), "lm_head": S((cfg.vocab_size, d), dtype),
             "final_norm": S((d,), vec), "layers": layers}
 
@@ -182,16 +156,7 @@ def init_params(cfg: DenseConfig, key: jax.Array, dtype=jnp.bfloat16, norm_noise
 
     With tied embeddings ``lm_head`` is the embedding array itself.
     """
-    shapes = param_shapes(cfg, dtype)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for s, k in zip(leaves, keys):
-        if len(s.shape) == 1:
-            out.append((1.0 + norm_noise * jax.random.normal(k, s.shape, F32)).astype(s.dtype))
-        else:
-            out.append((jax.random.normal(k, s.shape, F32) * s.shape[-1] ** -0.5).astype(s.dtype))
-    params = jax.tree_util.tree_unflatten(treedef, out)
+    params = random_params(param_shapes(cfg, dtype), key, norm_noise)
     if cfg.tie_word_embeddings:
         params["lm_head"] = params["embed"]
     return params
@@ -523,24 +488,11 @@ def load_dense_params(path: str, cfg: DenseConfig, dtype=jnp.bfloat16, place: Pl
 def load_dense(path: str | os.PathLike, dtype=jnp.bfloat16, place: Placer | None = None
                ) -> tuple[DenseConfig, Params]:
     """A Qwen3 checkpoint directory -> ``(DenseConfig, params)``."""
-    p = os.fspath(path)
-    cfg = DenseConfig.from_file(p)
-    return cfg, load_dense_params(p, cfg, dtype, place)
+    return load_checkpoint(path, DenseConfig.from_file, load_dense_params, dtype, place)
 
 
 def save_dense(path: str | os.PathLike, cfg: DenseConfig, params: Params) -> None:
     """Write ``config.json`` + ``model.safetensors`` (HF layout, ``model.*`` names, arrays in their own dtypes)."""
-    p = os.fspath(path)
-    os.makedirs(p, exist_ok=True)
-    shapes = param_shapes(cfg, jnp.float32)
-    tensors: dict[str, np.ndarray] = {}
-    for name, tp in hf_name_map(cfg).items():
-        arr = np.asarray(jax.device_get(_get(params, tp)))
-        want = _get(shapes, tp).shape
-        if tuple(arr.shape) != tuple(want):
-            raise CheckpointError(f"parameter {'/'.join(map(str, tp))} ({name!r}) has shape {list(arr.shape)}, "
-                                  f"config expects {list(want)}")
-        tensors[name if name == "lm_head.weight" else "model." + name] = np.ascontiguousarray(arr)
-    with open(os.path.join(p, "config.json"), "w") as f:
-        json.dump({**cfg.to_hf_dict(), "dtype": str(jnp.dtype(model_dtype(params)))}, f, indent=2)
-    save_file(tensors, os.path.join(p, "model.safetensors"), metadata={"format": "pt"})
+    save_checkpoint(path, hf_name_map(cfg), params, param_shapes(cfg, jnp.float32),
+                    lambda: {**cfg.to_hf_dict(), "dtype": str(jnp.dtype(model_dtype(params)))},
+                    rename=lambda name: name if name == "lm_head.weight" else "model." + name)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig
+from dflash_jax.models.qwen3_layers import qwen3_layer_shapes, random_params
 from dflash_jax.models.qwen36 import acc_dtype, linear, mlp, rms_norm, rope
 
 Params = dict[str, Any]
@@ -44,16 +45,7 @@ def param_shapes(cfg: DrafterConfig, dtype=jnp.bfloat16) -> Params:
     """The parameter pytree as ``jax.ShapeDtypeStruct`` leaves."""
     S = jax.ShapeDtypeStruct
     vec = acc_dtype(dtype)
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    layers = tuple(
-        {
-            "input_norm": S((d,), vec), "post_norm": S((d,), vec),
-            "attn": {"q": S((cfg.num_heads * hd, d), dtype), "k": S((cfg.num_kv_heads * hd, d), dtype),
-                     "v": S((cfg.num_kv_heads * hd, d), dtype), "o": S((d, cfg.num_heads * hd), dtype),
-                     "q_norm": S((hd,), vec), "k_norm": S((hd,), vec)},
-            "mlp": {"gate": S((f, d), dtype), "up": S((f, d), dtype), "down": S((d, f), dtype)},
-        }
-        for _ in range(cfg.num_layers))
+    d, layers = cfg.hidden_size, qwen3_layer_shapes(cfg, dtype, vec)
     return {"fc": S((d, cfg.fc_in), dtype), "hidden_norm": S((d,), vec), "norm": S((d,), vec), "layers": layers}
 
 
@@ -62,16 +54,7 @@ def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.bfloat16, norm_noi
 
     A non-zero ``norm_noise`` makes every norm weight matter (useful in tests).
     """
-    shapes = param_shapes(cfg, dtype)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for s, k in zip(leaves, keys):
-        if len(s.shape) == 1:
-            out.append((1.0 + norm_noise * jax.random.normal(k, s.shape, F32)).astype(s.dtype))
-        else:
-            out.append((jax.random.normal(k, s.shape, F32) * s.shape[-1] ** -0.5).astype(s.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return random_params(param_shapes(cfg, dtype), key, norm_noise)
 
 
 def model_dtype(params: Params) -> jnp.dtype:

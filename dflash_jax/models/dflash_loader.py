@@ -9,20 +9,16 @@ the target's); copies named ``embed_tokens.weight`` / ``lm_head.weight`` are ski
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-from safetensors.numpy import save_file
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models.dflash import Params, param_shapes
 from dflash_jax.models.loader import _ATTN as _TARGET_ATTN
 from dflash_jax.models.loader import _LAYER as _TARGET_LAYER
-from dflash_jax.models.loader import CheckpointError, Placer, _get, stream_params
+from dflash_jax.models.loader import Placer, load_checkpoint, save_checkpoint, stream_params
 
 SHARED_NAMES = ("embed_tokens.weight", "lm_head.weight")  # the target's; never part of the drafter
 
@@ -56,25 +52,10 @@ def load_drafter_params(path: str, cfg: DrafterConfig, dtype=jnp.bfloat16, place
 def load_drafter(path: str | os.PathLike, dtype=jnp.bfloat16, place: Placer | None = None
                  ) -> tuple[DrafterConfig, Params]:
     """A drafter checkpoint directory -> ``(DrafterConfig, params)``."""
-    p = os.fspath(path)
-    cfg = DrafterConfig.from_file(p)
-    return cfg, load_drafter_params(p, cfg, dtype, place)
+    return load_checkpoint(path, DrafterConfig.from_file, load_drafter_params, dtype, place)
 
 
 def save_drafter(path: str | os.PathLike, cfg: DrafterConfig, params: Params) -> None:
     """Write ``config.json`` + ``model.safetensors`` (HF layout, arrays in their own dtypes) to ``path``."""
-    p = os.fspath(path)
-    os.makedirs(p, exist_ok=True)
-    shapes = param_shapes(cfg, jnp.float32)
-    tensors: dict[str, np.ndarray] = {}
-    for name, tp in hf_name_map(cfg).items():
-        arr = np.asarray(jax.device_get(_get(params, tp)))
-        want = _get(shapes, tp).shape
-        if tuple(arr.shape) != tuple(want):
-            raise CheckpointError(f"parameter {'/'.join(map(str, tp))} ({name!r}) has shape {list(arr.shape)}, "
-                                  f"config expects {list(want)}")
-        tensors[name] = np.ascontiguousarray(arr)
-    dt = str(jnp.dtype(params["fc"].dtype))
-    with open(os.path.join(p, "config.json"), "w") as f:
-        json.dump({**cfg.to_hf_dict(), "dtype": dt}, f, indent=2)
-    save_file(tensors, os.path.join(p, "model.safetensors"), metadata={"format": "pt"})
+    save_checkpoint(path, hf_name_map(cfg), params, param_shapes(cfg, jnp.float32),
+                    lambda: {**cfg.to_hf_dict(), "dtype": str(jnp.dtype(params["fc"].dtype))})

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from dflash_jax.config import FULL, TargetConfig
 from dflash_jax.models.qwen36 import Params, param_shapes
@@ -185,3 +186,36 @@ def load_params(path: str, cfg: TargetConfig, dtype=jnp.bfloat16, place: Placer 
     if tied:
         tree["lm_head"] = tree["embed"]
     return tree
+
+
+def load_checkpoint(path: str | os.PathLike, from_file: Callable[[str], Any],
+                    load: Callable[..., Params], dtype=jnp.bfloat16, place: Placer | None = None
+                    ) -> tuple[Any, Params]:
+    """A checkpoint directory -> ``(config, params)``: ``from_file(path)`` reads its config, then
+    ``load(path, config, dtype, place)`` streams its tensors."""
+    p = os.fspath(path)
+    cfg = from_file(p)
+    return cfg, load(p, cfg, dtype, place)
+
+
+def save_checkpoint(path: str | os.PathLike, names: dict[str, tuple[Any, ...]], params: Params, shapes: Params,
+                    hf_config: Callable[[], dict[str, Any]], rename: Callable[[str], str] = lambda name: name
+                    ) -> None:
+    """Write ``config.json`` (``hf_config()``) + ``model.safetensors`` to ``path``: every tensor of ``names``
+    (checkpoint name -> pytree path) taken from ``params``, checked against ``shapes``, stored under
+    ``rename(name)`` in its own dtype. A misshapen parameter raises ``CheckpointError`` before anything is
+    written."""
+    p = os.fspath(path)
+    os.makedirs(p, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for name, tp in names.items():
+        arr = np.asarray(jax.device_get(_get(params, tp)))
+        want = _get(shapes, tp).shape
+        if tuple(arr.shape) != tuple(want):
+            raise CheckpointError(f"parameter {'/'.join(map(str, tp))} ({name!r}) has shape {list(arr.shape)}, "
+                                  f"config expects {list(want)}")
+        tensors[rename(name)] = np.ascontiguousarray(arr)
+    config = hf_config()
+    with open(os.path.join(p, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(p, "model.safetensors"), metadata={"format": "pt"})

@@ -24,7 +24,7 @@ from dflash_jax.engine.loop import Engine, RequestError, RequestOutput, Sampling
 from dflash_jax.kv.pages import RequestTooLarge
 from dflash_jax.serve.metrics import Metrics
 from dflash_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
-from dflash_jax.serve.runner import EngineFault, EngineRunner
+from dflash_jax.serve.runner import EngineRunner
 
 log = logging.getLogger("dflash_jax.serve")
 
