@@ -2,16 +2,15 @@
 
 Presets (``PRESETS``) give every size knob of ``experiments/train_tiny.py``; command-line flags override them.
 
-* ``tiny``  - the shipped set (trained on an H200): target hidden 256, 8 layers ``[GDN, GDN, GDN, attn] x 2``,
-  4/2 attention heads x 64 with the output gate, GDN 2/6 heads x 64, ff 768; drafter 5 layers ``[S x 4, F]``
-  (window 256, block 16, target layers by the default rule); dense scorer hidden 256, 4 layers.
+* ``tiny``  - the shipped set (trained on an H200; sized so the three checkpoints in bf16 with their tokenizers stay
+  under 24 MB): vocabulary 4096, sequences of 2048; target hidden 256, 8 layers ``[GDN, GDN, GDN, attn] x 2``, 4/2
+  attention heads x 64 with the output gate, GDN 2/6 heads x 64, ff 512; drafter 4 layers ``[S x 3, F]`` (window
+  256, block 16, ff 384, target layers by the default rule); dense scorer hidden 128, 2 layers, 4/2 heads x 32.
 * ``smoke`` - the same structure at toy width, a small corpus and a few steps (CPU, about a minute).
 
 The PFlash scorer is a plain Qwen3-style dense causal LM (reference §5): *plain* RMSNorm ``w * x / rms(x)`` (weights 1
-at init), per-head q/k norm, full-dim NEOX RoPE, GQA, SwiGLU, untied head. ``dflash_jax.models.dense`` is being written
-separately; until it lands, the few functions below define the scorer's parameters, forward and HF-layout
-save/load (``model_type`` ``qwen3``, names ``model.embed_tokens.weight``, ``model.layers.N.self_attn.*``,
-``model.layers.N.mlp.*``, ``model.norm.weight``, ``lm_head.weight``), which is the layout of real Qwen3 checkpoints.
+at init), per-head q/k norm, full-dim NEOX RoPE, GQA, SwiGLU, untied head: ``dflash_jax.models.dense``, saved in the
+layout of real Qwen3 checkpoints (``model_type`` ``qwen3``).
 """
 
 from __future__ import annotations
@@ -30,21 +29,25 @@ from dflash_jax.models.dense import DenseConfig
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "data": {"max_files": None, "n_chat": 20000, "n_eval_chat": 500, "n_needle": 1000, "n_eval_needle": 100,
-                 "needle_tokens": "256,512,1024", "vocab_size": 8192, "tok_max_mb": 16.0},
-        "seq_len": 1024,
+                 "needle_tokens": "512,1024,2048", "vocab_size": 4096, "tok_max_mb": 16.0},
+        "seq_len": 2048,
         "target": {"hidden_size": 256, "num_layers": 8, "full_attention_interval": 4, "num_heads": 4,
                    "num_kv_heads": 2, "head_dim": 64, "lin_num_k_heads": 2, "lin_num_v_heads": 6, "lin_k_dim": 64,
-                   "lin_v_dim": 64, "intermediate_size": 768, "conv_kernel": 4, "rope_theta": 1e7,
-                   "partial_rotary_factor": 0.25, "max_position_embeddings": 4096},
-        "drafter": {"num_layers": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 768,
+                   "lin_v_dim": 64, "intermediate_size": 512, "conv_kernel": 4, "rope_theta": 1e7,
+                   "partial_rotary_factor": 0.25, "max_position_embeddings": 32768},
+        "drafter": {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 384,
                     "sliding_window": 256, "block_size": 16, "rope_theta": 1e7},
-        "scorer": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
-                   "intermediate_size": 768, "rope_theta": 1e6, "max_position_embeddings": 4096},
+        "scorer": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
+                   "intermediate_size": 256, "rope_theta": 1e6, "max_position_embeddings": 32768},
         "train": {
-            "target": {"steps": 3000, "batch": 32, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0},
-            "drafter": {"steps": 2000, "batch": 16, "lr": 6e-4, "warmup": 0.04, "wd": 0.0, "clip": 1.0,
-                        "anchors": 128, "gamma": 7.0},
-            "scorer": {"steps": 1500, "batch": 32, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0},
+            # "minutes": each phase's step count is fitted to this time budget on the machine it runs on
+            # (train_tiny.run_phase); the report records the steps run.
+            "target": {"steps": 3000, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
+                       "minutes": 3.0},
+            "drafter": {"steps": 2000, "batch": 8, "lr": 6e-4, "warmup": 0.04, "wd": 0.0, "clip": 1.0,
+                        "anchors": 128, "gamma": 7.0, "minutes": 2.2},
+            "scorer": {"steps": 1500, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
+                       "minutes": 0.5},
         },
         "eval": {"seqs": 48, "tau_seqs": 16, "tau_anchors": 16, "every": 500},
         "log_every": 20, "ckpt_every": 250,
@@ -62,7 +65,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scorer": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
                    "intermediate_size": 64, "rope_theta": 1e6, "max_position_embeddings": 1024},
         "train": {
-            "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0},
+            "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0, "minutes": None},
             "drafter": {"steps": 6, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.0, "clip": 1.0,
                         "anchors": 8, "gamma": 7.0},
             "scorer": {"steps": 6, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0},

@@ -316,14 +316,20 @@ def _global_norm(tree: Any) -> jax.Array:
     return tree_mod.norm(tree) if tree_mod is not None and hasattr(tree_mod, "norm") else optax.global_norm(tree)
 
 
-def make_optimizer(hp: dict[str, Any]) -> tuple[optax.GradientTransformation, Callable]:
-    steps = max(1, hp["steps"])
+def make_schedule(hp: dict[str, Any], steps: int) -> Callable:
+    """Warm-up + cosine learning rate over ``steps`` steps (a host-side function of the step)."""
+    steps = max(1, steps)
     warm = max(1, int(round(hp["warmup"] * steps)))
-    sched = optax.warmup_cosine_decay_schedule(0.0, hp["lr"], warm, max(steps, warm + 1), end_value=0.1 * hp["lr"])
+    return optax.warmup_cosine_decay_schedule(0.0, hp["lr"], warm, max(steps, warm + 1), end_value=0.1 * hp["lr"])
+
+
+def make_optimizer(hp: dict[str, Any]) -> optax.GradientTransformation:
+    """Clipped AdamW at unit learning rate: the step function scales its updates by the scheduled rate, passed in
+    as an argument, so the schedule's length can be fitted to a time budget without recompiling. (AdamW's weight
+    decay is scaled by the learning rate too, so this equals ``adamw(schedule)``.)"""
     decay_mask = lambda p: jax.tree_util.tree_map(lambda x: x.ndim >= 2, p)
-    tx = optax.chain(optax.clip_by_global_norm(hp["clip"]),
-                     optax.adamw(sched, b1=0.9, b2=0.95, eps=1e-8, weight_decay=hp["wd"], mask=decay_mask))
-    return tx, sched
+    return optax.chain(optax.clip_by_global_norm(hp["clip"]),
+                       optax.adamw(1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=hp["wd"], mask=decay_mask))
 
 
 class OutOfTime(RuntimeError):
@@ -336,6 +342,7 @@ class PhaseResult:
     history: dict[str, list]
     timing: dict[str, float]
     resumed_from: int | None
+    steps: int
 
 
 def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: Batches, hp: dict[str, Any], *,
@@ -343,11 +350,16 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
               eval_every: int = 0, tokens_per_step: int = 0, deadline: float | None = None) -> PhaseResult:
     """AdamW over ``loss_fn(params, frozen, batch, key) -> (loss, aux dict)`` for ``hp['steps']`` steps, with orbax
     checkpoints (params, optimizer state) every ``ckpt_every`` steps and at the end, and a JSON loss history.
-    Past ``deadline`` (``time.time()``) it checkpoints and raises ``OutOfTime`` (continue with ``--resume``)."""
+    Past ``deadline`` (``time.time()``) it checkpoints and raises ``OutOfTime`` (continue with ``--resume``).
+
+    With ``hp["minutes"]``, the step count is fitted to that time budget: a few probe steps (on copies; the first
+    one compiles) time a step, and the phase runs ``min(hp["steps"], what fits)`` steps with the schedule laid
+    over that count. The fitted count is recorded (``PhaseResult.steps``, the history file) and reused on resume;
+    passing it as the phase's steps without ``minutes`` reproduces the run exactly."""
     import orbax.checkpoint as ocp
 
     steps = hp["steps"]
-    tx, sched = make_optimizer(hp)
+    tx = make_optimizer(hp)
     opt_state = tx.init(params)
     ckdir = os.path.abspath(os.path.join(work, "ckpt", name))
     hist_path = os.path.join(work, "ckpt", f"{name}_history.json")
@@ -367,23 +379,40 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
             keep = [i for i, s in enumerate(old["step"]) if s <= start]
             history = {k: [old[k][i] for i in keep] for k in ("step", "loss", "grad_norm", "lr")}
             history["eval"] = [e for e in old.get("eval", []) if e["step"] <= start]
+            steps = old.get("steps_total", steps)
         log(f"[{name}] resumed from step {start}")
 
     base_key = jax.random.fold_in(jax.random.key(seed), int(hashlib.sha1(name.encode()).hexdigest()[:7], 16))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, frozen, batch, step):
+    def train_step(params, opt_state, frozen, batch, step, lr):
         key = jax.random.fold_in(base_key, step)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, batch, key)
         updates, opt_state = tx.update(grads, opt_state, params)
+        updates = jax.tree_util.tree_map(lambda u: (lr * u).astype(u.dtype), updates)
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss, _global_norm(grads), aux
+
+    if hp.get("minutes") and resumed is None:
+        p_, o_ = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
+        n_probe, t_probe = 6, None
+        for i in range(n_probe):
+            if i == 1:
+                t_probe = time.perf_counter()
+            p_, o_, l_, *_ = train_step(p_, o_, frozen, jnp.asarray(batches(i)), jnp.int32(i), jnp.float32(0.0))
+            jax.block_until_ready(l_)
+        step_s = (time.perf_counter() - t_probe) / (n_probe - 1)
+        del p_, o_
+        fit = int(60 * hp["minutes"] * 0.9 / step_s)
+        steps = max(1, min(steps, fit))
+        log(f"[{name}] {step_s * 1e3:.1f} ms/step: {steps} steps fit {hp['minutes']} min (configured {hp['steps']})")
+    sched = make_schedule(hp, steps)
 
     def save(step: int) -> None:
         mngr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
         mngr.wait_until_finished()
         with open(hist_path, "w") as fh:
-            json.dump(history, fh)
+            json.dump({**history, "steps_total": steps}, fh)
 
     t_start = time.perf_counter()
     t_first = None
@@ -391,7 +420,8 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
     t_last, s_last = time.perf_counter(), start
     for step in range(start, steps):
         batch = jnp.asarray(batches(step))
-        params, opt_state, loss, gnorm, aux = train_step(params, opt_state, frozen, batch, jnp.int32(step))
+        params, opt_state, loss, gnorm, aux = train_step(params, opt_state, frozen, batch, jnp.int32(step),
+                                                         jnp.float32(sched(step)))
         pending.append((step, loss, gnorm, aux))
         if t_first is None:
             jax.block_until_ready(loss)
@@ -436,7 +466,7 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
               "steps_run": n_run, "step_seconds": round(steady, 4),
               "tokens_per_second": round(tokens_per_step / steady, 1) if tokens_per_step and n_run > 1 else None}
     mngr.close()
-    return PhaseResult(params, history, timing, resumed)
+    return PhaseResult(params, history, timing, resumed, steps)
 
 
 # =====================================================================================================================
@@ -751,7 +781,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     tp = res_t.params
     t0 = time.perf_counter()
     t_eval = target_eval(tp)
-    res_t.history["eval"].append({"step": hp_t["steps"], **t_eval})
+    res_t.history["eval"].append({"step": res_t.steps, **t_eval})
     log(f"[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
         f" ({time.perf_counter() - t0:.1f}s)")
 
@@ -797,7 +827,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                       tokens_per_step=hp_d["batch"] * T, deadline=deadline)
     dp = res_d.params
     d_eval = drafter_eval(dp)
-    res_d.history["eval"].append({"step": hp_d["steps"], **d_eval})
+    res_d.history["eval"].append({"step": res_d.steps, **d_eval})
     log("[drafter] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in d_eval.items()))
 
     # ---- scorer --------------------------------------------------------------------------------------------------
@@ -823,7 +853,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                           ckpt_every=cfg["ckpt_every"], eval_fn=scorer_eval, eval_every=cfg["eval"]["every"],
                           tokens_per_step=hp_s["batch"] * T, deadline=deadline)
         s_eval = scorer_eval(res_s.params)
-        res_s.history["eval"].append({"step": hp_s["steps"], **s_eval})
+        res_s.history["eval"].append({"step": res_s.steps, **s_eval})
         log("[scorer] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in s_eval.items()))
 
     # ---- export --------------------------------------------------------------------------------------------------
