@@ -79,6 +79,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
            "AR decode throughput of the engine at several concurrencies"),
     "spec": (lambda p: _lazy("spec").add_arguments(p), lambda a, c: _lazy("spec").run(a, c),
              "speculative round cost (step overhead vs AR) and oracle-draft throughput"),
+    "acceptance": (lambda p: _lazy("acceptance").add_arguments(p), lambda a, c: _lazy("acceptance").run(a, c),
+                   "drafter acceptance length (chain and DDTree tau) on held-out text, and through the engine"),
     "concurrency": (lambda p: _lazy("concurrency").add_arguments(p), lambda a, c: _lazy("concurrency").run(a, c),
                     "paired AR / DDTree serving at several concurrencies, fail-closed feature matrix"),
 }
