@@ -324,6 +324,34 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     pytest.fail("server did not come up")
 
 
+def test_no_arguments_serve_the_shipped_model_set():
+    """`python -m dflash_jax.serve` alone serves the shipped tiny set: chat works with the real client, the
+    model id is the shipped target's, and greedy text equals the target's own greedy continuation."""
+    import dflash_jax as dj
+    from dflash_jax.models.tokenizer import Tokenizer
+    from dflash_jax.serve.__main__ import SHIPPED
+
+    proc, base = _spawn(["--max-concurrency", "2", "--max-model-len", "512"])
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        (m,) = c.models.list().data
+        assert m.id == "target"
+        msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+        r = c.chat.completions.create(model=m.id, messages=msgs, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 12 and r.choices[0].message.content is not None
+        prompt = "def add(a, b):\n"
+        r = c.completions.create(model=m.id, prompt=prompt, max_tokens=8, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        path = os.path.join(SHIPPED, "target")
+        tok = Tokenizer.from_dir(path)
+        want = dj.load_target(path).greedy(tok.encode(prompt), 8)
+        assert r.choices[0].text == tok.decode(want)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
 def test_ddtree_flags_start_a_speculative_server(tmp_path):
     """--ddtree --drafter serves losslessly (same greedy text as the AR server) and reports the mode."""
     import jax

@@ -16,7 +16,6 @@ def _resolve(*argv):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    ((), "no model given"),
     (("--model", "/nonexistent"), "not a directory"),
     (("--model", MODEL, "--ddtree"), "--ddtree needs --drafter"),
     (("--model", MODEL, "--drafter", MODEL), "--drafter is only used with --ddtree"),
@@ -33,6 +32,17 @@ def test_unsupported_or_inconsistent_flags_are_rejected(argv, needle):
     with pytest.raises(StartupError) as e:
         _resolve(*argv)
     assert needle in str(e.value)
+
+
+def test_no_model_means_the_shipped_set_with_its_drafter_and_scorer():
+    from dflash_jax.serve.__main__ import SHIPPED
+
+    ns = _resolve()
+    assert ns.model == os.path.join(SHIPPED, "target") and os.path.isdir(ns.model)
+    ns = _resolve("--ddtree", "--prefill-compression", "auto")
+    assert ns.drafter == os.path.join(SHIPPED, "drafter") and ns.prefill_drafter == os.path.join(SHIPPED, "scorer")
+    with pytest.raises(StartupError, match="--ddtree needs --drafter"):  # another model: no implicit drafter
+        _resolve("--model", MODEL, "--ddtree")
 
 
 def test_presets_load_and_command_line_overrides_them(tmp_path):

@@ -1,5 +1,7 @@
 """``python -m dflash_jax.serve``: the OpenAI-compatible server.
 
+    python -m dflash_jax.serve                      # the shipped tiny model set, http://127.0.0.1:8000/v1
+    python -m dflash_jax.serve --ddtree             # ... with DDTree speculation by the shipped drafter
     python -m dflash_jax.serve --model PATH [--host 127.0.0.1] [--port 8000] [--max-concurrency 8]
     python -m dflash_jax.serve --config configs/h200.yaml --model PATH
 
@@ -17,6 +19,7 @@ import os
 import sys
 import time
 
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny")
 DEVICE_PREFIXES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "hip": "gpu"}
 
 
@@ -87,6 +90,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     ns = argparse.Namespace(**{k: merged.get(k) for k in set(vars(args)) | set(merged)})
 
     unavailable = []
+    if not ns.model:  # the shipped set: its drafter and scorer are the defaults of --ddtree / --prefill-compression
+        ns.model = os.path.join(SHIPPED, "target")
+        if ns.ddtree and not ns.drafter:
+            ns.drafter = os.path.join(SHIPPED, "drafter")
+        if ns.prefill_compression not in (None, "off") and not ns.prefill_drafter:
+            ns.prefill_drafter = os.path.join(SHIPPED, "scorer")
     if ns.ddtree and not ns.drafter:
         raise StartupError("--ddtree needs --drafter PATH (a DFlash drafter checkpoint directory)")
     if ns.drafter and not ns.ddtree:
@@ -115,9 +124,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.draft_device and ns.target_device and _platform(ns.draft_device) != _platform(ns.target_device):
         raise StartupError(f"--target-device {ns.target_device} and --draft-device {ns.draft_device}: "
                            "mixed-device target/draft placement is not supported; use one device")
-    if not ns.model:
-        raise StartupError("no model given and no default model set is shipped in this build yet: pass --model PATH "
-                           "(a Qwen3.5/3.6 checkpoint directory in the Hugging Face layout)")
     if not os.path.isdir(ns.model):
         raise StartupError(f"--model {ns.model}: not a directory")
     if ns.max_concurrency < 1:
