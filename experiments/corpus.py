@@ -44,14 +44,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from dflash_jax.bench import needle as _needle  # noqa: E402
 from dflash_jax.models.chat import STRUCTURAL_TOKENS, render_chat  # noqa: E402
 
 DOC_SEP = "<|endoftext|>"
 EVAL_MOD = 20
 #: Special-token strings that must never occur inside raw text (a file holding one is skipped).
 FORBIDDEN = tuple(STRUCTURAL_TOKENS) + ("<|mask|>",)
-#: Rough characters per token of stdlib code for byte-level BPE (8k toy vocab ≈ 3.0, Qwen's 248k ≈ 3.5).
-CHARS_PER_TOKEN = 3.2
+CHARS_PER_TOKEN = _needle.CHARS_PER_TOKEN
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -411,111 +411,11 @@ def chat_example(rng: random.Random, functions: Sequence[FunctionInfo], *, p_thi
 # (c) long-context needle / key-value recall
 # ---------------------------------------------------------------------------------------------------------------------
 
-_ADJ = ("amber", "silent", "crimson", "rapid", "hollow", "golden", "frozen", "lucky", "brave", "misty", "quiet",
-        "velvet", "cobalt", "ancient", "bright", "distant", "electric", "gentle", "hidden", "iron")
-_NOUN = ("falcon", "harbor", "orchid", "lantern", "glacier", "meadow", "compass", "river", "summit", "cipher",
-         "beacon", "canyon", "ember", "forest", "galaxy", "island", "jaguar", "kernel", "lotus", "nebula")
-_VALUE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
-
-
-def _count_tokens(text: str, tokenizer: Any) -> int:
-    if tokenizer is None:
-        return int(round(len(text) / CHARS_PER_TOKEN))
-    enc = tokenizer.encode(text)
-    return len(enc.ids) if hasattr(enc, "ids") else len(enc)
-
-
-def _random_name(rng: random.Random) -> str:
-    return f"{rng.choice(_ADJ)}-{rng.choice(_NOUN)}-{rng.randint(10, 99)}"
-
-
-def _random_value(rng: random.Random) -> str:
-    return "".join(rng.choice(_VALUE_ALPHABET) for _ in range(4)) + "-" + "".join(
-        rng.choice(_VALUE_ALPHABET) for _ in range(4))
-
-
-def _filler_lines(rng: random.Random, texts: Sequence[tuple[str, str]], n_chars: int) -> list[str]:
-    """Whole lines of random stdlib files (random start line), about ``n_chars`` characters in all."""
-    out: list[str] = []
-    total = 0
-    while total < n_chars:
-        _, text = texts[rng.randrange(len(texts))]
-        lines = text.split("\n")
-        start = rng.randrange(max(1, len(lines) - 20))
-        for ln in lines[start:start + rng.randint(20, 200)]:
-            out.append(ln)
-            total += len(ln) + 1
-            if total >= n_chars:
-                break
-    return out
-
-
 def needle_example(rng: random.Random, n_tokens_approx: int, tokenizer: Any = None, *,
-                   filler: Sequence[tuple[str, str]] | None = None, n_distractors: int = 0,
-                   depth: float | None = None, return_meta: bool = False):
-    """A needle-in-a-haystack prompt: ``(prompt_text, answer)`` (plus a meta dict with ``return_meta``).
-
-    Stdlib code lines (``filler`` ``[(relpath, text)]``, default the train split) surround the line
-    ``The secret key for <name> is <value>.`` inserted at a random relative ``depth`` (or the one given); the prompt
-    ends with the question. ``n_distractors`` other keys (different names and values) are mixed in. The answer
-    (``<value>``) occurs exactly once in the prompt. Lengths are measured with ``tokenizer`` (anything whose
-    ``encode`` returns ids or an ``Encoding``) when given, else estimated as ``len / CHARS_PER_TOKEN``, and the
-    filler is resized to land near ``n_tokens_approx``.
-    """
-    texts = list(filler) if filler is not None else load_stdlib("train")
-    if not texts:
-        raise ValueError("needle_example needs non-empty filler texts")
-    used: set[str] = set()
-
-    def fresh(gen):
-        while True:
-            v = gen(rng)
-            if v not in used:
-                used.add(v)
-                return v
-
-    name, value = fresh(_random_name), fresh(_random_value)
-    distractors = [(fresh(_random_name), fresh(_random_value)) for _ in range(n_distractors)]
-    needle = f"The secret key for {name} is {value}."
-    question = (f"\n\nQuestion: What is the secret key for {name}? "
-                f"Answer with the key only.")
-    intro = "Read the following text carefully. Somewhere in it a secret key is hidden.\n\n"
-    overhead = _count_tokens(intro + needle + question, tokenizer)
-    budget = max(0, n_tokens_approx - overhead)
-    pool = _filler_lines(rng, texts, int(max(budget, 16) * CHARS_PER_TOKEN * 2.0) + 200)
-    if depth is None:
-        depth = rng.random()
-    # relative positions of distractors
-    dpos = [rng.random() for _ in distractors]
-
-    text = "\n".join(pool)
-    cuts = [0] + [k for k in range(1, len(text)) if text[k].isspace() and not text[k - 1].isspace()] + [len(text)]
-
-    def build(n_cut: int) -> str:
-        body = text[:cuts[n_cut]].split("\n") if cuts[n_cut] else []
-        inserts = sorted([(depth, needle)] + [(p, f"The secret key for {n} is {v}.")
-                                              for p, (n, v) in zip(dpos, distractors)], key=lambda t: t[0])
-        out = list(body)
-        for p, line in reversed(inserts):
-            out.insert(int(round(p * len(body))), line)
-        return intro + "\n".join(out) + question
-
-    lo, hi = 0, len(cuts) - 1
-    while lo < hi:  # binary search on the filler prefix (cut at word ends) that keeps the prompt within budget
-        mid = (lo + hi + 1) // 2
-        if _count_tokens(build(mid), tokenizer) <= n_tokens_approx:
-            lo = mid
-        else:
-            hi = mid - 1
-    prompt = build(lo)
-    if prompt.count(value) != 1 or prompt.count(name) != 2:
-        # a value/name collision with the filler is astronomically unlikely; resample deterministically if it happens
-        return needle_example(rng, n_tokens_approx, tokenizer, filler=texts, n_distractors=n_distractors,
-                              depth=depth, return_meta=return_meta)
-    if return_meta:
-        return prompt, value, {"name": name, "depth": depth, "n_tokens": _count_tokens(prompt, tokenizer),
-                               "distractors": len(distractors)}
-    return prompt, value
+                   filler: Sequence[tuple[str, str]] | None = None, **kw: Any):
+    """``dflash_jax.bench.needle.needle_example`` with the stdlib train split as the default filler."""
+    return _needle.needle_example(rng, n_tokens_approx, tokenizer,
+                                  filler=filler if filler is not None else load_stdlib("train"), **kw)
 
 
 def kv_recall_example(rng: random.Random, n_pairs: int) -> tuple[str, str]:
@@ -524,7 +424,7 @@ def kv_recall_example(rng: random.Random, n_pairs: int) -> tuple[str, str]:
     values: set[str] = set()
     pairs = []
     while len(pairs) < n_pairs:
-        n, v = _random_name(rng), _random_value(rng)
+        n, v = _needle.random_name(rng), _needle.random_value(rng)
         if n in names or v in values:
             continue
         names.add(n)

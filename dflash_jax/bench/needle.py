@@ -1,0 +1,219 @@
+"""Needle-in-a-haystack prompts, and ``python -m dflash_jax.bench needle``: retrieval accuracy at a context length,
+with and without PFlash prompt compression.
+
+A prompt hides the line ``The secret key for <name> is <value>.`` at a relative depth in stdlib code lines and asks
+for the key at the end (the same template the shipped set's training corpus uses, ``experiments/corpus.py``). The
+bench fills the haystack with the model set's held-out standard-library files, renders the question as a ChatML user
+turn (thinking off), decodes greedily and counts a hit when the answer appears in the reply. With ``--scorer`` each
+prompt is also compressed by the dense scorer (``prefill.pflash.compress``, mode always) and answered again:
+``needle.<ctx>.accuracy`` vs ``needle.<ctx>.pflash.accuracy``, with the kept fraction; and, as the baseline, chunks
+chosen at random under the same rule (same head/tail/structure, same budget): ``needle.<ctx>.random_chunks.accuracy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+#: Rough characters per token of stdlib code for a byte-level BPE (the filler estimate without a tokenizer).
+CHARS_PER_TOKEN = 3.2
+
+_ADJ = ("amber", "silent", "crimson", "rapid", "hollow", "golden", "frozen", "lucky", "brave", "misty", "quiet",
+        "velvet", "cobalt", "ancient", "bright", "distant", "electric", "gentle", "hidden", "iron")
+_NOUN = ("falcon", "harbor", "orchid", "lantern", "glacier", "meadow", "compass", "river", "summit", "cipher",
+         "beacon", "canyon", "ember", "forest", "galaxy", "island", "jaguar", "kernel", "lotus", "nebula")
+_VALUE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+
+
+def count_tokens(text: str, tokenizer: Any) -> int:
+    """Tokens of ``text`` by ``tokenizer`` (anything whose ``encode`` gives ids or an ``Encoding``), else estimated."""
+    if tokenizer is None:
+        return int(round(len(text) / CHARS_PER_TOKEN))
+    enc = tokenizer.encode(text)
+    return len(enc.ids) if hasattr(enc, "ids") else len(enc)
+
+
+def random_name(rng: random.Random) -> str:
+    return f"{rng.choice(_ADJ)}-{rng.choice(_NOUN)}-{rng.randint(10, 99)}"
+
+
+def random_value(rng: random.Random) -> str:
+    return "".join(rng.choice(_VALUE_ALPHABET) for _ in range(4)) + "-" + "".join(
+        rng.choice(_VALUE_ALPHABET) for _ in range(4))
+
+
+def filler_lines(rng: random.Random, texts: Sequence[tuple[str, str]], n_chars: int) -> list[str]:
+    """Whole lines of random files ``[(name, text)]`` (random start line), about ``n_chars`` characters in all."""
+    out: list[str] = []
+    total = 0
+    while total < n_chars:
+        _, text = texts[rng.randrange(len(texts))]
+        lines = text.split("\n")
+        start = rng.randrange(max(1, len(lines) - 20))
+        for ln in lines[start:start + rng.randint(20, 200)]:
+            out.append(ln)
+            total += len(ln) + 1
+            if total >= n_chars:
+                break
+    return out
+
+
+def needle_example(rng: random.Random, n_tokens_approx: int, tokenizer: Any = None, *,
+                   filler: Sequence[tuple[str, str]], n_distractors: int = 0,
+                   depth: float | None = None, return_meta: bool = False):
+    """A needle-in-a-haystack prompt: ``(prompt_text, answer)`` (plus a meta dict with ``return_meta``).
+
+    Lines of ``filler`` (``[(name, text)]``) surround the line ``The secret key for <name> is <value>.`` inserted at
+    relative ``depth`` (random when None); the prompt ends with the question. ``n_distractors`` other keys
+    (different names and values) are mixed in. The answer occurs exactly once in the prompt. Lengths are measured
+    with ``tokenizer`` when given, else estimated, and the filler is cut to land at or under ``n_tokens_approx``.
+    """
+    texts = list(filler)
+    if not texts:
+        raise ValueError("needle_example needs non-empty filler texts")
+    used: set[str] = set()
+
+    def fresh(gen):
+        while True:
+            v = gen(rng)
+            if v not in used:
+                used.add(v)
+                return v
+
+    name, value = fresh(random_name), fresh(random_value)
+    distractors = [(fresh(random_name), fresh(random_value)) for _ in range(n_distractors)]
+    needle = f"The secret key for {name} is {value}."
+    question = (f"\n\nQuestion: What is the secret key for {name}? "
+                f"Answer with the key only.")
+    intro = "Read the following text carefully. Somewhere in it a secret key is hidden.\n\n"
+    overhead = count_tokens(intro + needle + question, tokenizer)
+    budget = max(0, n_tokens_approx - overhead)
+    pool = filler_lines(rng, texts, int(max(budget, 16) * CHARS_PER_TOKEN * 2.0) + 200)
+    if depth is None:
+        depth = rng.random()
+    dpos = [rng.random() for _ in distractors]
+
+    text = "\n".join(pool)
+    cuts = [0] + [k for k in range(1, len(text)) if text[k].isspace() and not text[k - 1].isspace()] + [len(text)]
+
+    def build(n_cut: int) -> str:
+        body = text[:cuts[n_cut]].split("\n") if cuts[n_cut] else []
+        inserts = sorted([(depth, needle)] + [(p, f"The secret key for {n} is {v}.")
+                                              for p, (n, v) in zip(dpos, distractors)], key=lambda t: t[0])
+        out = list(body)
+        for p, line in reversed(inserts):
+            out.insert(int(round(p * len(body))), line)
+        return intro + "\n".join(out) + question
+
+    lo, hi = 0, len(cuts) - 1
+    while lo < hi:  # binary search on the filler prefix (cut at word ends) that keeps the prompt within budget
+        mid = (lo + hi + 1) // 2
+        if count_tokens(build(mid), tokenizer) <= n_tokens_approx:
+            lo = mid
+        else:
+            hi = mid - 1
+    prompt = build(lo)
+    if prompt.count(value) != 1 or prompt.count(name) != 2:
+        # a value/name collision with the filler is astronomically unlikely; resample deterministically if it happens
+        return needle_example(rng, n_tokens_approx, tokenizer, filler=texts, n_distractors=n_distractors,
+                              depth=depth, return_meta=return_meta)
+    if return_meta:
+        return prompt, value, {"name": name, "depth": depth, "n_tokens": count_tokens(prompt, tokenizer),
+                               "distractors": len(distractors)}
+    return prompt, value
+
+
+# ---- the bench --------------------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target checkpoint directory (with tokenizer.json)")
+    p.add_argument("--scorer", help="dense PFlash scorer checkpoint: also answer from the compressed prompt")
+    p.add_argument("--keep-ratio", type=float, default=0.05, help="PFlash keep ratio")
+    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--context", type=int, nargs="+", default=[8192], help="prompt lengths in tokens")
+    p.add_argument("--n", type=int, default=20, help="prompts per context length (depths spread evenly)")
+    p.add_argument("--files", nargs="+", help="filler text files (default: the model set's held-out stdlib files)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _prompts(tok, files: Sequence[str], ctx: int, n: int, seed: int) -> list[tuple[list[int], str, float]]:
+    from dflash_jax.models.chat import render_chat
+
+    texts = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            texts.append((f, fh.read()))
+    rng = random.Random(seed * 1_000_003 + ctx)
+    overhead = len(tok.encode(render_chat([{"role": "user", "content": ""}], enable_thinking=False)))
+    out = []
+    for i in range(n):
+        depth = (i + 0.5) / n
+        prompt, ans = needle_example(rng, ctx - overhead, tok, filler=texts, depth=depth)
+        ids = tok.encode(render_chat([{"role": "user", "content": prompt}], enable_thinking=False))
+        out.append((ids, ans, depth))
+    return out
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    from dflash_jax.bench import results
+    from dflash_jax.bench.acceptance import held_out_files
+    from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+    from dflash_jax.models.tokenizer import Tokenizer
+    from dflash_jax.target import load_target
+
+    target = load_target(args.model, dtype=args.dtype)
+    tok = Tokenizer.from_dir(args.model)
+    files = args.files or held_out_files(args.model)
+    scorer = opts = None
+    if args.scorer:
+        from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions
+
+        scorer = DenseScorer.from_pretrained(args.scorer, dtype=args.dtype)
+        opts = PFlashOptions(mode="always", keep_ratio=args.keep_ratio, min_tokens=1)
+    max_len = -(-(max(args.context) + 64) // 256) * 256
+    eng = Engine(target, tok, EngineOptions(max_batch=4, max_model_len=max_len, prefill_chunk=512, prefill_batch=1))
+    sp = SamplingParams(max_tokens=16, temperature=0.0)
+    figures: dict[str, float] = {}
+    per_prompt = []
+    for ctx in args.context:
+        cases = _prompts(tok, files, ctx, args.n, args.seed)
+        t0 = time.perf_counter()
+        outs = eng.generate([ids for ids, _, _ in cases], sp)
+        hits = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs)]
+        figures[f"needle.{ctx}.accuracy"] = float(np.mean(hits))
+        figures[f"needle.{ctx}.prompt_tokens"] = float(np.mean([len(c[0]) for c in cases]))
+        figures[f"needle.{ctx}.seconds"] = time.perf_counter() - t0
+        rec = [{"ctx": ctx, "depth": d, "answer": a, "reply": o.text, "hit": h}
+               for (_, a, d), o, h in zip(cases, outs, hits)]
+        if scorer is not None:
+            from dflash_jax.prefill.pflash import compress, protected_mask
+
+            comp = [compress(np.asarray(ids), scorer, opts, must_keep=protected_mask(ids, tok)) for ids, _, _ in cases]
+            outs_c = eng.generate([c.effective_ids.tolist() for c in comp], sp)
+            hits_c = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs_c)]
+            figures[f"needle.{ctx}.pflash.accuracy"] = float(np.mean(hits_c))
+            figures[f"needle.{ctx}.pflash.kept_fraction"] = float(np.mean([c.ratio for c in comp]))
+            figures[f"needle.{ctx}.pflash.scoring_s"] = float(np.mean([c.scoring_s for c in comp]))
+            rng = np.random.default_rng(args.seed)
+            rand = [compress(np.asarray(ids), lambda x, _: rng.random(len(x)), opts, must_keep=protected_mask(ids, tok))
+                    for ids, _, _ in cases]
+            outs_r = eng.generate([c.effective_ids.tolist() for c in rand], sp)
+            hits_r = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs_r)]
+            figures[f"needle.{ctx}.random_chunks.accuracy"] = float(np.mean(hits_r))
+            figures[f"needle.{ctx}.random_chunks.kept_fraction"] = float(np.mean([c.ratio for c in rand]))
+            for r, o, h, hr in zip(rec, outs_c, hits_c, hits_r):
+                r.update(pflash_reply=o.text, pflash_hit=h, random_chunks_hit=hr)
+        per_prompt += rec
+        print(f"context {ctx}: accuracy {figures[f'needle.{ctx}.accuracy']:.2f}" +
+              (f", with PFlash {figures[f'needle.{ctx}.pflash.accuracy']:.2f}" if scorer is not None else ""),
+              flush=True)
+    results.print_table(figures)
+    if not args.no_write:
+        extra = {"model": args.model, "scorer": args.scorer, "keep_ratio": args.keep_ratio if scorer else None,
+                 "filler_files": [f.rsplit("/", 1)[-1] for f in files], "prompts": per_prompt}
+        print("wrote", results.write_result("needle", figures, command, extra, out_dir=args.out_dir))
+    return 0

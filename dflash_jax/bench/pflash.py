@@ -1,0 +1,109 @@
+"""``python -m dflash_jax.bench pflash``: time to first token with PFlash prompt compression vs full prefill.
+
+For each context length, one request at concurrency 1 through a fresh-state engine, both paths in the same run:
+
+* full: the raw prompt is prefilled and the first token sampled (``pflash.<ctx>.full_ttft_s``);
+* PFlash: the dense scorer scores the raw prompt (``compress``, mode always), then the effective prompt is prefilled
+  and the first token sampled (``pflash.<ctx>.ttft_s`` = scoring + effective TTFT);
+* ``pflash.<ctx>.ttft_ratio`` = PFlash TTFT / full TTFT (lower is better), with the kept fraction.
+
+Each path runs once untimed first (compiles), then ``--repeats`` times; medians are reported. With random weights
+(``--random-weights`` / ``--random-scorer``) the prompt is random tokens: the timing does not depend on the text.
+Context labels: ``32k`` = 32768 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.bench import results
+from dflash_jax.bench.sources import add_target_arguments, load_target_source
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.models import dense
+from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions, compress
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_target_arguments(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scorer", help="dense scorer checkpoint directory")
+    src.add_argument("--random-scorer", metavar="CONFIG", help="dense scorer config.json given random weights "
+                     "(its vocabulary is widened to the target's when smaller)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--context", type=int, nargs="+", default=[32768])
+    p.add_argument("--keep-ratio", type=float, default=0.05)
+    p.add_argument("--head-tokens", type=int, default=PFlashOptions.head_tokens, help="always-kept head")
+    p.add_argument("--tail-tokens", type=int, default=PFlashOptions.tail_tokens, help="always-kept tail")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--scorer-chunk", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def label(ctx: int) -> str:
+    return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
+
+
+def _scorer(args: argparse.Namespace, vocab: int) -> DenseScorer:
+    dtype = jnp.dtype(args.dtype)
+    if args.scorer:
+        return DenseScorer.from_pretrained(args.scorer, dtype=dtype, prefill_chunk=args.scorer_chunk)
+    import json
+
+    with open(args.random_scorer) as fh:
+        raw = json.load(fh)
+    raw["vocab_size"] = max(int(raw["vocab_size"]), vocab)
+    cfg = dense.DenseConfig.from_hf_dict(raw)
+    return DenseScorer(dense.init_params(cfg, jax.random.key(2), dtype), cfg, prefill_chunk=args.scorer_chunk)
+
+
+def _ttft(eng: Engine, ids: list[int]) -> float:
+    t0 = time.perf_counter()
+    eng.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    target = load_target_source(args)
+    scorer = _scorer(args, target.config.vocab_size)
+    opts = PFlashOptions(mode="always", keep_ratio=args.keep_ratio, min_tokens=1, head_tokens=args.head_tokens,
+                         tail_tokens=args.tail_tokens)
+    max_len = -(-(max(args.context) + 64) // args.prefill_chunk) * args.prefill_chunk
+    eng = Engine(target, None, EngineOptions(max_batch=1, page_size=args.page_size, max_model_len=max_len,
+                                             prefill_chunk=args.prefill_chunk, prefill_batch=1))
+    eng.warmup()
+    rng = np.random.default_rng(0)
+    figures: dict[str, float] = {"keep_ratio": args.keep_ratio}
+    for ctx in args.context:
+        ids = rng.integers(0, min(target.config.vocab_size, scorer.cfg.vocab_size), ctx).astype(np.int32)
+
+        def pflash_once() -> tuple[float, float, float]:
+            t0 = time.perf_counter()
+            c = compress(ids, scorer, opts)
+            t_score = time.perf_counter() - t0
+            return t_score + _ttft(eng, c.effective_ids.tolist()), t_score, c.ratio
+
+        _ttft(eng, ids.tolist())  # compiles / warms the full path
+        pflash_once()
+        full = [_ttft(eng, ids.tolist()) for _ in range(args.repeats)]
+        runs = [pflash_once() for _ in range(args.repeats)]
+        k = f"pflash.{label(ctx)}"
+        f_med, p_med = statistics.median(full), statistics.median(r[0] for r in runs)
+        figures.update({f"{k}.full_ttft_s": f_med, f"{k}.ttft_s": p_med, f"{k}.ttft_ratio": p_med / f_med,
+                        f"{k}.scoring_s": statistics.median(r[1] for r in runs),
+                        f"{k}.kept_fraction": runs[0][2]})
+        print(f"{label(ctx)}: full {f_med:.3f} s, PFlash {p_med:.3f} s (ratio {p_med / f_med:.3f}, kept "
+              f"{runs[0][2]:.3f})", flush=True)
+    results.print_table(figures)
+    if not args.no_write:
+        extra = {"target": args.model or args.random_weights, "scorer": args.scorer or args.random_scorer,
+                 "weights": "checkpoint" if args.model else "random", "dtype": args.dtype,
+                 "repeats": args.repeats, "prefill_chunk": args.prefill_chunk}
+        print("wrote", results.write_result("pflash", figures, command, extra, out_dir=args.out_dir))
+    return 0

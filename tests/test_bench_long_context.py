@@ -1,0 +1,48 @@
+"""The long-context benchmarks run end to end on CPU at small scale: PFlash TTFT (random scorer) and needle
+retrieval with the shipped tiny set (with and without compression, plus the random-chunk baseline)."""
+
+import json
+import os
+
+import pytest
+
+from conftest import FIXTURES
+from dflash_jax.bench.__main__ import main
+from dflash_jax.serve.__main__ import SHIPPED
+
+pytestmark = pytest.mark.xdist_group("bench_long_context")
+
+
+def _figures(tmp_path, prefix):
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith(prefix)]
+    return json.loads(res.read_text())
+
+
+def test_pflash_ttft_bench_random_scorer(tmp_path):
+    scorer = tmp_path / "scorer.json"
+    scorer.write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "tie_word_embeddings": True, "max_position_embeddings": 4096}))
+    rc = main(["pflash", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-scorer", str(scorer),
+               "--dtype", "float32", "--context", "512", "--keep-ratio", "0.1", "--head-tokens", "32", "--tail-tokens", "64", "--prefill-chunk", "128",
+               "--scorer-chunk", "128", "--page-size", "16", "--repeats", "1", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    rec = _figures(tmp_path, "pflash_")
+    f = rec["figures"]
+    assert f["pflash.512.full_ttft_s"] > 0 and f["pflash.512.ttft_s"] > f["pflash.512.scoring_s"] > 0
+    assert 0 < f["pflash.512.kept_fraction"] < 1
+    assert f["pflash.512.ttft_ratio"] == pytest.approx(f["pflash.512.ttft_s"] / f["pflash.512.full_ttft_s"])
+
+
+def test_needle_bench_shipped_set(tmp_path):
+    rc = main(["needle", "--model", os.path.join(SHIPPED, "target"), "--scorer", os.path.join(SHIPPED, "scorer"),
+               "--context", "1024", "--n", "3", "--keep-ratio", "0.3", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    rec = _figures(tmp_path, "needle_")
+    f = rec["figures"]
+    for k in ("needle.1024.accuracy", "needle.1024.pflash.accuracy", "needle.1024.random_chunks.accuracy"):
+        assert 0 <= f[k] <= 1
+    assert f["needle.1024.prompt_tokens"] <= 1024
+    prompts = rec["extra"]["prompts"]
+    assert len(prompts) == 3 and all(p["answer"] and "pflash_hit" in p for p in prompts)
