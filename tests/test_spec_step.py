@@ -110,10 +110,11 @@ from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa
 
 
 @functools.lru_cache(maxsize=None)
-def engines(name, cohort_yield_min):
+def engines(name, cohort_yield_min, reprobe=0, fast_rollback=False):
     t, dcfg, dparams = setup(name)
-    opts = EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=16, max_model_len=128, page_size=8,
-                         spec=SpecConfig(budget=6), cohort_yield_min=cohort_yield_min)
+    opts = EngineOptions(max_batch=1 if fast_rollback else 4, prefill_batch=2, prefill_chunk=16, max_model_len=128,
+                         page_size=8, spec=SpecConfig(budget=6, fast_rollback=fast_rollback),
+                         cohort_yield_min=cohort_yield_min, cohort_reprobe_tokens=reprobe)
     eng = Engine(t, None, opts, drafter=(dcfg, dparams))
     eng.warmup()
     return eng
@@ -160,3 +161,31 @@ def test_cohort_yield_switches_a_useless_drafter_to_ar():
     # requests that need the AR path never enter speculation
     o = eng.generate([prompts[0]], SamplingParams(max_tokens=4, min_tokens=2))[0]
     assert o.stats["spec_mode"] == "ar" and o.stats["draft_steps"] == 0
+
+
+def test_adaptive_reprobe_goes_back_to_ddtree_and_backs_off():
+    """A yielded request probes DDTree again after 3 AR tokens, then after 6, 12... (a useless drafter fails every
+    probe); the output stays the target's greedy."""
+    t, _, _ = setup("qwen36_tiny_a")
+    eng = engines("qwen36_tiny_a", 6.0, 3)
+    p = np.random.default_rng(11).integers(0, t.config.vocab_size - 1, 8).tolist()
+    o = eng.generate([p], SamplingParams(max_tokens=30))[0]
+    assert o.token_ids == t.greedy(p, 30)
+    st = o.stats
+    assert st["spec_mode"] == "yielded" and st["reprobes"] >= 2
+    assert st["draft_steps"] == 1 + st["reprobes"]  # one round per probe
+    assert st["reprobes"] <= 3  # 3, 6, 12 AR tokens apart: at most three probes fit in 30 tokens
+    assert eng.counters["cohort_reprobe"] >= st["reprobes"]
+
+
+def test_fast_rollback_is_lossless_and_reported():
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    fast = engines("qwen36_tiny_a", 0.0, 0, True)
+    replay = engines("qwen36_tiny_a", 0.0)
+    p = np.random.default_rng(12).integers(0, t.config.vocab_size - 1, 9).tolist()
+    a = fast.generate([p], SamplingParams(max_tokens=12))[0]
+    b = replay.generate([p], SamplingParams(max_tokens=12))[0]
+    assert a.token_ids == b.token_ids == t.greedy(p, 12)
+    assert a.stats["rollback_mode"] == "fast-rollback" and b.stats["rollback_mode"] == "replay"
+    with pytest.raises(ValueError, match="single sequence"):
+        Engine(t, None, EngineOptions(max_batch=2, spec=SpecConfig(fast_rollback=True)), drafter=(dcfg, dparams))

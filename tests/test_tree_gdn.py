@@ -177,6 +177,18 @@ def test_chain_tree_is_the_sequence():
     assert_close(all_node_states(cache, args[-1], n), s_prefix, 1e-4)
 
 
+def test_every_node_state_at_once_equals_one_at_a_time():
+    """The fast-rollback form (all slots' states, then select) equals the per-node materialisation."""
+    b, n, h, dk, dv = 2, 11, 3, 8, 6
+    rng = np.random.default_rng(4)
+    par = random_parents(rng, b, n, 0.2)
+    args = make_inputs(5, b, n, h, dk, dv, "mixed", 1.0, jnp.float32)
+    _, cache = gdn_tree(*args, ancestors_of(jnp.asarray(par, jnp.int32)))
+    every = jax.jit(gdn.tree_node_states, compiler_options=_FAST)(cache, args[-1])
+    assert every.shape == (b, n, h, dk, dv)
+    assert_close(every, all_node_states(cache, args[-1], n), 1e-5)
+
+
 def test_padding_slots_do_not_touch_valid_slots():
     """Appending padding slots (lone roots with garbage inputs) leaves the valid slots' outputs and states alone."""
     b, n, npad, h, dk, dv = 2, 9, 7, 2, 8, 8

@@ -83,6 +83,11 @@ class RequestStats:
     accepted_tokens: int = 0  # draft tokens accepted (bonus tokens not counted)
     emitted_spec: int = 0  # tokens emitted by speculative rounds (accepted + bonus)
     cohort_yield_mean: float | None = None  # tokens per request of the cohort's first round, when it yielded
+    rollback_mode: str | None = None  # how rounds committed: "replay" or "fast-rollback" (never claimed otherwise)
+    reprobes: int = 0  # times a yielded request went back to DDTree for a probe round
+    probe_base: int = 0  # spec_steps when the request (re)entered DDTree: its next round is a probe
+    yielded_at: int = 0  # tokens generated when it last yielded
+    reprobe_after: int = 0  # AR tokens before the next re-probe (doubles after each failed probe)
 
     def as_dict(self, n_out: int) -> dict:
         ttft = None if self.first_token is None else self.first_token - self.arrival
@@ -94,7 +99,8 @@ class RequestStats:
                 "spec_mode": self.spec_mode, "draft_steps": self.spec_steps, "draft_nodes": self.draft_nodes,
                 "accepted_tokens": self.accepted_tokens,
                 "mean_accept_len": self.emitted_spec / self.spec_steps if self.spec_steps else None,
-                "cohort_yield_mean": self.cohort_yield_mean}
+                "cohort_yield_mean": self.cohort_yield_mean,
+                "rollback_mode": self.rollback_mode if self.spec_steps else None, "reprobes": self.reprobes}
 
 
 @dataclasses.dataclass
@@ -144,6 +150,9 @@ class EngineOptions:
     kv_dtype: str | None = None  # default: the params' dtype
     spec: SpecConfig | None = None  # DDTree speculative decoding (needs a drafter)
     cohort_yield_min: float = 6.0  # a cohort whose first round emits fewer tokens per request goes AR (0 = never)
+    # adaptive cohort-yield: a yielded request probes DDTree again after this many AR tokens (0 = never); a probe
+    # round under cohort_yield_min yields again with the wait doubled
+    cohort_reprobe_tokens: int = 0
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -166,6 +175,11 @@ class Engine:
             raise ValueError("speculative decoding (options.spec) needs a drafter: pass drafter=(DrafterConfig, params)")
         if drafter is not None:
             drafter[0].validate_against(target.config)
+        if o.spec is not None and o.spec.fast_rollback and o.max_batch != 1:
+            raise ValueError(f"fast rollback keeps every tree node's recurrent state and serves a single sequence: "
+                             f"set max_batch=1 (--max-concurrency 1), got {o.max_batch}; or drop fast_rollback")
+        if o.cohort_reprobe_tokens < 0:
+            raise ValueError(f"cohort_reprobe_tokens must be >= 0, got {o.cohort_reprobe_tokens}")
         if o.max_batch < 1 or o.prefill_batch < 1 or o.prefill_chunk < 1:
             raise ValueError("max_batch, prefill_batch and prefill_chunk must be >= 1")
         if o.max_model_len > target.config.max_position_embeddings:
@@ -335,6 +349,13 @@ class Engine:
                 changed[r.rid] = r
         dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None
                and r.rid not in changed]
+        if self.options.cohort_reprobe_tokens:
+            for r in dec:
+                st = r.stats
+                if st.spec_mode == "yielded" and len(r.tokens) - st.yielded_at >= st.reprobe_after:
+                    st.spec_mode, st.probe_base = "ddtree", st.spec_steps
+                    st.reprobes += 1
+                    self.counters["cohort_reprobe"] += 1
         spec = [r for r in dec if r.stats.spec_mode == "ddtree"][: self.decode_buckets[-1]]
         ar = [r for r in dec if r.stats.spec_mode != "ddtree"][: self.decode_buckets[-1]]
         if spec:
@@ -420,7 +441,7 @@ class Engine:
                         active=np.array([True] * len(rows) + [False] * pad),
                         page_table=self.pages.page_tables([r.rid for r in rows] + [None] * pad, self.width))
         out = self._call("spec", b, inp, self._row_sampling(rows, b))
-        cohort = []
+        cohort, emitted = [], 0
         for i, r in enumerate(rows):
             n = int(out.n_accepted[i])
             burst = [int(t) for t in out.accepted[i, 1:n]] + [int(out.bonus[i])]
@@ -429,21 +450,25 @@ class Engine:
             st.draft_nodes += int(out.tree_nodes[i])
             st.accepted_tokens += n - 1
             st.emitted_spec += len(burst)
+            st.rollback_mode = "fast-rollback" if self.options.spec.fast_rollback else "replay"
             for tok in burst:  # the decode contract, token by token; nothing past a stop is emitted
                 self._accept_token(r, tok, float("nan"), [])
                 if r.finish is not None:
                     break
             if r.finish is None:
                 self.pages.truncate(r.rid, r.n_cached)
-            if st.spec_steps == 1:
+            if st.spec_steps == st.probe_base + 1:  # first round since (re)entering DDTree
                 cohort.append(r)
+                emitted += len(burst)
         if cohort and self.options.cohort_yield_min > 0:
-            mean = sum(r.stats.emitted_spec for r in cohort) / len(cohort)
+            mean = emitted / len(cohort)
             if mean < self.options.cohort_yield_min:
                 self.counters["cohort_yield"] += 1
                 for r in cohort:
-                    r.stats.spec_mode = "yielded"
-                    r.stats.cohort_yield_mean = mean
+                    st = r.stats
+                    st.spec_mode, st.cohort_yield_mean, st.yielded_at = "yielded", mean, len(r.tokens)
+                    st.reprobe_after = (self.options.cohort_reprobe_tokens if st.reprobes == 0
+                                        else 2 * st.reprobe_after)
         return rows
 
     def _prefill(self, rows: list[_Request]) -> list[_Request]:

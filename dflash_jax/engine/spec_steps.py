@@ -26,6 +26,7 @@ class SpecConfig:
     budget: int = 22
     top_k: int | None = None
     chain_seed: bool = True
+    fast_rollback: bool = False  # commit by selecting the accepted node's kept state (one sequence; see commit_tree)
 
 
 @jax.tree_util.register_dataclass
@@ -101,7 +102,7 @@ def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params,
 
 
 def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state: EngineState, dkv: DraftKV,
-                  inp: SpecInput, samp: SamplingArrays, tree: ddtree.Tree):
+                  inp: SpecInput, samp: SamplingArrays, tree: ddtree.Tree, fast_rollback: bool = False):
     """Verify B trees in one target pass, accept losslessly, commit target state and drafter context."""
     layers = _check(cfg, dcfg)
     valid = tree.valid & inp.active[:, None]
@@ -114,7 +115,7 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
     y = verify.sample_per_slot(logits, samp.temperature, samp.top_k, samp.top_p, samp.seed, samp.step)
     slots, n_acc, bonus = verify.accept_sampled(tree, y)
     n_acc = jnp.where(inp.active, n_acc, 0)
-    kv, rec = qwen36.commit_tree(cfg, state.kv, state.rec, tin, scratch, slots, n_acc)
+    kv, rec = qwen36.commit_tree(cfg, state.kv, state.rec, tin, scratch, slots, n_acc, fast_rollback)
     idx = jnp.clip(slots, 0, None)
     acc_feats = jnp.take_along_axis(features(feats), idx[:, :, None], axis=1)  # [B, L+1, F]
     l1 = slots.shape[1]
@@ -132,7 +133,7 @@ def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, 
     """One speculative round for B rows -> (state', dkv', SpecOutput). Lossless: the emitted tokens are
     distributed exactly as the target's own (greedy rows: identical to AR greedy)."""
     tree = draft_tree(cfg, dcfg, spec, params, dparams, dkv, inp)
-    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree)
+    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree, spec.fast_rollback)
 
 
 def oracle_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,
@@ -144,4 +145,4 @@ def oracle_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params
     onehot = jax.nn.one_hot(proposal, v, dtype=jnp.float32)
     logp = jax.nn.log_softmax(onehot * 20.0, axis=-1)
     tree = ddtree.build_tree(logp, spec.budget, spec.top_k, True).with_root(inp.root)
-    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree)
+    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree, spec.fast_rollback)

@@ -154,6 +154,15 @@ def gdn_tree(q, k, v, beta, g, state, ancestors):
     return jnp.moveaxis(o, 1, 2), TreeGDNCache(k=k, vp=vp, gam=gam, decay=decay)
 
 
+def tree_node_states(cache: TreeGDNCache, state0):
+    """Every slot's state at once: ``[B, N, H, dk, dv]`` with ``S_i = e^{gam_i} S0 + sum_{j in A(i)} Gam_ij k_j V'_j^T``
+    (what the single-sequence fast-rollback commit keeps, then selects from). cache from `gdn_tree`, state0
+    [B,H,dk,dv]."""
+    s = (jnp.exp(cache.gam)[..., None, None] * state0[:, :, None]
+         + jnp.einsum("bhij,bhjk,bhjv->bhikv", cache.decay, cache.k, cache.vp, precision=HI))
+    return jnp.moveaxis(s, 2, 1).astype(state0.dtype)
+
+
 def tree_node_state(cache: TreeGDNCache, state0, node):
     """The state after slot node[b] of row b's tree: S_i = e^{gam_i} S0 + sum_{j in A(i)} Gam_ij k_j V'_j^T.
 

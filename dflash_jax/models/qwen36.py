@@ -332,12 +332,18 @@ def forward_tree(params: Params, cfg: TargetConfig, tree: TreeInput, kv: KVPages
 
 
 def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeInput, scratch: TreeScratch,
-                accepted: jax.Array, n_accepted: jax.Array) -> tuple[KVPages, RecurrentSlots]:
+                accepted: jax.Array, n_accepted: jax.Array, fast_rollback: bool = False
+                ) -> tuple[KVPages, RecurrentSlots]:
     """Make the accepted path durable, without running the target again.
 
     accepted: [B, L] slots of each row's accepted path, root first (-1 padded); n_accepted: [B] (0 = commit
     nothing for that row). K/V of the accepted slots land in pages at start, start+1, ...; each GDN layer's
     conv and SSM state become those after the deepest accepted slot.
+
+    Replay (default): the deepest accepted slot's SSM state is materialised from the verify scratch alone
+    (``gdn.tree_node_state``, the accepted path's delta-rule recurrence in closed form). ``fast_rollback`` (one
+    sequence): every slot's state is formed (``gdn.tree_node_states``, ``[B, N, H, dk, dv]`` per layer) and the
+    accepted one selected; the two are equal.
     """
     l = accepted.shape[1]
     idx = jnp.clip(accepted, 0, None)
@@ -354,7 +360,12 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
     for gi, (x, cache) in enumerate(zip(scratch.x, scratch.gdn)):
         s0 = ssms[gi][tree.slots]
         c0 = convs[gi][tree.slots]
-        s1 = gdn.tree_node_state(cache, s0.astype(cache.vp.dtype), last).astype(s0.dtype)
+        if fast_rollback:
+            every = gdn.tree_node_states(cache, s0.astype(cache.vp.dtype))  # [B, N, H, dk, dv]
+            sel = jnp.take_along_axis(every, jnp.clip(last, 0, None)[:, None, None, None, None], axis=1)[:, 0]
+            s1 = jnp.where((last >= 0)[:, None, None, None], sel.astype(s0.dtype), s0)
+        else:
+            s1 = gdn.tree_node_state(cache, s0.astype(cache.vp.dtype), last).astype(s0.dtype)
         c1 = tree_ops.tree_conv_state(x, c0, tree.parents, last)
         ssms[gi] = ssms[gi].at[tree.slots].set(s1)
         convs[gi] = convs[gi].at[tree.slots].set(c1)
