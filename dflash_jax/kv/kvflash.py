@@ -392,19 +392,24 @@ class Residency:
                 for s in in_step:
                     floor[s] = len(self._seqs[s].pages)
         demand = {sid: len(s.pages) for sid, s in self._seqs.items()}
-        quota = {sid: min(floor[sid], demand[sid]) for sid in demand}
+        lo_q = {sid: min(floor[sid], demand[sid]) for sid in demand}
+        at = lambda level: {sid: min(demand[sid], max(lo_q[sid], level)) for sid in demand}
+        lo, hi = 0, max(demand.values(), default=0)
+        while lo < hi:  # the highest water level whose allocation fits the pool
+            mid = (lo + hi + 1) // 2
+            if sum(at(mid).values()) <= self.pool_pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        quota = at(lo)
         left = self.pool_pages - sum(quota.values())
-        hungry = sorted((sid for sid in demand if demand[sid] > quota[sid]), key=lambda x: self._seqs[x].order)
-        while left > 0 and hungry:
-            share = max(1, left // len(hungry))
-            for sid in list(hungry):
-                if left <= 0:
-                    break
-                give = min(share, demand[sid] - quota[sid], left)
-                quota[sid] += give
-                left -= give
-                if quota[sid] >= demand[sid]:
-                    hungry.remove(sid)
+        nxt = at(lo + 1)
+        for sid in sorted(demand, key=lambda x: self._seqs[x].order):  # the remainder, one page each, oldest first
+            if left <= 0:
+                break
+            if nxt[sid] > quota[sid]:
+                quota[sid] += 1
+                left -= 1
         return quota, exact
 
     def _ranked(self, sid: int, s: _Seq) -> list[int]:
