@@ -234,7 +234,7 @@ class Engine:
         o = self.options
         free = None
         if o.kvflash == "auto":
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = next(iter(self.target.params["embed"].devices())).memory_stats() or {}
             if "bytes_limit" in stats:  # free memory after the weights, less the recurrent slots still to come
                 rec = jax.eval_shape(lambda: EngineState.zeros(self.cfg, n_pages=1, page_size=1,
                                                                n_slots=o.max_batch + 1, dtype=kv_dtype).rec)
@@ -247,12 +247,12 @@ class Engine:
         o = self.options
         ps = o.page_size
         pool = self.kvflash_pool_tokens // ps
-        step_need = max(-(-o.prefill_chunk // ps) + 1, -(-(self.spec_span + 1) // ps) + 1)
+        step_need = max(-(-(o.prefill_chunk - 1) // ps) + 1, -(-(self.spec_span - 1) // ps) + 1)
         if pool < step_need:
             raise ValueError(f"kvflash pool of {self.kvflash_pool_tokens} tokens ({pool} pages) cannot hold one step's "
                              f"writes ({step_need} pages of {ps} tokens: prefill_chunk {o.prefill_chunk}); "
                              f"use a pool of at least {step_need * ps} tokens or a smaller prefill_chunk")
-        floor = -(-(max(self.spec_span, 1) + 1) // ps) + 1
+        floor = -(-(max(self.spec_span, 1) - 1) // ps) + 1  # pages a decode / speculative write can touch
         kopts = KVFlashOptions(pool_tokens=self.kvflash_pool_tokens, scoring=o.kvflash_scoring,
                                exact_steps=o.kvflash_exact_steps)
         return Residency(pool, host_pages, ps, kopts, floor_pages=min(floor, pool))
