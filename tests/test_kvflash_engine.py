@@ -190,3 +190,24 @@ def test_a_pool_full_of_pinned_pages_defers_steps_and_loses_nothing():
     assert_reclaimed(eng)
     with pytest.raises(ValueError, match="cannot hold one step's writes"):
         Engine(target(), None, dataclasses.replace(BASE, kvflash=16))
+
+
+def test_speculative_rounds_with_bounded_residency_equal_ar_greedy(unbounded):
+    from test_spec_step import setup
+
+    from dflash_jax.engine.spec_steps import SpecConfig
+
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    opts = dataclasses.replace(BASE, spec=SpecConfig(budget=6), cohort_yield_min=0.0, kvflash=POOL,
+                               kvflash_scoring="lru", kvflash_exact_steps=True)
+    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
+    assert eng.kvf.has_draft  # drafter context pages move with the target's
+    ps = prompts(100, 100, 60, seed=5)
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 16)]
+    got, tables = drive(eng, ps, sps)
+    assert [o.token_ids for o in got] == [o.token_ids for o in unbounded.generate(ps, sps)]
+    assert all(o.stats["spec_mode"] == "ddtree" and o.stats["draft_steps"] >= 1 for o in got)
+    assert all((t >= 1).all() for t in tables)
+    rep = eng.kvflash_report()
+    assert rep["pages_in"] > 0 and rep["pages_out"] > 0
+    assert_reclaimed(eng)

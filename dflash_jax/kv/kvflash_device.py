@@ -226,7 +226,7 @@ class KVFlashDevice:
         contents are restored); returns ``({"page_in_gbs", "page_out_gbs", "host_to_device_gbs", "ratio"}, state,
         dkv)`` (the state is donated through the page-ins). Blocks; for benchmarks, on an idle engine.
         """
-        n = min(n, BUCKETS[-1], state.kv.n_pages - 1)
+        n = min(n, BUCKETS[-1], state.kv.n_pages - 1, self.host_pages)
         ts = [Transfer(-1, i, 1 + i, i) for i in range(n)]
         saved = list(self.slabs[:n]) if self._host is not None else self.slabs[:n].copy()
         self.page_out(state, dkv, ts)
