@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import heapq
-import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -44,10 +42,6 @@ from dflash_jax.kv.pages import OutOfPages, RequestTooLarge
 
 NOT_RESIDENT = -1  # page-table entry of a logical page that is not resident (attention masks its keys)
 SCORINGS = ("keys", "lru")
-
-
-class KVFlashError(RuntimeError):
-    """A residency transfer failed; the message names the affected requests."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,15 +332,6 @@ class Residency:
                 self._pinned[k] -= 1
             else:
                 self._pinned.pop(k, None)
-
-    def fail_transfers(self, plan: Plan, failed: Sequence[Transfer]) -> set[int]:
-        """Transfers of ``plan`` that did not complete: their sequences' pages are no longer trustworthy.
-
-        Returns the sequence ids to fail (the caller releases them with a clear error). Idempotent per sid.
-        """
-        sids = {t.sid for t in failed}
-        self.counters["transfer_failures"] += len(failed)
-        return sids
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _get(self, sid: int) -> _Seq:

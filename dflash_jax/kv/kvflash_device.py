@@ -22,7 +22,6 @@ Bucket sizes are fixed (``BUCKETS``); ``warmup`` compiles every bucket ahead of 
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from typing import Sequence
@@ -212,12 +211,6 @@ class KVFlashDevice:
         if self._zero_slab is None:
             self._zero_slab = jax.device_put(np.zeros(self.slab_elems, self.dtype), self._host)
         return self._zero_slab
-
-    def release(self, slabs: Sequence[int]) -> None:
-        """Forget host slabs that no longer hold a live page (their memory goes back to the allocator)."""
-        if self._host is not None:
-            for s in slabs:
-                self.slabs[s] = None
 
     def bandwidth(self, state: EngineState, dkv: DraftKV | None, n: int = 64, iters: int = 5) -> dict[str, float]:
         """Page-in GB/s through ``page_in`` vs a plain pinned host->device ``device_put`` of the same bytes.
