@@ -53,7 +53,8 @@ class KVFlashOptions:
     sequence's latest full page's mean keys (a stand-in for its latest queries) with each page's mean keys, over
     the target's attention layers; ``"lru"`` ranks by last use. sink_pages / window_pages: always-kept head and
     recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
-    between avoid churn). max_page_in: optional page-ins per step (mandatory ones are not limited).
+    between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
+    resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
     exact_steps: give the rows of a step their whole history when all of it fits (exact attention for them,
     paging other sequences out); otherwise quotas apply.
     """
@@ -65,6 +66,7 @@ class KVFlashOptions:
     rescore_every: int = 16
     max_page_in: int = 64
     exact_steps: bool = False
+    hysteresis: float = 0.25  # resident pages' scores get this many standard deviations of bonus (less churn)
 
     def validate(self) -> None:
         if self.scoring not in SCORINGS:
@@ -436,13 +438,15 @@ class Residency:
             return lru
         self.counters["score_decisions"] += 1
         s.stats["score_decisions"] += 1
+        if self.opts.hysteresis and len(sc) > 1:
+            sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
+                [s.pages[lp].phys != NOT_RESIDENT for lp in rest])
         return [rest[i] for i in np.argsort(-sc, kind="stable")]
 
     def _rebalance(self, plan: Plan, in_step: set[int]) -> None:
         quota, exact = self._quotas(in_step)
-        desired: dict[int, list[int]] = {}
-        for sid, s in self._seqs.items():
-            desired[sid] = self._ranked(sid, s)[: quota[sid]]
+        ranked = {sid: self._ranked(sid, s) for sid, s in self._seqs.items()}
+        desired = {sid: ranked[sid][: quota[sid]] for sid in self._seqs}
         want = {sid: set(v) for sid, v in desired.items()}
         res_count = {sid: sum(1 for p in s.pages if p.phys != NOT_RESIDENT) for sid, s in self._seqs.items()}
         # victims: resident pages outside their sequence's desired set, from the largest excess first
@@ -450,7 +454,7 @@ class Residency:
         for sid, s in self._seqs.items():
             extra = [lp for lp, p in enumerate(s.pages) if p.phys != NOT_RESIDENT and lp not in want[sid]]
             if extra:
-                rank = {lp: i for i, lp in enumerate(self._ranked(sid, s))}
+                rank = {lp: i for i, lp in enumerate(ranked[sid])}
                 extra.sort(key=lambda lp: rank[lp])  # worst last
                 excess[sid] = extra
 
