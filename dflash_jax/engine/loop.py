@@ -246,7 +246,8 @@ class Engine:
     def _residency(self, host_pages: int) -> Residency:
         o = self.options
         ps = o.page_size
-        pool = self.kvflash_pool_tokens // ps
+        pool = min(self.kvflash_pool_tokens // ps, host_pages)  # more resident pages than history is waste
+        self.kvflash_pool_tokens = pool * ps
         step_need = max(-(-(o.prefill_chunk - 1) // ps) + 1, -(-(self.spec_span - 1) // ps) + 1)
         if pool < step_need:
             raise ValueError(f"kvflash pool of {self.kvflash_pool_tokens} tokens ({pool} pages) cannot hold one step's "
