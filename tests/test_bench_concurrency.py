@@ -100,3 +100,35 @@ def test_missing_proof_fails_the_whole_run(tmp_path, capsys, monkeypatch):
     assert "c1.ddtree: proof: repeat 0 request 0: stats lack ['draft_steps']" in out
     assert "| c1.ar | 1 | proved 1/1 |" in out and "| c1.ddtree | 1 | off | FAILED" in out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_")]
+
+
+def test_kvflash_case_proves_residency_per_request(tmp_path, capsys):
+    # a 48-token pool under 2 requests of 40-60 prompt tokens + 8: residency pressure
+    rc = main(_args(tmp_path, "--kvflash", "48", "--kvflash-compare", "--prompt-len-min", "40",
+                    "--prompt-len-max", "60", "--kvflash-scoring", "lru", "--concurrency", "2", "--repeats", "1"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
+    rec = json.loads(res.read_text())
+    figs, extra = rec["figures"], rec["extra"]
+    assert extra["kvflash"]["pool_tokens"] == 48
+    assert figs["c2.ar.kv_pages_out"] > 0 and figs["c2.ddtree.kv_pages_out"] > 0
+    assert figs["c2.ar.kv_page_in_gbs"] > 0 and figs["c2.ar.kv_page_in_ratio"] > 0
+    assert figs["c2.ar.kvflash_vs_unbounded"] > 0 and figs["c2.ar_unbounded.tok_s"] > 0
+    assert "48-token pool" in out and "| c2.ar_unbounded |" in out
+    for cs in extra["cases"]:
+        bounded = not cs["case"].endswith("ar_unbounded")
+        assert (cs["kvflash"] is not None) == bounded
+        for r in cs["repeats"][0]["requests"]:
+            assert (r["kv_pages_in"] is not None) == bounded
+
+
+def test_kvflash_proof_fails_closed():
+    from dflash_jax.bench.concurrency import KV_KEYS, prove_kvflash
+
+    st = {"kvflash": True, **{k: 0 for k in KV_KEYS}, "kv_logical_pages": 9}
+    assert prove_kvflash(st, pressured=False) is None
+    assert "none of its pages moved" in prove_kvflash(st, pressured=True)
+    assert prove_kvflash({**st, "kv_pages_out": 2}, pressured=True) is None
+    assert "telemetry" in prove_kvflash({**st, "kv_wait_s": None}, pressured=False)
+    assert "lack kvflash" in prove_kvflash({}, pressured=False)

@@ -19,7 +19,8 @@ def _resolve(*argv):
     (("--model", "/nonexistent"), "not a directory"),
     (("--model", MODEL, "--ddtree"), "--ddtree needs --drafter"),
     (("--model", MODEL, "--drafter", MODEL), "--drafter is only used with --ddtree"),
-    (("--model", MODEL, "--kvflash", "auto"), "--kvflash auto"),
+    (("--model", MODEL, "--kvflash", "lots"), "expected off, auto or a resident pool size"),
+    (("--model", MODEL, "--kvflash", "-5"), "at least one token"),
     (("--model", MODEL, "--fast-rollback"), "--fast-rollback"),
     (("--model", MODEL, "--prefill-compression", "auto"), "needs --prefill-drafter"),
     (("--model", MODEL, "--prefill-drafter", MODEL), "only used with --prefill-compression"),
@@ -52,3 +53,11 @@ def test_presets_load_and_command_line_overrides_them(tmp_path):
     bad.write_text("no-such-flag: 1\n")
     with pytest.raises(StartupError, match="unknown flag 'no-such-flag'"):
         _resolve("--model", MODEL, "--config", str(bad))
+
+
+def test_kvflash_flags_are_accepted():
+    ns = _resolve("--model", MODEL, "--kvflash", "8192", "--kvflash-scoring", "lru")
+    assert ns.kvflash == 8192 and ns.kvflash_scoring == "lru"
+    assert _resolve("--model", MODEL, "--kvflash", "auto").kvflash == "auto"
+    ns = _resolve("--model", MODEL)
+    assert ns.kvflash is None and ns.kvflash_scoring == "keys"

@@ -20,8 +20,16 @@ Method (the engine API, not the HTTP server):
   ``spec_mode`` in {ddtree, yielded}, ``draft_steps >= 1``, ``accepted_tokens`` and ``mean_accept_len`` reported;
   ar: ``spec_mode == "ar"`` and ``draft_steps == 0``) and exact token accounting (each request
   ``--output-len`` tokens, finish ``length``; case total = the sum = C * output-len). Requested features this
-  engine does not have (``--pflash``, ``--kvflash``) are reported "not run: feature not available". Any of
-  these makes the exit status non-zero and no result file is written.
+  engine does not have (``--pflash``) are reported "not run: feature not available". Any of these makes the exit
+  status non-zero and no result file is written.
+* KVFlash (``--kvflash N``): every ar/ddtree case runs with a resident pool of N tokens (``--kvflash-scoring``).
+  Per request, the proof is its residency telemetry (``kvflash`` set, pages in/out, wait, decisions) and, when the
+  request was under pressure (the batch's histories exceed the pool and its own history exceeds its fair share
+  N / C), pages actually moved for it (pages in + out + clean evictions > 0). Per case under pressure, pages out > 0
+  (pages in are reported: LRU never brings a page back unless the pool frees up; keys scoring does when an old
+  page outscores a resident one). ``--kvflash-compare`` adds an unbounded AR case per C (mode ``ar_unbounded``) for the
+  ``kvflash_vs_unbounded`` figure. Page-in bandwidth through the engine's page-in path and a plain pinned
+  host->device copy are measured once per case on the idle engine (``kv_page_in_gbs``, ``kv_page_in_ratio``).
 * Reproducibility: sha256 of each request's greedy token ids (decimal ids joined by ``,``, UTF-8), compared
   across repeats, across concurrencies (same prompt) and between ar and ddtree (lossless). Reported as the
   ``reproducible`` figure and a mismatch list; it fails the run only with ``--require-reproducible``.
@@ -52,8 +60,10 @@ NOT_AVAILABLE = "not run: feature not available"
 # features the benchmark can be asked for that the engine does not implement yet: flag -> reason
 UNAVAILABLE_FEATURES = {
     "pflash": "PFlash prompt compression is not implemented in the engine",
-    "kvflash": "KVFlash bounded KV residency is not implemented in the engine",
 }
+KV_KEYS = ("kv_pages_in", "kv_pages_out", "kv_bytes_in", "kv_bytes_out", "kv_wait_s", "kv_deferred_steps",
+           "kv_score_decisions", "kv_lru_decisions", "kv_score_fallbacks", "kv_clean_evictions",
+           "kv_resident_pages", "kv_logical_pages")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--prefill-batch", type=int, default=4)
     p.add_argument("--pflash", action="store_true", help="request PFlash (not available: fails closed)")
-    p.add_argument("--kvflash", action="store_true", help="request KVFlash (not available: fails closed)")
+    p.add_argument("--kvflash", type=int, default=None, metavar="N",
+                   help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests")
+    p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys")
+    p.add_argument("--kvflash-compare", action="store_true",
+                   help="with --kvflash: also run an unbounded AR case per concurrency (mode ar_unbounded)")
     p.add_argument("--require-reproducible", action="store_true",
                    help="fail unless every greedy hash agrees across repeats, concurrencies and modes")
 
@@ -90,6 +104,20 @@ def token_hash(ids) -> str:
     return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
 
 
+def prove_kvflash(stats: dict, pressured: bool) -> str | None:
+    """None if ``stats`` prove that bounded residency served this request (and moved its pages under pressure)."""
+    if stats.get("kvflash") is not True:
+        return "KVFlash not proved: stats lack kvflash telemetry"
+    missing = [k for k in KV_KEYS if not isinstance(stats.get(k), (int, float)) or stats[k] < 0]
+    if missing:
+        return f"KVFlash not proved: telemetry {missing} missing or negative"
+    moved = stats["kv_pages_in"] + stats["kv_pages_out"] + stats["kv_clean_evictions"]
+    if pressured and moved == 0:
+        return (f"KVFlash not proved: the request was under residency pressure ({stats['kv_logical_pages']} pages "
+                "of history) but none of its pages moved")
+    return None
+
+
 def prove(mode: str, stats: dict) -> str | None:
     """None if ``stats`` prove that ``mode`` ran for this request, else why not."""
     need = ("spec_mode", "draft_steps", "accepted_tokens", "mean_accept_len")
@@ -97,7 +125,7 @@ def prove(mode: str, stats: dict) -> str | None:
     if missing:
         return f"stats lack {missing}"
     sm, ds = stats["spec_mode"], stats["draft_steps"]
-    if mode == "ar":
+    if mode in ("ar", "ar_unbounded"):
         if sm != "ar" or ds != 0:
             return f"AR not proved: spec_mode={sm!r}, draft_steps={ds!r} (want 'ar', 0)"
         return None
@@ -187,15 +215,20 @@ def _median(vals):
 def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, args, max_len: int) -> dict:
     """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches."""
     spec = SpecConfig(budget=args.budget) if mode == "ddtree" else None
+    kvflash = args.kvflash if mode != "ar_unbounded" else None
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
-                         cohort_yield_min=args.cohort_yield_min)
+                         cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
+                         kvflash_scoring=args.kvflash_scoring)
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
     t0 = time.perf_counter()
     eng.warmup()
     compile_s = time.perf_counter() - t0
-    warm = run_batch(eng, warm_prompts, WARMUP_TOKENS, args.seed)
     case = {"mode": mode, "c": c, "compile_s": compile_s, "batches": [], "accounting": [], "proof": []}
+    if eng.kvf is not None:
+        bw, eng.state, eng.dkv = eng.kvf.bandwidth(eng.state, eng.dkv)
+        case["kv_bandwidth"] = bw
+    warm = run_batch(eng, warm_prompts, WARMUP_TOKENS, args.seed)
     case["accounting"] += [f"warm-up: {m}" for m in account(warm["requests"], c, WARMUP_TOKENS)]
     compiles0, lazy0 = compile_count(), eng.counters["lazy_compiles"]
     for rep in range(args.repeats):
@@ -205,6 +238,20 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
             why = prove(mode, r["stats"])
             if why:
                 case["proof"].append(f"repeat {rep} request {r['index']}: {why}")
+        if eng.kvf is not None:
+            hist = [r["prompt_len"] + r["n_tokens"] for r in b["requests"]]
+            pressured = sum(hist) > eng.kvflash_pool_tokens
+            b["kvflash_pressure"] = pressured
+            for r, h in zip(b["requests"], hist):
+                why = prove_kvflash(r["stats"], pressured and h > eng.kvflash_pool_tokens // c)
+                if why:
+                    case["proof"].append(f"repeat {rep} request {r['index']}: {why}")
+            moved_in = sum(r["stats"].get("kv_pages_in", 0) for r in b["requests"])
+            moved_out = sum(r["stats"].get("kv_pages_out", 0) for r in b["requests"])
+            if pressured and moved_out == 0:
+                case["proof"].append(f"repeat {rep}: KVFlash not proved: histories of {sum(hist)} tokens exceed the "
+                                     f"{eng.kvflash_pool_tokens}-token pool but pages in/out = {moved_in}/{moved_out}")
+            b["kvflash"] = {"pages_in": moved_in, "pages_out": moved_out, "pressure": pressured}
         b["figures"] = batch_figures(b, mode)
         case["batches"].append(b)
     case["recompiles"] = compile_count() - compiles0 + eng.counters["lazy_compiles"] - lazy0
@@ -214,6 +261,17 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     ev = case["figures"]["cohort_yield_events"]
     case["figures"]["cohort_yield_events"] = int(ev) if ev is not None and float(ev).is_integer() else ev
     case["n_requests"] = c * args.repeats
+    if eng.kvf is not None:
+        rep_ = eng.kvflash_report()
+        case["kvflash"] = rep_
+        f = case["figures"]
+        f["kv_pages_in"] = _median([b["kvflash"]["pages_in"] for b in case["batches"]])
+        f["kv_pages_out"] = _median([b["kvflash"]["pages_out"] for b in case["batches"]])
+        f["kv_page_in_gbs"] = case["kv_bandwidth"]["page_in_gbs"]
+        f["kv_host_to_device_gbs"] = case["kv_bandwidth"]["host_to_device_gbs"]
+        f["kv_page_in_ratio"] = case["kv_bandwidth"]["ratio"]
+        f["kv_deferred_steps"] = rep_["deferred_steps"]
+        f["kv_score_fallbacks"] = rep_["score_fallbacks"]
     del eng
     gc.collect()
     return case
@@ -233,7 +291,8 @@ def reproducibility(cases: list[dict]) -> dict[str, list[dict]]:
     for (c, mode, rep, i), v in h.items():
         groups["repeats"].setdefault((f"c{c}.{mode}", i), {})[f"repeat {rep}"] = v
         groups["concurrency"].setdefault((f"{mode} repeat {rep}", i), {})[f"c{c}"] = v
-        groups["modes"].setdefault((f"c{c} repeat {rep}", i), {})[mode] = v
+        if mode != "ar_unbounded":  # bounded vs unbounded residency is not meant to be token-identical
+            groups["modes"].setdefault((f"c{c} repeat {rep}", i), {})[mode] = v
     for kind, g in groups.items():
         for (where, i), vals in sorted(g.items()):
             if len(set(vals.values())) > 1:
@@ -242,20 +301,30 @@ def reproducibility(cases: list[dict]) -> dict[str, list[dict]]:
 
 
 # ---- reports -----------------------------------------------------------------------------------------------------
-def feature_matrix(plan: list[tuple[int, str]], cases: dict, requested: list[str]) -> list[str]:
+def feature_matrix(plan: list[tuple[int, str]], cases: dict, requested: list[str],
+                   kvflash: int | None = None) -> list[str]:
     """Markdown: one row per case; a cell per feature (requested or not) and for token accounting."""
-    lines = ["| case | requests | ar | ddtree | " + " | ".join(UNAVAILABLE_FEATURES) + " | accounting |",
-             "|---|---|---|---|" + "---|" * len(UNAVAILABLE_FEATURES) + "---|"]
+    lines = ["| case | requests | ar | ddtree | kvflash | " + " | ".join(UNAVAILABLE_FEATURES) + " | accounting |",
+             "|---|---|---|---|---|" + "---|" * len(UNAVAILABLE_FEATURES) + "---|"]
     for c, mode in plan:
         cs = cases.get((c, mode))
+        ar_like = mode in ("ar", "ar_unbounded")
+        kv_on = kvflash is not None and mode != "ar_unbounded"
         if cs is None or "error" in cs:
             run_cell = "not run" if cs is None else "ERROR"
-            cells = [run_cell if mode == "ar" else "off", run_cell if mode == "ddtree" else "off"]
+            cells = [run_cell if ar_like else "off", run_cell if mode == "ddtree" else "off",
+                     run_cell if kv_on else "off"]
             acc, n = run_cell, "-"
         else:
             n = cs["n_requests"]
             ok = f"FAILED ({len(cs['proof'])} proofs missing)" if cs["proof"] else f"proved {n}/{n}"
-            cells = [ok, "off"] if mode == "ar" else ["off", ok]
+            cells = [ok, "off"] if ar_like else ["off", ok]
+            if kv_on:
+                kv = [b.get("kvflash", {}) for b in cs["batches"]]
+                moved = "/".join(f"{k.get('pages_in', 0)}:{k.get('pages_out', 0)}" for k in kv)
+                cells.append(f"{ok}, {kvflash}-token pool, pages in:out per repeat {moved}")
+            else:
+                cells.append("off")
             acc = f"FAILED ({len(cs['accounting'])})" if cs["accounting"] else "passed"
         feats = [NOT_AVAILABLE if f in requested else "not requested" for f in UNAVAILABLE_FEATURES]
         lines.append(f"| c{c}.{mode} | {n} | " + " | ".join(cells + feats) + f" | {acc} |")
@@ -333,12 +402,17 @@ def _check_args(args) -> str | None:
         return "need 1 <= --prompt-len-min <= --prompt-len-max"
     if args.repeats < 1 or min(args.concurrency) < 1:
         return "--repeats and every --concurrency must be >= 1"
+    if args.kvflash is not None and args.kvflash < args.page_size:
+        return f"--kvflash {args.kvflash}: the resident pool must hold at least one page ({args.page_size} tokens)"
+    if args.kvflash_compare and args.kvflash is None:
+        return "--kvflash-compare needs --kvflash N"
     return None
 
 
 def run(args: argparse.Namespace, command: str) -> int:
     conc = sorted(dict.fromkeys(args.concurrency))
-    plan = [(c, m) for c in conc for m in MODES]
+    modes = MODES + (("ar_unbounded",) if args.kvflash is not None and args.kvflash_compare else ())
+    plan = [(c, m) for c in conc for m in modes]
     bad = _check_args(args)
     if bad:
         print(f"FAIL: {bad}")
@@ -394,6 +468,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     for c in conc:
         a, d = figures.get(f"c{c}.ar.tok_s"), figures.get(f"c{c}.ddtree.tok_s")
         figures[f"c{c}.ddtree.speedup_vs_ar"] = d / a if a and d is not None else None
+        u = figures.get(f"c{c}.ar_unbounded.tok_s")
+        if u:
+            figures[f"c{c}.ar.kvflash_vs_unbounded"] = a / u if a is not None else None
     case_list = [cases[k] for k in plan]
     repro = reproducibility(case_list)
     n_mis = {k: len(v) for k, v in repro.items()}
@@ -403,7 +480,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     figures["recompiles_after_warmup"] = sum(cs.get("recompiles", 0) for cs in case_list)
 
     print("\nfeature matrix:")
-    print("\n".join(feature_matrix(plan, cases, [])))
+    print("\n".join(feature_matrix(plan, cases, [], args.kvflash)))
     print()
     print("\n".join(summary_table(conc, figures)))
     print()
@@ -444,9 +521,12 @@ def run(args: argparse.Namespace, command: str) -> int:
             "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "prompt_distribution": dist, "prompt_lens": [len(p) for p in prompts],
             "hash": "sha256 of the decimal token ids joined by ',' (UTF-8)",
-            "feature_matrix": feature_matrix(plan, cases, []),
+            "feature_matrix": feature_matrix(plan, cases, [], args.kvflash),
+            "kvflash": {"pool_tokens": args.kvflash, "scoring": args.kvflash_scoring,
+                        "compare_unbounded": args.kvflash_compare} if args.kvflash is not None else None,
             "accounting": "passed", "reproducibility": repro,
             "cases": [{"case": f"c{cs['c']}.{cs['mode']}", "compile_s": cs["compile_s"],
+                       "kvflash": cs.get("kvflash"), "kv_bandwidth": cs.get("kv_bandwidth"),
                        "recompiles": cs["recompiles"], "cohort_yield_events": [b["cohort_yield_events"]
                                                                                for b in cs["batches"]],
                        "repeats": [{"figures": b["figures"], "window_s": b["window_s"],
@@ -455,7 +535,8 @@ def run(args: argparse.Namespace, command: str) -> int:
                                                   **{k: r["stats"].get(k) for k in (
                                                       "ttft_s", "tpot_s", "spec_mode", "draft_steps",
                                                       "draft_nodes", "accepted_tokens", "mean_accept_len",
-                                                      "cohort_yield_mean", "prefill_chunks", "decode_steps")}}
+                                                      "cohort_yield_mean", "prefill_chunks", "decode_steps",
+                                                      *KV_KEYS)}}
                                                  for r in b["requests"]]} for b in cs["batches"]]}
                       for cs in case_list],
         }

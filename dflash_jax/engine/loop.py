@@ -27,12 +27,13 @@ from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step_fn
+from dflash_jax.kv.kvflash import KVFlashOptions, Plan, Residency, resolve_pool_tokens
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, StepInput
 from dflash_jax.target import Target, load_target
 
-FinishReason = str  # "stop" | "length" | "abort"
+FinishReason = str  # "stop" | "length" | "abort" | "error" (the engine failed this request alone; stats["error"])
 
 
 class RequestError(ValueError):
@@ -88,6 +89,8 @@ class RequestStats:
     probe_base: int = 0  # spec_steps when the request (re)entered DDTree: its next round is a probe
     yielded_at: int = 0  # tokens generated when it last yielded
     reprobe_after: int = 0  # AR tokens before the next re-probe (doubles after each failed probe)
+    kv: dict | None = None  # KVFlash residency telemetry (None when residency is unbounded)
+    error: str | None = None
 
     def as_dict(self, n_out: int) -> dict:
         ttft = None if self.first_token is None else self.first_token - self.arrival
@@ -100,7 +103,9 @@ class RequestStats:
                 "accepted_tokens": self.accepted_tokens,
                 "mean_accept_len": self.emitted_spec / self.spec_steps if self.spec_steps else None,
                 "cohort_yield_mean": self.cohort_yield_mean,
-                "rollback_mode": self.rollback_mode if self.spec_steps else None, "reprobes": self.reprobes}
+                "rollback_mode": self.rollback_mode if self.spec_steps else None, "reprobes": self.reprobes,
+                **({"kvflash": True, **self.kv} if self.kv is not None else {}),
+                **({"error": self.error} if self.error else {})}
 
 
 @dataclasses.dataclass
@@ -132,6 +137,7 @@ class _Request:
     text: str | None = None  # set when a stop string ended the request: the text before it
     finish: FinishReason | None = None
     emitted: int = 0  # tokens handed to the caller so far
+    kv_wait: float = 0.0  # seconds of KVFlash residency work (planning + transfer dispatch) in its steps
 
     @property
     def n_cached(self) -> int:
@@ -153,6 +159,12 @@ class EngineOptions:
     # adaptive cohort-yield: a yielded request probes DDTree again after this many AR tokens (0 = never); a probe
     # round under cohort_yield_min yields again with the wait doubled
     cohort_reprobe_tokens: int = 0
+    # KVFlash bounded residency: None/"off" = every page resident; "auto" = a pool sized from free device memory;
+    # an int = a resident pool of that many tokens shared by all running sequences (their histories live on host)
+    kvflash: int | str | None = None
+    kvflash_scoring: str = "keys"  # "keys" | "lru" (see kv/kvflash.py)
+    kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
+    kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -192,12 +204,26 @@ class Engine:
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
         self.width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # page-table width
         n_pages = o.n_pages or o.max_batch * self.width + 1
-        self.pages = PageAllocator(n_pages, o.page_size)
         dtype = self.target.params["layers"][0]["mlp"]["gate"].dtype
         kv_dtype = jnp.dtype(o.kv_dtype) if o.kv_dtype else dtype
+        self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
+        if self.kvflash_pool_tokens is None:
+            self.pages: PageAllocator | Residency = PageAllocator(n_pages, o.page_size)
+        else:
+            self.pages = self._residency(n_pages - 1)
+            n_pages = self.pages.n_pages
         self.state = EngineState.zeros(self.cfg, n_pages=n_pages, page_size=o.page_size, n_slots=o.max_batch + 1,
                                        dtype=kv_dtype)
         self.dkv = DraftKV.zeros(self.dcfg, n_pages, o.page_size, kv_dtype) if self.dcfg is not None else None
+        self.kvf = None
+        if self.kvflash_pool_tokens is not None:
+            from dflash_jax.kv.kvflash_device import KVFlashDevice
+
+            self.kvf = KVFlashDevice(self.state, self.dkv, self.pages.host_pages, host_kind=o.kvflash_host_kind)
+        self._plan: Plan | None = None
+        self._failed: list[_Request] = []
+        self._dispatched_version: dict[int, int] = {}
+        self.kvflash_steps: collections.deque[dict] = collections.deque(maxlen=256)  # per-step telemetry
         self.free_slots = list(range(1, o.max_batch + 1))
         self.decode_buckets = _buckets(o.max_batch)
         self.prefill_buckets = _buckets(min(o.prefill_batch, o.max_batch))
@@ -210,6 +236,142 @@ class Engine:
         self._ids = itertools.count()
         self.warmup_report: dict[str, float] = {}
         self.counters = collections.Counter()
+
+    # ---- KVFlash --------------------------------------------------------------------------------------------
+    def _kv_bytes_per_token(self, kv_dtype) -> int:
+        per = 2 * len(self.cfg.attn_layers) * self.cfg.num_kv_heads * self.cfg.head_dim
+        if self.dcfg is not None:
+            per += 2 * self.dcfg.num_layers * self.dcfg.num_kv_heads * self.dcfg.head_dim
+        return per * jnp.dtype(kv_dtype).itemsize
+
+    def _kvflash_pool(self, kv_dtype) -> int | None:
+        o = self.options
+        free = None
+        if o.kvflash == "auto":
+            stats = next(iter(self.target.params["embed"].devices())).memory_stats() or {}
+            if "bytes_limit" in stats:  # free memory after the weights, less the recurrent slots still to come
+                rec = jax.eval_shape(lambda: EngineState.zeros(self.cfg, n_pages=1, page_size=1,
+                                                               n_slots=o.max_batch + 1, dtype=kv_dtype).rec)
+                rec_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(rec))
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - rec_bytes
+        return resolve_pool_tokens(o.kvflash, free_bytes=free, bytes_per_token=self._kv_bytes_per_token(kv_dtype),
+                                   page_size=o.page_size)
+
+    def _residency(self, host_pages: int) -> Residency:
+        o = self.options
+        ps = o.page_size
+        pool = min(self.kvflash_pool_tokens // ps, host_pages)  # more resident pages than history is waste
+        self.kvflash_pool_tokens = pool * ps
+        step_need = max(-(-(o.prefill_chunk - 1) // ps) + 1, -(-(self.spec_span - 1) // ps) + 1)
+        if pool < step_need:
+            raise ValueError(f"kvflash pool of {self.kvflash_pool_tokens} tokens ({pool} pages) cannot hold one step's "
+                             f"writes ({step_need} pages of {ps} tokens: prefill_chunk {o.prefill_chunk}); "
+                             f"use a pool of at least {step_need * ps} tokens or a smaller prefill_chunk")
+        floor = -(-(max(self.spec_span, 1) - 1) // ps) + 1  # pages a decode / speculative write can touch
+        kopts = KVFlashOptions(pool_tokens=self.kvflash_pool_tokens, scoring=o.kvflash_scoring,
+                               exact_steps=o.kvflash_exact_steps)
+        return Residency(pool, host_pages, ps, kopts, floor_pages=min(floor, pool))
+
+    def _reside(self, rows: list["_Request"], ranges: list[tuple[int, int]]) -> list["_Request"]:
+        """Make the pages ``rows`` write resident (and what else the policy wants); returns the rows that run.
+
+        Without KVFlash this just grows each row's pages. With it: summaries for scoring, the residency plan,
+        page-outs then page-ins (asynchronous), deferral of rows whose pages do not fit now (they run in a later
+        step). Requests whose pages a failed transfer lost fail alone with a clear error.
+        """
+        if self.kvf is None:
+            for r, (_, hi) in zip(rows, ranges):
+                self.pages.grow(r.rid, hi)
+            return rows
+        t0 = time.perf_counter()
+        res: Residency = self.pages
+        need = res.summaries_needed()
+        if need:
+            try:
+                sums = self.kvf.summaries(self.state, [p for _, _, p in need])
+                res.set_summaries([(sid, lp) for sid, lp, _ in need], sums)
+            except Exception:  # noqa: BLE001 - without summaries the ranking falls back to LRU (counted)
+                self.counters["kvflash_summary_failures"] += 1
+        before = collections.Counter(res.counters)
+        plan = res.prepare([(r.rid, lo, hi) for r, (lo, hi) in zip(rows, ranges)])
+        self._plan = plan
+        lost = self._transfer(plan)
+        dt = time.perf_counter() - t0
+        by_id = dict(self.running)
+        for sid in sorted(lost):
+            r = by_id.get(sid)
+            if r is not None:
+                self._fail(r, "KVFlash could not move this request's KV pages between device and host; the "
+                              "request was stopped and its pages reclaimed (other requests are unaffected)")
+        run = [r for r in rows if r.rid not in plan.deferred and r.rid not in lost]
+        for r in rows:
+            r.kv_wait += dt
+        bpp = self.kvf.slab_bytes
+        c = self.counters
+        n_in, n_out = len(plan.page_in), len(plan.page_out)
+        c["kvflash_pages_in"] += n_in
+        c["kvflash_pages_out"] += n_out
+        c["kvflash_bytes_in"] += n_in * bpp
+        c["kvflash_bytes_out"] += n_out * bpp
+        c["kvflash_wait_s"] += dt
+        c["kvflash_deferred_steps"] += len(plan.deferred)
+        for k in ("score_decisions", "lru_decisions", "score_fallbacks", "clean_evictions"):
+            c[f"kvflash_{k}"] += res.counters[k] - before[k]
+        for r in run:  # block tables are built from the residency map at dispatch: count the ones that changed
+            v = res.version(r.rid)
+            if self._dispatched_version.get(r.rid) not in (None, v):
+                c["kvflash_table_refreshes"] += 1
+            self._dispatched_version[r.rid] = v
+        self.kvflash_steps.append({"step": plan.step_id, "rows": len(rows), "deferred": len(plan.deferred),
+                                   "pages_in": n_in, "pages_out": n_out, "bytes_in": n_in * bpp,
+                                   "bytes_out": n_out * bpp, "wait_s": dt, "resident_pages": res.resident_used,
+                                   "occupancy": res.resident_used / res.pool_pages,
+                                   "sequences_changed": len(plan.changed)})
+        return run
+
+    def _transfer(self, plan: Plan) -> set[int]:
+        """Run a plan's copies (page-outs first); returns the sequences whose pages a failed copy lost."""
+        lost: set[int] = set()
+        try:
+            self.kvf.page_out(self.state, self.dkv, plan.page_out)
+        except Exception:  # noqa: BLE001 - those pages are gone: their requests fail alone
+            self.counters["kvflash_transfer_failures"] += 1
+            lost |= {t.sid for t in plan.page_out}
+        ins = [t for t in plan.page_in if t.sid not in lost]
+        try:
+            self.state, self.dkv = self.kvf.page_in(self.state, self.dkv, ins)
+        except Exception:  # noqa: BLE001
+            self.counters["kvflash_transfer_failures"] += 1
+            lost |= {t.sid for t in ins}
+        return lost
+
+    def _kv_done(self) -> None:
+        """The in-flight step's outputs are ready: release its pins."""
+        if self._plan is not None:
+            self.pages.finish_step(self._plan.step_id)
+            self._plan = None
+
+    def _fail(self, r: "_Request", msg: str) -> None:
+        r.finish = "error"
+        r.stats.error = msg
+        self.counters["requests_failed"] += 1
+        self._free(r)
+        self._failed.append(r)
+
+    def kvflash_report(self) -> dict | None:
+        """Engine-level KVFlash state and counters (None when residency is unbounded)."""
+        if self.kvf is None:
+            return None
+        res: Residency = self.pages
+        c = self.counters
+        return {"pool_tokens": self.kvflash_pool_tokens, "pool_pages": res.pool_pages, "host_pages": res.host_pages,
+                "host_memory_kind": self.kvf.host_kind, "host_bytes": self.kvf.host_bytes,
+                "page_bytes": self.kvf.slab_bytes, "scoring": res.opts.scoring,
+                "resident_pages": res.resident_used, "occupancy": res.resident_used / res.pool_pages,
+                **{k: c[f"kvflash_{k}"] for k in (
+                    "pages_in", "pages_out", "bytes_in", "bytes_out", "wait_s", "deferred_steps",
+                    "score_decisions", "lru_decisions", "score_fallbacks", "clean_evictions", "table_refreshes",
+                    "transfer_failures", "summary_failures")}}
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -265,6 +427,10 @@ class Engine:
             exe = lowered[key].compile()
             return key, exe, time.perf_counter() - t0
 
+        if self.kvf is not None and "kvflash" not in self.warmup_report:
+            t0 = time.perf_counter()
+            self.kvf.warmup(self.state, self.dkv)
+            self.warmup_report["kvflash"] = time.perf_counter() - t0
         n = workers or min(len(todo), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
             for key, exe, dt in pool.map(build, todo):
@@ -305,9 +471,9 @@ class Engine:
         if total > self.options.max_model_len:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
                                f"max_model_len {self.options.max_model_len}")
-        if self.pages.pages_needed(total) > self.pages.n_pages - 1:
+        if self.pages.pages_needed(total) * self.pages.page_size > self.pages.capacity_tokens:
             raise RequestTooLarge(f"request needs {total} tokens of KV but the whole pool holds "
-                                  f"{(self.pages.n_pages - 1) * self.pages.page_size}")
+                                  f"{self.pages.capacity_tokens}")
         rid = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else rid
         stats = RequestStats(time.perf_counter())
@@ -365,9 +531,12 @@ class Engine:
             for r in self._decode(ar):
                 changed[r.rid] = r
         now = time.perf_counter()
+        for r in self._failed:
+            changed.setdefault(r.rid, r)
+        self._failed = []
         for r in changed.values():
             if r.finish is not None:
-                r.stats.finished = now
+                r.stats.finished = r.stats.finished or now
         outs = [self._output(r) for r in changed.values()]
         for r in changed.values():
             if r.finish is not None:
@@ -390,6 +559,9 @@ class Engine:
     def _free(self, r: _Request) -> None:
         if r.rid in self.running:
             del self.running[r.rid]
+            if self.kvf is not None:
+                self._kv_snapshot(r)
+                self._dispatched_version.pop(r.rid, None)
             self.pages.release(r.rid)
             self.free_slots.append(r.slot)
             self.free_slots.sort()
@@ -422,7 +594,9 @@ class Engine:
             fn = self._exec[(kind, b)] = self._lower(kind, b).compile()
         self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, inp, samp)
         self.counters[f"{kind}_steps"] += 1
-        return jax.device_get(out)
+        out = jax.device_get(out)
+        self._kv_done()
+        return out
 
     def _row_sampling(self, rows: list[_Request], b: int) -> SamplingArrays:
         return SamplingArrays.from_rows(
@@ -431,9 +605,10 @@ class Engine:
 
     def _spec(self, rows: list[_Request]) -> list[_Request]:
         """One speculative round for every row; apply each row's burst in order; cohort-yield after round one."""
+        rows = self._reside(rows, [(r.n_cached, r.n_cached + self.spec_span) for r in rows])
+        if not rows:
+            return []
         b = self._bucket(self.decode_buckets, len(rows))
-        for r in rows:
-            self.pages.grow(r.rid, r.n_cached + self.spec_span)
         pad = b - len(rows)
         inp = SpecInput(root=np.array([r.tokens[-1] for r in rows] + [0] * pad, np.int32),
                         start=np.array([r.n_cached for r in rows] + [0] * pad, np.int32),
@@ -473,6 +648,9 @@ class Engine:
 
     def _prefill(self, rows: list[_Request]) -> list[_Request]:
         c = self.options.prefill_chunk
+        rows = self._reside(rows, [(r.cursor, min(len(r.prompt), r.cursor + c)) for r in rows])
+        if not rows:
+            return []
         toks = np.zeros((len(rows), c), np.int32)
         nv = np.zeros(len(rows), np.int32)
         start = np.array([r.cursor for r in rows], np.int32)
@@ -480,7 +658,6 @@ class Engine:
             part = r.prompt[r.cursor: r.cursor + c]
             toks[i, : len(part)] = part
             nv[i] = len(part)
-            self.pages.grow(r.rid, r.cursor + len(part))
         out = self._run("prefill", rows, toks, nv, start)
         done = []
         for i, r in enumerate(rows):
@@ -493,10 +670,11 @@ class Engine:
         return done
 
     def _decode(self, rows: list[_Request]) -> list[_Request]:
+        rows = self._reside(rows, [(r.n_cached, r.n_cached + 1) for r in rows])
+        if not rows:
+            return []
         toks = np.array([[r.tokens[-1]] for r in rows], np.int32)
         start = np.array([r.n_cached for r in rows], np.int32)
-        for r in rows:
-            self.pages.grow(r.rid, r.n_cached + 1)
         out = self._run("decode", rows, toks, np.ones(len(rows), np.int32), start)
         for i, r in enumerate(rows):
             r.stats.decode_steps += 1
@@ -528,7 +706,25 @@ class Engine:
         if len(r.tokens) >= r.sp.max_tokens:
             r.finish = "length"
 
+    def _kv_snapshot(self, r: _Request) -> None:
+        """Copy the request's residency telemetry into its stats (kept after its pages are released)."""
+        if r.rid not in self.pages:
+            return
+        st = self.pages.stats_of(r.rid)
+        bpp = self.kvf.slab_bytes
+        r.stats.kv = {"kv_pages_in": st.get("pages_in", 0), "kv_pages_out": st.get("pages_out", 0),
+                      "kv_bytes_in": st.get("pages_in", 0) * bpp, "kv_bytes_out": st.get("pages_out", 0) * bpp,
+                      "kv_clean_evictions": st.get("clean_evictions", 0), "kv_wait_s": r.kv_wait,
+                      "kv_deferred_steps": st.get("deferred_steps", 0),
+                      "kv_score_decisions": st.get("score_decisions", 0),
+                      "kv_lru_decisions": st.get("lru_decisions", 0),
+                      "kv_score_fallbacks": st.get("score_fallbacks", 0),
+                      "kv_resident_pages": len(self.pages.resident_of(r.rid)),
+                      "kv_logical_pages": self.pages.n_logical(r.rid)}
+
     def _output(self, r: _Request) -> RequestOutput:
+        if self.kvf is not None:
+            self._kv_snapshot(r)
         text = None
         if self.tokenizer is not None:
             text = r.text if r.text is not None else self.tokenizer.decode(r.tokens)

@@ -3,6 +3,8 @@
 The functions here are the pure-``jnp`` reference; faster kernels plug in behind the same signatures.
 K/V live in pages (``KVPages``): ``k_pages, v_pages: [n_pages, page_size, n_kv_heads, head_dim]``.
 A sequence's page table ``[W]`` lists its physical pages in logical order, 0-padded (page 0 is null).
+An entry < 0 marks a logical page that is not resident (KVFlash): its keys are masked, never read out of
+bounds; writes only ever target resident pages (the host guarantees it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
     """
     ps = k_pages.shape[1]
     slot_page = jnp.take_along_axis(page_table, jnp.clip(positions // ps, 0, page_table.shape[1] - 1), axis=1)
-    page = jnp.where(valid, slot_page, 0)
+    page = jnp.where(valid & (slot_page >= 0), slot_page, 0)
     off = jnp.where(valid, positions % ps, 0)
     k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype))
     v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype))
@@ -30,10 +32,15 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D]."""
-    g = pages[page_table]  # [B, W, ps, Hkv, D]
+    """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D] (non-resident pages read page 0)."""
+    g = pages[jnp.maximum(page_table, 0)]  # [B, W, ps, Hkv, D]
     b, w, ps = g.shape[:3]
     return g.reshape((b, w * ps) + g.shape[3:])
+
+
+def resident_keys(page_table: jax.Array, page_size: int) -> jax.Array:
+    """[B, W] -> [B, W*ps] bool: key j lies in a resident page (table entry >= 0)."""
+    return jnp.repeat(page_table >= 0, page_size, axis=1)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
@@ -51,7 +58,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     acc = jnp.promote_types(q.dtype, jnp.float32)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc) * scale
     kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
-    mask = kv_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    mask = (kv_pos[None, None, :] <= q_positions[:, :, None]) & resident_keys(page_table, k_pages.shape[1])[:, None]
     s = jnp.where(mask[:, None, None], s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=acc)
@@ -74,7 +81,8 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     qg = q.reshape(b, n, hkv, h // hkv, d)
     s_pre = jnp.einsum("btkgd,bskd->bkgts", qg, kp, preferred_element_type=acc) * scale
     s_tree = jnp.einsum("btkgd,bskd->bkgts", qg, k_tree.astype(q.dtype), preferred_element_type=acc) * scale
-    pre_mask = jnp.arange(kp.shape[1], dtype=jnp.int32)[None, :] < start[:, None]  # [B, S]
+    pre_mask = (jnp.arange(kp.shape[1], dtype=jnp.int32)[None, :] < start[:, None]) & resident_keys(
+        page_table, k_pages.shape[1])  # [B, S]
     s_pre = jnp.where(pre_mask[:, None, None, None, :], s_pre, _NEG)
     s_tree = jnp.where(ancestors[:, None, None], s_tree, _NEG)
     p = jax.nn.softmax(jnp.concatenate([s_pre, s_tree], axis=-1), axis=-1)

@@ -6,9 +6,10 @@
     python -m dflash_jax.serve --config configs/h200.yaml --model PATH
 
 Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation, ``--prefill-compression auto|always
---prefill-drafter PATH`` PFlash prompt compression. Features that
-this build cannot run yet (KVFlash bounded residency, fast rollback) are rejected
-at start-up with a message naming the flag, never silently ignored.
+--prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring keys|lru]`` bounded KV
+residency (a resident pool of N tokens shared by all running sequences, histories backed by pinned host memory).
+Features that this build cannot run yet (fast rollback) are rejected at start-up with a message naming the flag,
+never silently ignored.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-drafter", default=None, help="PFlash scorer: a dense Qwen3 checkpoint directory")
     ap.add_argument("--prefill-keep-ratio", type=float, default=None, help="fraction of a long prompt kept (0.05)")
     ap.add_argument("--prefill-min-tokens", type=int, default=None, help="shorter prompts are never compressed")
-    ap.add_argument("--kvflash", default=None, help="off | auto | N tokens")
+    ap.add_argument("--kvflash", default=None,
+                    help="off | auto | N: resident KV pool of N tokens shared by all sequences (auto: from free "
+                         "device memory); the rest of each history lives in pinned host memory")
+    ap.add_argument("--kvflash-scoring", choices=("keys", "lru"), default=None,
+                    help="what stays resident beyond the sink and recent pages: keys = query-aware score of each "
+                         "page's mean keys against the latest keys; lru = least recently used leaves first")
     ap.add_argument("--fast-rollback", action="store_true", default=None)
     ap.add_argument("--cohort-yield-min", type=float, default=None,
                     help="a cohort whose first DDTree round emits fewer tokens per request continues AR (0 = never)")
@@ -62,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
-            "prefill_compression": "off", "kvflash": "off", "cohort_yield_min": 6.0}
+            "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys", "cohort_yield_min": 6.0}
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -113,8 +119,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError("--prefill-drafter is only used with --prefill-compression auto|always")
     if ns.prefill_drafter and not os.path.isdir(ns.prefill_drafter):
         raise StartupError(f"--prefill-drafter {ns.prefill_drafter}: not a directory")
-    if str(ns.kvflash) not in ("off", "None"):
-        unavailable.append(f"--kvflash {ns.kvflash}")
+    ns.kvflash = _kvflash_flag(ns.kvflash)
     if unavailable:
         raise StartupError("not available in this build yet: " + ", ".join(unavailable)
                            + ". Remove these flags (or set them to off) to serve with plain AR decoding.")
@@ -129,6 +134,22 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.max_concurrency < 1:
         raise StartupError("--max-concurrency must be >= 1")
     return ns
+
+
+def _kvflash_flag(value) -> int | str | None:
+    """``--kvflash`` -> None (off), "auto", or a token count (int)."""
+    v = str(value).strip().lower()
+    if v in ("off", "none", "false", "0"):
+        return None
+    if v == "auto":
+        return "auto"
+    try:
+        n = int(v)
+    except ValueError:
+        raise StartupError(f"--kvflash {value}: expected off, auto or a resident pool size in tokens") from None
+    if n < 1:
+        raise StartupError(f"--kvflash {value}: the resident pool must hold at least one token")
+    return n
 
 
 def _platform(spec: str) -> str:
@@ -174,12 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         target = load_target(args.model, dtype=dtype)
         drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
         spec = SpecConfig(budget=int(args.ddtree_budget)) if args.ddtree else None
-        eng = Engine(target, Tokenizer.from_dir(args.model),
-                     EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
-                                   max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
-                                   prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
-                                   spec=spec, cohort_yield_min=float(args.cohort_yield_min)),
-                     drafter=drafter)
+        try:
+            eng = Engine(target, Tokenizer.from_dir(args.model),
+                         EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
+                                       max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
+                                       prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
+                                       spec=spec, cohort_yield_min=float(args.cohort_yield_min),
+                                       kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring),
+                         drafter=drafter)
+        except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
+            raise StartupError(str(e)) from e
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
         print(f"model {args.model} ({dtype}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
@@ -217,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             f"cohort_yield_min={args.cohort_yield_min})" if args.ddtree else "ar")
     pf = (f"{pflash[0].mode}(keep_ratio={pflash[0].keep_ratio}, min_tokens={pflash[0].min_tokens}, "
           f"scorer={args.prefill_drafter})" if pflash else "off")
-    print(f"features: spec_mode={mode}, prefill_compression={pf}, kvflash=off, "
+    kr = eng.kvflash_report()
+    kvf = (f"{kr['pool_tokens']}-token resident pool ({kr['pool_pages']} pages, scoring={kr['scoring']}, "
+           f"host={kr['host_memory_kind']} {kr['host_bytes'] / 2**30:.2f} GiB)" if kr else "off")
+    print(f"features: spec_mode={mode}, prefill_compression={pf}, kvflash={kvf}, "
           f"max_concurrency={args.max_concurrency}", flush=True)
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",

@@ -104,7 +104,9 @@ class EngineRunner:
             self.steps += 1
             self.last_step_s = time.perf_counter() - t0
             for o in outs:
-                self._publish(o.request_id, o)
+                # a request the engine failed alone (e.g. its KV pages were lost in a transfer) -> HTTP 500
+                self._publish(o.request_id, EngineFault(o.stats.get("error", "engine fault")) if o.finish_reason
+                              == "error" else o)
                 if o.finish_reason is not None:
                     self._subs.pop(o.request_id, None)
 

@@ -1,0 +1,584 @@
+"""KVFlash: bounded concurrent KV residency over a shared resident page pool, with host backing.
+
+Every admitted sequence keeps its full logical history of KV pages; only some of them are *resident* in the
+device pool of ``pool_pages`` physical pages (page 0 stays the null page). The others live in host slabs.
+Attention reads only a sequence's resident pages (a page-table entry < 0 is masked), so attention over a
+partially resident history is a bounded, query-aware approximation of full attention, and exact whenever the
+whole history is resident.
+
+Host side (``Residency``: pure Python + NumPy, no JAX) decides, between steps:
+
+* what a step needs: the pages its rows write must be resident and are *pinned* until the step's outputs are
+  ready (``prepare`` ... ``finish_step``); rows whose write pages cannot be made resident are deferred, never
+  failed;
+* how the pool is shared (fairness): max-min fair quotas by water-filling over all running sequences, each
+  sequence's floor being its pinned pages; eviction victims come from the sequence furthest above its quota
+  (largest excess first), so no sequence is starved and every sequence with demand gets at least its share;
+* what stays resident inside a sequence's quota: pinned pages, then the recent window (newest first) and the
+  sink pages, then the rest ranked by score (``scoring="keys"``) or recency (``"lru"``). Scoring failures fall
+  back to LRU for that decision and are counted;
+* the transfers: page-out (resident dirty page -> a host slab) and page-in (host slab -> a free physical page).
+
+Page states (every logical page is in exactly one; nothing is ever both dirty and duplicated, nothing is lost):
+
+* resident dirty:  ``phys >= 1``, no host copy (newer than any copy it had);
+* resident clean:  ``phys >= 1`` and a host slab with identical contents (evicting it moves no bytes);
+* host:            ``phys == -1``, a host slab holds it.
+
+The device side (``KVFlashDevice``) owns the host slabs and the jitted whole-page gather/scatter between the
+engine's donated ``KVPages`` (+ the drafter's ``DraftKV``, which shares the page tables) and host memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dflash_jax.kv.pages import OutOfPages, RequestTooLarge
+
+NOT_RESIDENT = -1  # page-table entry of a logical page that is not resident (attention masks its keys)
+SCORINGS = ("keys", "lru")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFlashOptions:
+    """Settings of bounded residency.
+
+    pool_tokens: size of the resident pool in tokens (``"auto"`` is resolved by the engine from free device
+    memory before this is built). scoring: ``"keys"`` ranks non-protected pages by the dot product of the
+    sequence's latest full page's mean keys (a stand-in for its latest queries) with each page's mean keys, over
+    the target's attention layers; ``"lru"`` ranks by last use. sink_pages / window_pages: always-kept head and
+    recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
+    between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
+    resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
+    exact_steps: give the rows of a step their whole history when all of it fits (exact attention for them,
+    paging other sequences out); otherwise quotas apply.
+    """
+
+    pool_tokens: int
+    scoring: str = "keys"
+    sink_pages: int = 1
+    window_pages: int = 4
+    rescore_every: int = 16
+    max_page_in: int = 64
+    exact_steps: bool = False
+    hysteresis: float = 0.25  # resident pages' scores get this many standard deviations of bonus (less churn)
+
+    def validate(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"kvflash scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.pool_tokens < 1 or self.sink_pages < 0 or self.window_pages < 1 or self.max_page_in < 0:
+            raise ValueError("kvflash needs pool_tokens >= 1, sink_pages >= 0, window_pages >= 1, max_page_in >= 0")
+
+
+@dataclasses.dataclass
+class _Page:
+    phys: int = NOT_RESIDENT
+    slab: int = -1
+    dirty: bool = True
+    last_use: int = 0
+    summary: np.ndarray | None = None  # [F] mean keys of the page once full (for scoring)
+
+
+@dataclasses.dataclass
+class _Seq:
+    order: int  # admission order (fair tie-breaks)
+    pages: list[_Page]
+    n_tokens: int
+    reserved: int  # host-capacity pages promised, not yet materialised
+    ranks: list[int] | None = None  # cached logical order best-first (non-protected pages), from the last rescoring
+    ranked_at: int = -(10 ** 9)
+    version: int = 0  # bumped on every residency change (block-table refresh)
+    stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One page copy: ``out`` = device page ``phys`` -> host ``slab``; ``in`` = host ``slab`` -> device ``phys``."""
+
+    sid: int
+    logical: int
+    phys: int
+    slab: int
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one ``prepare`` decided: transfers to run before the step (all page-outs first), rows deferred."""
+
+    step_id: int
+    page_out: list[Transfer]
+    page_in: list[Transfer]
+    deferred: list[int]
+    changed: set[int]  # sequences whose page table changed
+
+
+class Residency:
+    """The residency state machine of KVFlash (pure host-side bookkeeping).
+
+    ``pool_pages`` physical pages (numbered 1..pool_pages; 0 = null) are shared by all sequences; ``host_pages``
+    host slabs back the logical histories (admission reserves host capacity for a request's whole length, so a
+    page-out never lacks a slab). ``floor_pages``: pages per running sequence that admission keeps available
+    (a decode step's writes), so admitting never starves the running set of the pages its next step needs.
+    """
+
+    def __init__(self, pool_pages: int, host_pages: int, page_size: int, opts: KVFlashOptions,
+                 floor_pages: int = 1, scorer: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
+        opts.validate()
+        if pool_pages < 1 or host_pages < 1 or page_size < 1:
+            raise ValueError("kvflash needs pool_pages, host_pages, page_size >= 1")
+        self.pool_pages, self.host_pages, self.page_size, self.opts = pool_pages, host_pages, page_size, opts
+        self.floor_pages = floor_pages
+        self.scorer = scorer or dot_scores
+        self._free_phys = list(range(1, pool_pages + 1))
+        self._free_slabs = list(range(host_pages))
+        self._seqs: dict[int, _Seq] = {}
+        self._order = 0
+        self._reserved_total = 0
+        self._pins: dict[int, set[tuple[int, int]]] = {}  # step id -> (sid, logical) pinned by that step
+        self._pinned: collections.Counter = collections.Counter()  # (sid, logical) -> pins held
+        self._step = 0
+        self.counters: collections.Counter = collections.Counter()
+
+    # ---- sizes (PageAllocator-compatible where the engine needs it) -------------------------------------------
+    @property
+    def n_pages(self) -> int:
+        """Physical pages of the device pool including the null page (the device KV arrays' page count)."""
+        return self.pool_pages + 1
+
+    def pages_needed(self, n_tokens: int) -> int:
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+        return -(-n_tokens // self.page_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens of history the host backing can hold in all."""
+        return self.host_pages * self.page_size
+
+    @property
+    def host_free(self) -> int:
+        """Host-capacity pages neither materialised nor reserved (what admission can still promise)."""
+        used = sum(len(s.pages) for s in self._seqs.values())
+        return self.host_pages - used - self._reserved_total
+
+    @property
+    def resident_used(self) -> int:
+        return self.pool_pages - len(self._free_phys)
+
+    @property
+    def num_free(self) -> int:
+        """Free physical pages of the resident pool."""
+        return len(self._free_phys)
+
+    # ---- admission / lifetime ---------------------------------------------------------------------------------
+    def can_admit(self, n_tokens: int) -> bool:
+        """Host capacity for the whole request, and the pool keeps ``floor_pages`` per running sequence."""
+        return (self.pages_needed(n_tokens) <= self.host_free
+                and (len(self._seqs) + 1) * self.floor_pages <= self.pool_pages)
+
+    def admit(self, sid: int, reserve_tokens: int) -> None:
+        if sid in self._seqs:
+            raise ValueError(f"sequence {sid} is already admitted")
+        if reserve_tokens > self.capacity_tokens:
+            raise RequestTooLarge(f"request needs {reserve_tokens} tokens but the KVFlash host backing holds at most "
+                                  f"{self.capacity_tokens}")
+        need = self.pages_needed(reserve_tokens)
+        if not self.can_admit(reserve_tokens):
+            raise OutOfPages(f"admitting sequence {sid}: {need} host pages needed, {self.host_free} free, "
+                             f"{len(self._seqs)} sequences running in a pool of {self.pool_pages}")
+        self._seqs[sid] = _Seq(order=self._order, pages=[], n_tokens=0, reserved=need)
+        self._order += 1
+        self._reserved_total += need
+
+    def release(self, sid: int) -> None:
+        """Finish or abort: every page of ``sid`` (resident and host) and its reservation go back."""
+        s = self._get(sid)
+        for lp in range(len(s.pages)):
+            self._drop(sid, s, lp)
+        self._reserved_total -= s.reserved
+        del self._seqs[sid]
+        for pins in self._pins.values():
+            pins.difference_update({k for k in pins if k[0] == sid})
+        for k in [k for k in self._pinned if k[0] == sid]:
+            del self._pinned[k]
+
+    def truncate(self, sid: int, n_tokens: int) -> None:
+        """Shrink to ``n_tokens`` (speculative rollback); dropped pages return to the reservation."""
+        s = self._get(sid)
+        if not 0 <= n_tokens <= s.n_tokens:
+            raise ValueError(f"truncate of sequence {sid} to {n_tokens}: must be in [0, {s.n_tokens}]")
+        keep = self.pages_needed(n_tokens)
+        for lp in range(keep, len(s.pages)):
+            self._drop(sid, s, lp)
+            self._pinned.pop((sid, lp), None)
+        dropped = len(s.pages) - keep
+        del s.pages[keep:]
+        s.n_tokens = n_tokens
+        s.reserved += dropped
+        self._reserved_total += dropped
+        if dropped:
+            s.version += 1
+            s.ranks = None
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._seqs
+
+    def num_tokens(self, sid: int) -> int:
+        return self._get(sid).n_tokens
+
+    def stats_of(self, sid: int) -> dict:
+        return dict(self._get(sid).stats)
+
+    def version(self, sid: int) -> int:
+        return self._get(sid).version
+
+    def resident_of(self, sid: int) -> list[int]:
+        """Logical indices of the resident pages of ``sid``."""
+        return [i for i, p in enumerate(self._get(sid).pages) if p.phys != NOT_RESIDENT]
+
+    def n_logical(self, sid: int) -> int:
+        return len(self._get(sid).pages)
+
+    # ---- block tables -------------------------------------------------------------------------------------------
+    def page_table(self, sid: int, width: int) -> np.ndarray:
+        """int32 [width]: physical page per logical page, NOT_RESIDENT (-1) where on host, 0 past the end."""
+        pages = self._get(sid).pages
+        if len(pages) > width:
+            raise ValueError(f"sequence {sid} has {len(pages)} pages, more than page-table width {width}")
+        out = np.zeros((width,), np.int32)
+        out[: len(pages)] = [p.phys for p in pages]
+        return out
+
+    def page_tables(self, sids: Sequence[int | None], width: int) -> np.ndarray:
+        out = np.zeros((len(sids), width), np.int32)
+        for i, sid in enumerate(sids):
+            if sid is not None:
+                out[i] = self.page_table(sid, width)
+        return out
+
+    # ---- scoring inputs ---------------------------------------------------------------------------------------
+    def summaries_needed(self) -> list[tuple[int, int, int]]:
+        """(sid, logical, phys) of resident full pages without a summary (keys scoring only)."""
+        if self.opts.scoring != "keys":
+            return []
+        out = []
+        for sid, s in self._seqs.items():
+            full = s.n_tokens // self.page_size
+            for lp in range(min(full, len(s.pages))):
+                p = s.pages[lp]
+                if p.summary is None and p.phys != NOT_RESIDENT:
+                    out.append((sid, lp, p.phys))
+        return out
+
+    def set_summaries(self, keys: Sequence[tuple[int, int]], summaries: np.ndarray) -> None:
+        for (sid, lp), v in zip(keys, summaries):
+            s = self._seqs.get(sid)
+            if s is not None and lp < len(s.pages):
+                s.pages[lp].summary = np.asarray(v, np.float32)
+
+    # ---- the step protocol ------------------------------------------------------------------------------------
+    def prepare(self, rows: Sequence[tuple[int, int, int]]) -> Plan:
+        """Make a step's write pages resident and pinned; rebalance the pool; return the transfers to run.
+
+        rows: (sid, write_from, write_to) tokens each row writes, in priority order. A row whose write pages
+        cannot all be made resident (the pool is full of pinned pages) is deferred: nothing of it changes.
+        Transfers must run before the step, all page-outs first (they read physical pages that page-ins and new
+        pages may reuse). Call ``finish_step(plan.step_id)`` once the step's outputs are ready.
+        """
+        self._step += 1
+        sid_step = self._step
+        pins: set[tuple[int, int]] = set()
+        self._pins[sid_step] = pins
+        plan = Plan(sid_step, [], [], [], set())
+        for sid, lo, hi in rows:
+            s = self._get(sid)
+            if not 0 <= lo <= min(s.n_tokens, hi):
+                raise ValueError(f"sequence {sid} holds {s.n_tokens} tokens: a step cannot write [{lo}, {hi})")
+            first, last = lo // self.page_size, self.pages_needed(hi)
+            need = [lp for lp in range(first, last) if (sid, lp) not in self._pinned]
+            if len(need) + sum(1 for k in self._pinned) > self.pool_pages or not self._can_grow(s, hi):
+                plan.deferred.append(sid)
+                s.stats["deferred_steps"] += 1
+                self.counters["deferred_steps"] += 1
+                continue
+            self._grow(sid, s, hi)
+            for lp in range(first, last):
+                if (sid, lp) not in pins:
+                    pins.add((sid, lp))
+                    self._pinned[(sid, lp)] += 1
+        self._rebalance(plan, {sid for sid, _, _ in rows if sid not in plan.deferred})
+        # the pinned pages are about to be written: they are dirty now (a stale host copy is dropped)
+        for sid, lp in pins:
+            s = self._seqs[sid]
+            p = s.pages[lp]
+            assert p.phys != NOT_RESIDENT, f"pinned page {lp} of sequence {sid} is not resident"
+            if p.slab >= 0:
+                self._free_slabs.append(p.slab)
+                p.slab = -1
+            p.dirty = True
+            p.summary = None
+            p.last_use = sid_step
+        self.counters["page_out"] += len(plan.page_out)
+        self.counters["page_in"] += len(plan.page_in)
+        return plan
+
+    def finish_step(self, step_id: int) -> None:
+        """The step's outputs are ready: its pins are released."""
+        for k in self._pins.pop(step_id, set()):
+            if self._pinned.get(k, 0) > 1:
+                self._pinned[k] -= 1
+            else:
+                self._pinned.pop(k, None)
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+    def _get(self, sid: int) -> _Seq:
+        try:
+            return self._seqs[sid]
+        except KeyError:
+            raise KeyError(f"unknown sequence {sid} (not admitted or already released)") from None
+
+    def _drop(self, sid: int, s: _Seq, lp: int) -> None:
+        p = s.pages[lp]
+        if p.phys != NOT_RESIDENT:
+            heapq.heappush(self._free_phys, p.phys)
+            p.phys = NOT_RESIDENT
+        if p.slab >= 0:
+            self._free_slabs.append(p.slab)
+            p.slab = -1
+
+    def _can_grow(self, s: _Seq, hi: int) -> bool:
+        extra = self.pages_needed(hi) - len(s.pages)
+        return extra <= s.reserved + self.host_free
+
+    def _grow(self, sid: int, s: _Seq, hi: int) -> None:
+        """New logical pages (not yet placed: placed by _rebalance as pinned mandatory pages)."""
+        extra = self.pages_needed(hi) - len(s.pages)
+        for _ in range(max(0, extra)):
+            s.pages.append(_Page(last_use=self._step))
+            if s.reserved > 0:
+                s.reserved -= 1
+                self._reserved_total -= 1
+        s.n_tokens = max(s.n_tokens, hi)
+
+    def _quotas(self, in_step: set[int]) -> tuple[dict[int, int], set[int]]:
+        """Max-min fair shares of the pool (water-filling); floor = pinned pages; demand = logical pages.
+
+        Returns the quotas and the sequences granted their whole history this step (``exact_steps``)."""
+        floor = collections.Counter(sid for sid, _ in self._pinned)
+        exact: set[int] = set()
+        if self.opts.exact_steps:
+            whole = sum(len(self._seqs[s].pages) for s in in_step)
+            other_floor = sum(v for s, v in floor.items() if s not in in_step)
+            if whole + other_floor <= self.pool_pages:
+                exact = set(in_step)
+                for s in in_step:
+                    floor[s] = len(self._seqs[s].pages)
+        demand = {sid: len(s.pages) for sid, s in self._seqs.items()}
+        lo_q = {sid: min(floor[sid], demand[sid]) for sid in demand}
+        at = lambda level: {sid: min(demand[sid], max(lo_q[sid], level)) for sid in demand}
+        lo, hi = 0, max(demand.values(), default=0)
+        while lo < hi:  # the highest water level whose allocation fits the pool
+            mid = (lo + hi + 1) // 2
+            if sum(at(mid).values()) <= self.pool_pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        quota = at(lo)
+        left = self.pool_pages - sum(quota.values())
+        nxt = at(lo + 1)
+        for sid in sorted(demand, key=lambda x: self._seqs[x].order):  # the remainder, one page each, oldest first
+            if left <= 0:
+                break
+            if nxt[sid] > quota[sid]:
+                quota[sid] += 1
+                left -= 1
+        return quota, exact
+
+    def _ranked(self, sid: int, s: _Seq) -> list[int]:
+        """Logical pages of ``sid`` best-first: pinned, window (newest first), sinks, then score/LRU order."""
+        n = len(s.pages)
+        pinned = [lp for lp in range(n - 1, -1, -1) if (sid, lp) in self._pinned]
+        window = list(range(n - 1, max(-1, n - 1 - self.opts.window_pages), -1))
+        sinks = list(range(min(self.opts.sink_pages, n)))
+        head = list(dict.fromkeys(pinned + window + sinks))
+        hs = set(head)
+        rest = [lp for lp in range(n) if lp not in hs]
+        if s.ranks is None or self._step - s.ranked_at >= self.opts.rescore_every or set(s.ranks) != set(rest):
+            s.ranks = self._order_rest(sid, s, rest)
+            s.ranked_at = self._step
+        return head + s.ranks
+
+    def _order_rest(self, sid: int, s: _Seq, rest: list[int]) -> list[int]:
+        lru = sorted(rest, key=lambda lp: (-s.pages[lp].last_use, -lp))
+        if self.opts.scoring == "lru" or not rest:
+            self.counters["lru_decisions"] += 1
+            s.stats["lru_decisions"] += 1
+            return lru
+        full = s.n_tokens // self.page_size
+        query = next((s.pages[lp].summary for lp in range(min(full, len(s.pages)) - 1, -1, -1)
+                      if s.pages[lp].summary is not None), None)
+        if query is None or any(s.pages[lp].summary is None for lp in rest):
+            self.counters["lru_decisions"] += 1
+            s.stats["lru_decisions"] += 1
+            return lru
+        try:
+            sc = np.asarray(self.scorer(query, np.stack([s.pages[lp].summary for lp in rest])), np.float64)
+            if sc.shape != (len(rest),) or not np.all(np.isfinite(sc)):
+                raise ValueError(f"scorer returned {sc.shape} / non-finite scores")
+        except Exception:  # noqa: BLE001 - a scorer fault falls back to LRU and is counted
+            self.counters["score_fallbacks"] += 1
+            self.counters["lru_decisions"] += 1
+            s.stats["score_fallbacks"] += 1
+            s.stats["lru_decisions"] += 1
+            return lru
+        self.counters["score_decisions"] += 1
+        s.stats["score_decisions"] += 1
+        if self.opts.hysteresis and len(sc) > 1:
+            sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
+                [s.pages[lp].phys != NOT_RESIDENT for lp in rest])
+        return [rest[i] for i in np.argsort(-sc, kind="stable")]
+
+    def _rebalance(self, plan: Plan, in_step: set[int]) -> None:
+        quota, exact = self._quotas(in_step)
+        ranked = {sid: self._ranked(sid, s) for sid, s in self._seqs.items()}
+        desired = {sid: ranked[sid][: quota[sid]] for sid in self._seqs}
+        want = {sid: set(v) for sid, v in desired.items()}
+        res_count = {sid: sum(1 for p in s.pages if p.phys != NOT_RESIDENT) for sid, s in self._seqs.items()}
+        # victims: resident pages outside their sequence's desired set, from the largest excess first
+        excess: dict[int, list[int]] = {}
+        for sid, s in self._seqs.items():
+            extra = [lp for lp, p in enumerate(s.pages) if p.phys != NOT_RESIDENT and lp not in want[sid]]
+            if extra:
+                rank = {lp: i for i, lp in enumerate(ranked[sid])}
+                extra.sort(key=lambda lp: rank[lp])  # worst last
+                excess[sid] = extra
+
+        def victim() -> tuple[int, int] | None:
+            live = [sid for sid, e in excess.items() if e]
+            if not live:
+                return None
+            sid = max(live, key=lambda x: (res_count[x] - quota[x], -self._seqs[x].order))
+            res_count[sid] -= 1
+            return sid, excess[sid].pop()
+
+        def place(sid: int, lp: int) -> bool:
+            s = self._seqs[sid]
+            p = s.pages[lp]
+            if not self._free_phys:
+                v = victim()
+                if v is None:
+                    return False
+                self._evict(plan, *v)
+            p.phys = heapq.heappop(self._free_phys)
+            res_count[sid] += 1
+            p.last_use = self._step
+            s.version += 1
+            plan.changed.add(sid)
+            if p.slab >= 0:
+                plan.page_in.append(Transfer(sid, lp, p.phys, p.slab))
+                p.dirty = False
+                s.stats["pages_in"] += 1
+            return True
+
+        # mandatory first (pinned pages; the whole history of rows granted an exact step), then optional
+        # page-ins round-robin by rank, bounded by max_page_in
+        for sid in sorted(in_step, key=lambda x: self._seqs[x].order):
+            for lp in desired[sid]:
+                mandatory = sid in exact or (sid, lp) in self._pinned
+                if mandatory and self._seqs[sid].pages[lp].phys == NOT_RESIDENT:
+                    ok = place(sid, lp)
+                    assert ok, "mandatory pages exceed the pool (prepare and _quotas check this)"
+        budget = self.opts.max_page_in
+        queues = [[lp for lp in desired[sid] if self._seqs[sid].pages[lp].phys == NOT_RESIDENT]
+                  for sid in sorted(self._seqs, key=lambda x: self._seqs[x].order)]
+        sids = sorted(self._seqs, key=lambda x: self._seqs[x].order)
+        while budget > 0 and any(queues):
+            for sid, q in zip(sids, queues):
+                if q and budget > 0:
+                    lp = q.pop(0)
+                    if not place(sid, lp):
+                        q.clear()
+                        continue
+                    budget -= 1
+                    if self._seqs[sid].pages[lp].slab >= 0:
+                        self.counters["optional_page_in"] += 1
+
+    def _evict(self, plan: Plan, sid: int, lp: int) -> None:
+        s = self._seqs[sid]
+        p = s.pages[lp]
+        assert (sid, lp) not in self._pinned, "a pinned page is never evicted"
+        if p.dirty:
+            if p.slab < 0:
+                p.slab = self._free_slabs.pop()
+            plan.page_out.append(Transfer(sid, lp, p.phys, p.slab))
+            s.stats["pages_out"] += 1
+            p.dirty = False
+        else:
+            s.stats["clean_evictions"] += 1
+            self.counters["clean_evictions"] += 1
+        heapq.heappush(self._free_phys, p.phys)
+        p.phys = NOT_RESIDENT
+        s.version += 1
+        plan.changed.add(sid)
+
+    # ---- checks -------------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the residency bookkeeping is inconsistent."""
+        phys_owner: dict[int, tuple[int, int]] = {}
+        slab_owner: dict[int, tuple[int, int]] = {}
+        for sid, s in self._seqs.items():
+            assert len(s.pages) == self.pages_needed(s.n_tokens), (
+                f"sequence {sid}: {s.n_tokens} tokens in {len(s.pages)} logical pages")
+            assert s.reserved >= 0
+            for lp, p in enumerate(s.pages):
+                res, host = p.phys != NOT_RESIDENT, p.slab >= 0
+                assert res or host, f"logical page {lp} of sequence {sid} is lost (neither resident nor on host)"
+                assert not (p.dirty and host), f"page {lp} of {sid} is dirty and also has a host copy"
+                assert res or not p.dirty, f"page {lp} of {sid} is on host only but marked dirty"
+                if res:
+                    assert 1 <= p.phys <= self.pool_pages, f"bad physical page {p.phys}"
+                    assert p.phys not in phys_owner, f"physical page {p.phys} owned twice"
+                    phys_owner[p.phys] = (sid, lp)
+                if host:
+                    assert 0 <= p.slab < self.host_pages, f"bad slab {p.slab}"
+                    assert p.slab not in slab_owner, f"slab {p.slab} owned twice"
+                    slab_owner[p.slab] = (sid, lp)
+        assert len(set(self._free_phys)) == len(self._free_phys), "free physical list has duplicates"
+        assert not set(self._free_phys) & phys_owner.keys(), "a free physical page is also owned"
+        assert len(self._free_phys) + len(phys_owner) == self.pool_pages, "physical pages leaked"
+        assert not set(self._free_slabs) & slab_owner.keys(), "a free slab is also owned"
+        assert len(set(self._free_slabs)) + len(slab_owner) == self.host_pages, "host slabs leaked"
+        assert self._reserved_total == sum(s.reserved for s in self._seqs.values())
+        assert self.host_free >= 0, "host capacity over-committed"
+        for (sid, lp), n in self._pinned.items():
+            assert n > 0 and sid in self._seqs and self._seqs[sid].pages[lp].phys != NOT_RESIDENT, (
+                f"pinned page {lp} of {sid} is not resident")
+
+
+def dot_scores(query: np.ndarray, summaries: np.ndarray) -> np.ndarray:
+    """Score of each page: its mean keys dotted with the query summary (both [F], flattened layers x heads x D)."""
+    return summaries @ query
+
+
+def resolve_pool_tokens(spec: str | int | None, *, free_bytes: int | None, bytes_per_token: int, page_size: int,
+                        fraction: float = 0.8) -> int | None:
+    """``--kvflash off|auto|N`` -> pool tokens (None = off). ``auto``: ``fraction`` of the free device bytes."""
+    if spec is None or spec in ("off", "None", 0, "0"):
+        return None
+    if spec == "auto":
+        if not free_bytes:
+            raise ValueError("--kvflash auto needs the device's free memory, which this backend does not report; "
+                             "pass a token count (--kvflash N)")
+        return max(page_size, int(free_bytes * fraction) // bytes_per_token // page_size * page_size)
+    try:
+        n = int(spec)
+    except (TypeError, ValueError):
+        raise ValueError(f"--kvflash must be off, auto or a token count, got {spec!r}") from None
+    if n < page_size:
+        raise ValueError(f"--kvflash {n}: the resident pool must hold at least one page ({page_size} tokens)")
+    return n

@@ -1,0 +1,251 @@
+"""The device side of KVFlash: host slabs and whole-page copies between the resident pool and host memory.
+
+A *page* moves as one packed slab: for one physical page index, the K and V of every full-attention layer of the
+target (``KVPages``) and, with a drafter, of every drafter layer (``DraftKV``, which shares the page tables),
+flattened and concatenated: ``[slab_elems]`` in the KV dtype.
+
+* Host memory: ``pinned_host`` where the device offers it (H200, and CPU jaxlib), else ``unpinned_host``, else
+  NumPy slabs (one ``[host_pages, slab_elems]`` array allocated once). ``host_kind`` says which is in use. With a
+  JAX memory kind each of the ``host_pages`` slab slots holds one host array of the fixed slab shape (JAX arrays
+  are immutable, so a page-out writes a fresh array into the slot; the fixed size keeps the XLA host allocator
+  from fragmenting).
+* Page-out: one jitted gather of up to a bucket of physical pages whose outputs are placed in host memory
+  (``out_shardings`` with the host memory kind): XLA issues the device->host copies; the call returns at once.
+* Page-in: one jitted call that moves a bucket of host slabs to the device and scatters them into the donated
+  pools. Page-outs are dispatched before page-ins and before the step (they read pages the others reuse); all
+  are asynchronous and ordered by buffer dependencies, so the host waits only when the step's outputs are read.
+* Summaries (keys scoring): per page, the mean key of each target attention layer and KV head, ``[L*Hkv*D]``
+  float32.
+
+Bucket sizes are fixed (``BUCKETS``); ``warmup`` compiles every bucket ahead of time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.kv.kvflash import Transfer
+from dflash_jax.state import DraftKV, EngineState, KVPages
+
+BUCKETS = (1, 4, 16, 64)
+
+
+def host_memory_kind(device: jax.Device) -> str:
+    """The host memory kind to back pages with on ``device``: pinned_host > unpinned_host > numpy."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    for k in ("pinned_host", "unpinned_host"):
+        if k in kinds:
+            return k
+    return "numpy"
+
+
+def _tensors(kv: KVPages, dkv: DraftKV | None) -> tuple[jax.Array, ...]:
+    return tuple(kv.k) + tuple(kv.v) + ((tuple(dkv.k) + tuple(dkv.v)) if dkv is not None else ())
+
+
+def _gather(tensors: tuple[jax.Array, ...], idx: jax.Array) -> jax.Array:
+    """[n] physical pages -> [n, slab_elems] packed."""
+    return jnp.concatenate([t[idx].reshape(idx.shape[0], -1) for t in tensors], axis=1)
+
+
+def _scatter(tensors: tuple[jax.Array, ...], packed: jax.Array, idx: jax.Array) -> tuple[jax.Array, ...]:
+    out, off = [], 0
+    for t in tensors:
+        n = math.prod(t.shape[1:])
+        out.append(t.at[idx].set(packed[:, off: off + n].reshape((idx.shape[0],) + t.shape[1:]).astype(t.dtype)))
+        off += n
+    return tuple(out)
+
+
+def _split(tensors: tuple[jax.Array, ...], n_k: int, has_draft: bool, n_dk: int):
+    k, v = tensors[:n_k], tensors[n_k: 2 * n_k]
+    kv = KVPages(k=k, v=v)
+    if not has_draft:
+        return kv, None
+    rest = tensors[2 * n_k:]
+    return kv, DraftKV(k=rest[:n_dk], v=rest[n_dk:])
+
+
+class KVFlashDevice:
+    """Host slabs + jitted page-out / page-in / key summaries for a resident pool of ``n_pages`` pages."""
+
+    def __init__(self, state: EngineState, dkv: DraftKV | None, host_pages: int, device: jax.Device | None = None,
+                 host_kind: str | None = None) -> None:
+        self.device = device or next(iter(state.kv.k[0].devices()))
+        self.host_kind = host_kind or host_memory_kind(self.device)
+        tensors = _tensors(state.kv, dkv)
+        self.dtype = tensors[0].dtype
+        if any(t.dtype != self.dtype for t in tensors):
+            raise ValueError("KVFlash needs one KV dtype for the target and drafter pools")
+        self.n_k, self.has_draft = len(state.kv.k), dkv is not None
+        self.n_dk = len(dkv.k) if dkv is not None else 0
+        self.slab_elems = sum(math.prod(t.shape[1:]) for t in tensors)
+        self.slab_bytes = self.slab_elems * jnp.dtype(self.dtype).itemsize
+        self.host_pages = host_pages
+        if self.host_kind == "numpy":
+            self.slabs: list | np.ndarray = np.zeros((host_pages, self.slab_elems), self.dtype)
+            self._host = None
+        else:
+            self.slabs = [None] * host_pages
+            self._host = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.host_kind)
+        self._dev = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
+        self._zero_slab = None
+        self._out: dict[int, object] = {}
+        self._in: dict[int, object] = {}
+        self._sum: dict[int, object] = {}
+        self.lazy_compiles = 0
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_pages * self.slab_bytes
+
+    # ---- jitted functions (one per bucket) -------------------------------------------------------------------------
+    def _out_fn(self, b: int):
+        if b not in self._out:
+            if self._host is None:
+                fn = jax.jit(_gather)
+            else:
+                def f(tensors, idx):
+                    g = _gather(tensors, idx)
+                    return tuple(g[i] for i in range(b))
+                fn = jax.jit(f, out_shardings=tuple([self._host] * b))
+            self._out[b] = fn
+        return self._out[b]
+
+    def _in_fn(self, b: int):
+        if b not in self._in:
+            if self._host is None:
+                fn = jax.jit(_scatter, donate_argnums=(0,))
+            else:
+                dev = self._dev
+
+                def f(tensors, slabs, idx):
+                    packed = jnp.stack([jax.device_put(s, dev) for s in slabs])
+                    return _scatter(tensors, packed, idx)
+                fn = jax.jit(f, donate_argnums=(0,))
+            self._in[b] = fn
+        return self._in[b]
+
+    def _sum_fn(self, b: int):
+        if b not in self._sum:
+            def f(ks, idx):
+                return jnp.concatenate([jnp.mean(k[idx].astype(jnp.float32), axis=1).reshape(idx.shape[0], -1)
+                                        for k in ks], axis=1)
+            self._sum[b] = jax.jit(f)
+        return self._sum[b]
+
+    def warmup(self, state: EngineState, dkv: DraftKV | None) -> None:
+        """Compile every bucket of page-out, page-in and summaries ahead of time (nothing is moved)."""
+        tensors = _tensors(state.kv, dkv)
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        ts = tuple(spec(t) for t in tensors)
+        for b in BUCKETS:
+            idx = jax.ShapeDtypeStruct((b,), jnp.int32)
+            self._out[b] = self._out_fn(b).lower(ts, idx).compile()
+            if self._host is None:
+                packed = jax.ShapeDtypeStruct((b, self.slab_elems), self.dtype)
+                self._in[b] = self._in_fn(b).lower(ts, packed, idx).compile()
+            else:
+                slab = jax.ShapeDtypeStruct((self.slab_elems,), self.dtype, sharding=self._host)
+                self._in[b] = self._in_fn(b).lower(ts, tuple([slab] * b), idx).compile()
+            self._sum[b] = self._sum_fn(b).lower(tuple(spec(k) for k in state.kv.k), idx).compile()
+
+    # ---- operations ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _chunks(items: Sequence, top: int = BUCKETS[-1]):
+        for i in range(0, len(items), top):
+            part = items[i: i + top]
+            yield part, next(b for b in BUCKETS if b >= len(part))
+
+    def page_out(self, state: EngineState, dkv: DraftKV | None, transfers: Sequence[Transfer]) -> None:
+        """Copy the physical pages of ``transfers`` into their host slabs (asynchronous)."""
+        tensors = _tensors(state.kv, dkv)
+        for part, b in self._chunks(list(transfers)):
+            idx = np.zeros(b, np.int32)
+            idx[: len(part)] = [t.phys for t in part]
+            out = self._out_fn(b)(tensors, idx)
+            if self._host is None:
+                got = np.asarray(out)
+                for i, t in enumerate(part):
+                    self.slabs[t.slab] = got[i]
+            else:
+                for i, t in enumerate(part):
+                    self.slabs[t.slab] = out[i]
+
+    def page_in(self, state: EngineState, dkv: DraftKV | None,
+                transfers: Sequence[Transfer]) -> tuple[EngineState, DraftKV | None]:
+        """Copy host slabs into the physical pages of ``transfers``; returns the new (donated) state."""
+        tensors = _tensors(state.kv, dkv)
+        for part, b in self._chunks(list(transfers)):
+            idx = np.zeros(b, np.int32)  # padding rows write the null page
+            idx[: len(part)] = [t.phys for t in part]
+            if self._host is None:
+                packed = np.zeros((b, self.slab_elems), self.dtype)
+                packed[: len(part)] = self.slabs[[t.slab for t in part]]
+                tensors = self._in_fn(b)(tensors, packed, idx)
+            else:
+                slabs = [self.slabs[t.slab] for t in part]
+                if any(s is None for s in slabs):
+                    raise RuntimeError("KVFlash page-in of a host slab that was never written")
+                slabs += [self._zero()] * (b - len(part))
+                tensors = self._in_fn(b)(tensors, tuple(slabs), idx)
+        kv, d = _split(tensors, self.n_k, self.has_draft, self.n_dk)
+        return EngineState(kv=kv, rec=state.rec), d
+
+    def summaries(self, state: EngineState, phys: Sequence[int]) -> np.ndarray:
+        """[n, L*Hkv*D] float32 mean keys of the given physical pages (blocks until ready)."""
+        outs = []
+        for part, b in self._chunks(list(phys)):
+            idx = np.zeros(b, np.int32)
+            idx[: len(part)] = part
+            outs.append(np.asarray(self._sum_fn(b)(tuple(state.kv.k), idx))[: len(part)])
+        return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
+
+    def _zero(self):
+        if self._zero_slab is None:
+            self._zero_slab = jax.device_put(np.zeros(self.slab_elems, self.dtype), self._host)
+        return self._zero_slab
+
+    def bandwidth(self, state: EngineState, dkv: DraftKV | None, n: int = 64, iters: int = 5) -> dict[str, float]:
+        """Page-in GB/s through ``page_in`` vs a plain pinned host->device ``device_put`` of the same bytes.
+
+        Moves pages 1..n of the pool out to slabs 0..n-1 and back in (contents unchanged; the slabs' previous
+        contents are restored); returns ``({"page_in_gbs", "page_out_gbs", "host_to_device_gbs", "ratio"}, state,
+        dkv)`` (the state is donated through the page-ins). Blocks; for benchmarks, on an idle engine.
+        """
+        n = min(n, BUCKETS[-1], state.kv.n_pages - 1, self.host_pages)
+        ts = [Transfer(-1, i, 1 + i, i) for i in range(n)]
+        saved = list(self.slabs[:n]) if self._host is not None else self.slabs[:n].copy()
+        self.page_out(state, dkv, ts)
+        jax.block_until_ready(self.slabs[:n] if self._host is not None else 0)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.page_out(state, dkv, ts)
+            if self._host is not None:
+                jax.block_until_ready(self.slabs[:n])
+        t_out = (time.perf_counter() - t0) / iters
+        state, dkv = self.page_in(state, dkv, ts)
+        jax.block_until_ready(state.kv.k[0])
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            state, dkv = self.page_in(state, dkv, ts)
+            jax.block_until_ready(state.kv.k)
+        t_in = (time.perf_counter() - t0) / iters
+        host = (jax.device_put(np.zeros((n, self.slab_elems), self.dtype), self._host) if self._host is not None
+                else np.zeros((n, self.slab_elems), self.dtype))
+        jax.block_until_ready(jax.device_put(host, self._dev))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            jax.block_until_ready(jax.device_put(host, self._dev))
+        t_raw = (time.perf_counter() - t0) / iters
+        self.slabs[:n] = saved
+        gb = n * self.slab_bytes / 1e9
+        res = {"page_in_gbs": gb / t_in, "page_out_gbs": gb / t_out, "host_to_device_gbs": gb / t_raw}
+        res["ratio"] = res["page_in_gbs"] / res["host_to_device_gbs"]
+        return res, state, dkv

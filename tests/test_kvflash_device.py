@@ -1,0 +1,106 @@
+"""KVFlash's device side: whole-page copies to host slabs and back (pinned host memory and the NumPy fallback),
+key summaries, and attention over partially resident page tables (non-resident pages masked, never read out of
+bounds; exact when everything is resident)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from dflash_jax.config import TargetConfig
+from dflash_jax.engine.compile import CompileWatch
+from dflash_jax.kv.kvflash import Transfer
+from dflash_jax.kv.kvflash_device import KVFlashDevice, host_memory_kind
+from dflash_jax.models import attention
+from dflash_jax.state import DraftKV, EngineState
+
+
+def random_state(n_pages=6, ps=4, seed=0):
+    cfg = TargetConfig.from_file(os.path.join(FIXTURES, "qwen36_tiny_a", "config.json"))
+    st = EngineState.zeros(cfg, n_pages=n_pages, page_size=ps, n_slots=2, dtype=jnp.float32)
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 64))
+    rnd = lambda a: jax.random.normal(next(keys), a.shape, a.dtype)
+    kv = jax.tree_util.tree_map(rnd, st.kv)
+
+    class D:  # a drafter-shaped cache sharing the page tables
+        num_layers, num_kv_heads, head_dim = 2, 1, 8
+
+    dkv = jax.tree_util.tree_map(rnd, DraftKV.zeros(D, n_pages, ps, jnp.float32))
+    return EngineState(kv=kv, rec=st.rec), dkv
+
+
+def pages(state, dkv, p):
+    return [np.asarray(a[p]) for a in state.kv.k + state.kv.v + dkv.k + dkv.v]
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "numpy"])
+def test_pages_round_trip_through_host_slabs(kind):
+    state, dkv = random_state()
+    if kind != "numpy":
+        assert host_memory_kind(jax.devices()[0]) == kind  # the CPU jaxlib offers pinned host memory
+    dev = KVFlashDevice(state, dkv, host_pages=8, host_kind=kind)
+    assert dev.host_kind == kind
+    dev.warmup(state, dkv)
+    want2, want3 = pages(state, dkv, 2), pages(state, dkv, 3)
+    with CompileWatch() as w:
+        dev.page_out(state, dkv, [Transfer(0, 0, 2, 5), Transfer(0, 1, 3, 0)])
+        if kind != "numpy":
+            assert all(dev.slabs[i].sharding.memory_kind == kind for i in (5, 0))
+        # bring them back into other physical pages (page 1 and page 4)
+        state, dkv = dev.page_in(state, dkv, [Transfer(0, 0, 4, 5), Transfer(0, 1, 1, 0)])
+    assert w.count == 0  # every bucket was compiled by warmup
+    for a, b in zip(pages(state, dkv, 4), want2):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(pages(state, dkv, 1), want3):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(pages(state, dkv, 2)[0], want2[0])  # the source is untouched
+    assert dev.slab_bytes == sum(a.size for a in want2) * 4
+
+
+def test_many_pages_span_buckets_and_summaries_are_mean_keys():
+    state, dkv = random_state(n_pages=40)
+    dev = KVFlashDevice(state, dkv, host_pages=40)
+    ts = [Transfer(0, i, 1 + i, i) for i in range(21)]  # buckets 16 + 16 (padded)
+    want = [pages(state, dkv, 1 + i) for i in range(21)]
+    dev.page_out(state, dkv, ts)
+    state, dkv = dev.page_in(state, dkv, [Transfer(0, i, 39 - i, i) for i in range(21)])
+    for i in range(21):
+        for a, b in zip(pages(state, dkv, 39 - i), want[i]):
+            np.testing.assert_array_equal(a, b)
+    s = dev.summaries(state, [3, 7])
+    ref = np.concatenate([np.asarray(k[3]).mean(0).ravel() for k in state.kv.k])
+    assert s.shape == (2, ref.size)
+    np.testing.assert_allclose(s[0], ref, rtol=1e-6)
+
+
+def test_attention_masks_non_resident_pages_and_is_exact_when_all_resident():
+    rng = np.random.default_rng(0)
+    n_pages, ps, hkv, d, h = 8, 4, 2, 8, 4
+    kp = jnp.asarray(rng.normal(size=(n_pages, ps, hkv, d)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(n_pages, ps, hkv, d)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(1, 1, h, d)), jnp.float32)
+    table = jnp.array([[3, 5, 2, 7]], jnp.int32)
+    pos = jnp.array([[14]], jnp.int32)
+    full = attention.paged_attention(q, kp, vp, table, pos, 0.3)
+    partial = attention.paged_attention(q, kp, vp, table.at[0, 1].set(-1), pos, 0.3)
+    # the reference for the partial table: logical page 1 dropped, keys of pages 0, 2, 3 (positions kept)
+    k = jnp.concatenate([kp[3], kp[2], kp[7]])[None]
+    v = jnp.concatenate([vp[3], vp[2], vp[7]])[None]
+    keep = np.r_[0:4, 4:8, 8:11]  # concatenated pages 3, 2, 7 = positions 0-3, 8-11, 12-14 (<= 14)
+    s = jnp.einsum("bkgd,bskd->bkgs", q[:, 0].reshape(1, hkv, 2, d), k[:, keep]) * 0.3
+    ref = jnp.einsum("bkgs,bskd->bkgd", jax.nn.softmax(s, -1), v[:, keep]).reshape(1, 1, h, d)
+    np.testing.assert_allclose(partial, ref, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(partial, full)
+    # tree attention's prefix obeys the same rule: with no tree keys visible beyond the root it matches
+    tree_k = jnp.asarray(rng.normal(size=(1, 1, hkv, d)), jnp.float32)
+    anc = jnp.ones((1, 1, 1), bool)
+    t_full = attention.tree_attention(q, kp, vp, table, jnp.array([14]), tree_k, tree_k, anc, 0.3)
+    t_part = attention.tree_attention(q, kp, vp, table.at[0, 1].set(-1), jnp.array([14]), tree_k, tree_k, anc, 0.3)
+    assert np.isfinite(np.asarray(t_part)).all() and not np.allclose(t_part, t_full)
+    # a write through a non-resident entry goes to the null page, never wraps to the last page
+    k2, _ = attention.write_kv(kp, vp, jnp.ones((1, 1, hkv, d)), jnp.ones((1, 1, hkv, d)), table.at[0, 1].set(-1),
+                               jnp.array([[5]]), jnp.ones((1, 1), bool))
+    np.testing.assert_array_equal(k2[n_pages - 1], kp[n_pages - 1])

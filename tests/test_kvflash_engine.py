@@ -1,0 +1,213 @@
+"""The engine with KVFlash bounded residency: greedy output identical to unbounded residency when each step's rows
+fit the pool (pages really move out and back in), exact accounting under pressure with keys scoring, telemetry,
+deferral instead of failure, and faults (scorer raising, a host copy failing) that end in a fallback or a clear
+per-request error while the other requests and the engine keep going and every page is reclaimed.
+
+One bounded engine is compiled per module and reconfigured between tests (the residency policy does not change
+any compiled shape).
+"""
+
+import dataclasses
+import functools
+import os
+
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from conftest import FIXTURES
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.kv.kvflash import KVFlashOptions, Residency
+
+pytestmark = pytest.mark.xdist_group("kvflash")
+
+BASE = EngineOptions(max_batch=3, prefill_batch=1, prefill_chunk=16, max_model_len=128, page_size=8)
+POOL = 192  # 24 pages of 8 tokens: two requests' histories fit, three do not
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return dj.load_target(os.path.join(FIXTURES, "qwen36_tiny_a"))
+
+
+@pytest.fixture(scope="module")
+def unbounded():
+    eng = Engine(target(), None, BASE)
+    eng.warmup()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    eng = Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL))
+    eng.warmup()
+    assert eng.kvflash_report()["host_memory_kind"] == "pinned_host"
+    return eng
+
+
+def configure(eng: Engine, **kw) -> Residency:
+    """A fresh residency policy on an idle engine (same pool, so the same compiled steps)."""
+    assert not eng.has_work()
+    old = eng.pages
+    eng.pages = Residency(old.pool_pages, old.host_pages, old.page_size,
+                          KVFlashOptions(pool_tokens=POOL, **kw), floor_pages=old.floor_pages)
+    for k in [k for k in eng.counters if k.startswith("kvflash_")]:
+        del eng.counters[k]
+    return eng.pages
+
+
+def prompts(*lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 200, n).tolist() for n in lens]
+
+
+def drive(eng: Engine, ps, sps):
+    """Run to completion checking, after every step, the residency invariants and that every dispatched block
+    table equals the residency map at dispatch (cross-slot refresh). Returns (outputs in order, tables)."""
+    tables = []
+    orig = eng._call
+
+    def call(kind, b, inp, samp):
+        rows = [r for r in eng.running.values() if r.slot in set(np.asarray(inp.slots).tolist())]
+        for r in rows:
+            i = list(np.asarray(inp.slots)).index(r.slot)
+            np.testing.assert_array_equal(np.asarray(inp.page_table)[i], eng.pages.page_table(r.rid, eng.width))
+            tables.append(np.asarray(inp.page_table)[i][: eng.pages.n_logical(r.rid)])
+        return orig(kind, b, inp, samp)
+
+    eng._call = call
+    try:
+        ids = [eng.submit(p, s) for p, s in zip(ps, sps)]
+        final = {}
+        while eng.has_work():
+            for o in eng.step():
+                if o.finish_reason is not None:
+                    final[o.request_id] = o
+            eng.pages.check_invariants()
+    finally:
+        del eng._call
+    return [final[i] for i in ids], tables
+
+
+def assert_reclaimed(eng: Engine):
+    res = eng.pages
+    res.check_invariants()
+    assert not eng.running and not eng.waiting
+    assert res.resident_used == 0 and res.host_free == res.host_pages
+    assert eng.free_slots == list(range(1, eng.options.max_batch + 1))
+
+
+def test_bounded_residency_equals_unbounded_when_each_step_fits(bounded, unbounded):
+    configure(bounded, scoring="lru", exact_steps=True)
+    ps = prompts(100, 100, 60)
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 24)]
+    want = unbounded.generate(ps, sps)
+    got, tables = drive(bounded, ps, sps)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all((t >= 1).all() for t in tables)  # every step attended to its rows' whole history
+    rep = bounded.kvflash_report()
+    assert rep["pages_in"] > 0 and rep["pages_out"] > 0 and rep["bytes_in"] == rep["pages_in"] * rep["page_bytes"]
+    assert rep["table_refreshes"] > 0
+    assert sum(o.stats["kv_pages_in"] for o in got) == rep["pages_in"]
+    assert sum(o.stats["kv_pages_out"] for o in got) == rep["pages_out"]
+    assert_reclaimed(bounded)
+
+
+def test_keys_scoring_under_pressure_keeps_exact_accounting_and_reports(bounded):
+    res = configure(bounded, scoring="keys", rescore_every=4)
+    ps = prompts(100, 100, 100, seed=1)
+    sps = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
+    got, tables = drive(bounded, ps, sps)
+    assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in got)
+    assert any((t < 0).any() for t in tables)  # residency really was bounded: some pages were off-device
+    rep = bounded.kvflash_report()
+    assert rep["score_decisions"] > 0 and rep["pages_out"] > 0 and rep["pages_in"] > 0
+    assert rep["scoring"] == "keys" and res.counters["score_decisions"] == rep["score_decisions"]
+    for o in got:
+        st = o.stats
+        assert st["kvflash"] and st["kv_logical_pages"] == -(-(len(o.prompt_token_ids) + 23) // 8)
+        assert 0 < st["kv_resident_pages"] <= res.pool_pages and st["kv_wait_s"] >= 0
+    steps = list(bounded.kvflash_steps)
+    assert steps and all(0 <= s["occupancy"] <= 1 for s in steps)
+    assert max(s["resident_pages"] for s in steps) == res.pool_pages  # the pool was used to the full
+    assert_reclaimed(bounded)
+
+
+def test_a_raising_scorer_falls_back_to_lru_and_is_counted(bounded):
+    res = configure(bounded, scoring="keys", rescore_every=1)
+
+    def broken(q, m):
+        raise RuntimeError("scorer fault")
+
+    res.scorer = broken
+    got, _ = drive(bounded, prompts(100, 100, 100, seed=2), [SamplingParams(max_tokens=16, ignore_eos=True)] * 3)
+    assert all(len(o.token_ids) == 16 for o in got)
+    rep = bounded.kvflash_report()
+    assert rep["score_fallbacks"] > 0 and rep["score_decisions"] == 0 and rep["lru_decisions"] > 0
+    assert sum(o.stats["kv_score_fallbacks"] for o in got) == rep["score_fallbacks"]
+    assert_reclaimed(bounded)
+
+
+def test_a_failed_host_copy_fails_only_the_requests_it_touched(bounded, unbounded):
+    configure(bounded, scoring="lru")
+    kvf = bounded.kvf
+    real = kvf.page_out
+    hits = []
+
+    def flaky(state, dkv, transfers):
+        if transfers and not hits:
+            hits.append({t.sid for t in transfers})
+            raise OSError("host copy failed")
+        return real(state, dkv, transfers)
+
+    kvf.page_out = flaky
+    try:
+        ps = prompts(100, 100, 100, seed=3)
+        got, _ = drive(bounded, ps, [SamplingParams(max_tokens=16, ignore_eos=True)] * 3)
+    finally:
+        del kvf.page_out
+    assert hits, "the workload never paged out"
+    failed = [o for o in got if o.finish_reason == "error"]
+    assert {o.request_id for o in failed} == hits[0]
+    assert all("KVFlash" in o.stats["error"] for o in failed)
+    assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in got if o not in failed)
+    assert bounded.counters["kvflash_transfer_failures"] == 1
+    assert_reclaimed(bounded)
+    # the engine keeps serving
+    again, _ = drive(bounded, ps[:1], [SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert again[0].finish_reason == "length"
+    assert again[0].token_ids == unbounded.generate(ps[:1], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    assert_reclaimed(bounded)
+
+
+def test_a_pool_full_of_pinned_pages_defers_steps_and_loses_nothing():
+    # 3 pages: one 16-token prefill chunk (2-3 pages) pins most of the pool, so a second prefill row must wait
+    eng = Engine(target(), None, dataclasses.replace(BASE, prefill_batch=2, kvflash=24, kvflash_scoring="lru"))
+    got, _ = drive(eng, prompts(40, 40, 20, seed=4), [SamplingParams(max_tokens=6, ignore_eos=True)] * 3)
+    assert all(len(o.token_ids) == 6 and o.finish_reason == "length" for o in got)
+    rep = eng.kvflash_report()
+    assert rep["deferred_steps"] > 0 and sum(o.stats["kv_deferred_steps"] for o in got) == rep["deferred_steps"]
+    assert_reclaimed(eng)
+    with pytest.raises(ValueError, match="cannot hold one step's writes"):
+        Engine(target(), None, dataclasses.replace(BASE, kvflash=16))
+
+
+def test_speculative_rounds_with_bounded_residency_equal_ar_greedy(unbounded):
+    from test_spec_step import setup
+
+    from dflash_jax.engine.spec_steps import SpecConfig
+
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    opts = dataclasses.replace(BASE, spec=SpecConfig(budget=6), cohort_yield_min=0.0, kvflash=POOL,
+                               kvflash_scoring="lru", kvflash_exact_steps=True)
+    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
+    assert eng.kvf.has_draft  # drafter context pages move with the target's
+    ps = prompts(100, 100, 60, seed=5)
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 16)]
+    got, tables = drive(eng, ps, sps)
+    assert [o.token_ids for o in got] == [o.token_ids for o in unbounded.generate(ps, sps)]
+    assert all(o.stats["spec_mode"] == "ddtree" and o.stats["draft_steps"] >= 1 for o in got)
+    assert all((t >= 1).all() for t in tables)
+    rep = eng.kvflash_report()
+    assert rep["pages_in"] > 0 and rep["pages_out"] > 0
+    assert_reclaimed(eng)
