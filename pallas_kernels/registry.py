@@ -38,6 +38,7 @@ ANY = "any"
 # Ops whose implementations live in a module of this package: imported on first use by get().
 _BUILTIN_MODULES = {
     "paged_decode": "pallas_kernels.paged_decode",
+    "tree_attention": "pallas_kernels.tree_attention",
 }
 
 
