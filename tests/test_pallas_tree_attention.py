@@ -194,3 +194,35 @@ def test_default_configs_fit_targets(n):
                           num_partitions=None, num_stages=cfg["num_stages"], smem_budget=budget)
         assert plan["smem_bytes"] <= budget and plan["n_row_tiles"] * cfg["block_m"] >= n * 6
         assert plan["padded_width"] >= 1024 and plan["padded_width"] % plan["pages_per_partition"] == 0
+
+
+def test_model_verify_and_decode_with_kernels_equal_reference(monkeypatch):
+    """forward_tree and a one-token forward of the tiny target give the same logits with the Pallas kernels
+    (interpret mode) as with the references: switching implementation changes no model code."""
+    from test_tree_verify import _state_after_prompt, _tree_input, target
+
+    from dflash_jax.models import qwen36
+    from dflash_jax.state import StepInput
+
+    t = target("qwen36_tiny_a")
+    cfg = t.config
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, 13).tolist()
+    kv, rec = _state_after_prompt(t, prompt[:-1])
+    toks = rng.integers(0, cfg.vocab_size, 8).tolist()
+    toks[0] = prompt[-1]
+    tree = _tree_input(toks, [-1, 0, 0, 1, -1, 2, 5, 3], len(prompt) - 1)
+    step = StepInput(tokens=jnp.asarray([[prompt[-1]]], jnp.int32), positions=jnp.asarray([[len(prompt) - 1]], jnp.int32),
+                     n_valid=jnp.ones((1,), jnp.int32), slots=jnp.ones((1,), jnp.int32), page_table=tree.page_table)
+
+    def run():  # a fresh jit per call: the implementation is chosen at trace time
+        verify = jax.jit(lambda tr, kv, rec: qwen36.lm_logits(t.params, qwen36.forward_tree(t.params, cfg, tr, kv, rec)[0]))
+        decode = jax.jit(lambda s, kv, rec: qwen36.lm_logits(t.params, qwen36.forward(t.params, cfg, s, kv, rec)[0]))
+        return np.asarray(verify(tree, kv, rec)), np.asarray(decode(step, kv, rec))
+
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    ref_tree, ref_dec = run()
+    monkeypatch.setenv(registry.ENV_VAR, "tree_attention=pallas_triton,paged_decode=pallas_triton")
+    out_tree, out_dec = run()
+    np.testing.assert_allclose(out_tree, ref_tree, atol=1e-4)
+    np.testing.assert_allclose(out_dec, ref_dec, atol=1e-4)
