@@ -81,6 +81,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
              "speculative round cost (step overhead vs AR) and oracle-draft throughput"),
     "concurrency": (lambda p: _lazy("concurrency").add_arguments(p), lambda a, c: _lazy("concurrency").run(a, c),
                     "paired AR / DDTree serving at several concurrencies, fail-closed feature matrix"),
+    "kernels": (lambda p: _lazy("kernels").add_arguments(p), lambda a, c: _lazy("kernels").run(a, c),
+                "Pallas kernels vs their references on this device: check, then time (bandwidth, speedup)"),
 }
 
 
