@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import warnings
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -160,6 +161,12 @@ def get(op: str, impl: str | None = None, *, backend: str | None = None) -> Call
     return resolve(op, impl, backend=backend).fn
 
 
+def warn_fallback(op: str, err: Exception) -> None:
+    """Say (once per distinct message) that a Pallas implementation handed a shape to the reference."""
+    warnings.warn(f"{op}: the Pallas kernel cannot take this shape ({err}); running the reference instead. "
+                  f"Set {ENV_VAR}={op}=reference to silence this.", RuntimeWarning, stacklevel=3)
+
+
 # ----------------------------------------------------------------------------------------------
 # Static block-shape checks (run before lowering).
 
@@ -244,6 +251,6 @@ def check_block_shapes(kernel: str, blocks: Mapping[str, Sequence[int]], *,
 
 __all__ = [
     "ANY", "ENV_VAR", "GPU_PREFERENCE", "Impl", "SMEM_BUDGET_BYTES", "check_block_shapes", "current_backend",
-    "get", "implementations", "ops", "parse_overrides", "register", "resolve", "smem_budget_bytes",
+    "get", "implementations", "ops", "parse_overrides", "register", "resolve", "smem_budget_bytes", "warn_fallback",
 ]
 

@@ -226,3 +226,19 @@ def test_model_verify_and_decode_with_kernels_equal_reference(monkeypatch):
     out_tree, out_dec = run()
     np.testing.assert_allclose(out_tree, ref_tree, atol=1e-4)
     np.testing.assert_allclose(out_dec, ref_dec, atol=1e-4)
+
+
+def test_unsupported_shape_falls_back_to_reference_with_a_warning():
+    from pallas_kernels.paged_decode import paged_decode_pallas, paged_decode_reference
+    from pallas_kernels.tree_attention import tree_attention_pallas
+
+    case = dict(seed=4, b=2, hkv=1, g=2, d=24, page_size=8, width=2, n=3, starts=[3, 16],
+                parents=[[-1, 0, 1], [-1, 0, 0]], non_resident=[])
+    args = make_case(dtype=jnp.float32, **case)
+    with pytest.warns(RuntimeWarning, match="tree_attention: the Pallas kernel cannot take this shape"):
+        out = tree_attention_pallas(*args, 0.2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(tree_attention_reference(*args, 0.2)))
+    q, kp, vp, pt, start = args[0][:, 0], args[1], args[2], args[3], args[4] + 1
+    with pytest.warns(RuntimeWarning, match="paged_decode: the Pallas kernel cannot take this shape"):
+        out = paged_decode_pallas(q, kp, vp, pt, start, 0.2)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_decode_reference(q, kp, vp, pt, start, 0.2)))

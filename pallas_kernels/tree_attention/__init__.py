@@ -20,9 +20,18 @@ from pallas_kernels.tree_attention.reference import tree_attention_reference
 def tree_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                           start: jax.Array, k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array,
                           scale: float) -> jax.Array:
-    """The registered Pallas implementation: tuned defaults, prefix split chosen by grid size."""
+    """The registered Pallas implementation: tuned defaults, prefix split chosen by grid size. Shapes the Triton
+    tiles cannot take (e.g. a head_dim that is not a power of two) run the reference, with a warning."""
     backend = registry.current_backend()
     cfg = default_config(q.shape[-1], k_pages.shape[1], k_pages.dtype, backend=backend)
+    try:
+        block_plan(batch=q.shape[0], n_tree=q.shape[1], n_heads=q.shape[2], n_kv_heads=k_pages.shape[2],
+                   head_dim=q.shape[-1], page_size=k_pages.shape[1], width=page_table.shape[1], dtype=k_pages.dtype,
+                   block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"], num_partitions=None,
+                   num_stages=cfg["num_stages"])
+    except ValueError as e:
+        registry.warn_fallback("tree_attention", e)
+        return tree_attention_reference(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)
     return tree_attention(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, float(scale),
                           block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"], num_partitions=None,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
