@@ -70,6 +70,14 @@ def _chunk(q, k, v, beta, g, s0):
 
 
 def gdn_chunked(q, k, v, beta, g, state, chunk: int = 64):
+    """The chunked form through the kernel registry's ``"gdn_chunked"`` op (:func:`gdn_chunked_reference`'s
+    contract; a kernel may pick its own chunk length, the result is the same recurrence)."""
+    from pallas_kernels import registry
+
+    return registry.get("gdn_chunked")(q, k, v, beta, g, state, chunk)
+
+
+def gdn_chunked_reference(q, k, v, beta, g, state, chunk: int = 64):
     """Chunked (WY) form: sequential over chunks, matmuls inside. T need not divide by chunk."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
