@@ -12,7 +12,8 @@ from dflash_jax.bench import kernels
 
 pytestmark = pytest.mark.xdist_group("pallas")
 
-TINY = ["--quick", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--check-dtypes", "float32",
+TINY = ["--quick", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--gdn-heads", "2", "--gdn-dim", "16",
+        "--check-dtypes", "float32",
         "--copy-bytes", "1000000", "--repeats", "1", "--no-sweep"]
 
 
@@ -45,7 +46,8 @@ def test_failing_kernel_is_recorded_and_others_continue(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernels, "implementations", broken)
     out = tmp_path / "k.json"
-    rc = bench_main.main(["kernels", "--out", str(out), "--budget-s", "0", *TINY])
+    rc = bench_main.main(["kernels", "--out", str(out), "--budget-s", "0", "--ops", "paged_decode", "tree_attention",
+                          *TINY])
     assert rc == 1  # loud
     rec = json.loads(out.read_text())
     f = rec["figures"]

@@ -1,6 +1,6 @@
 """``python -m dflash_jax.bench kernels --out FILE.json``: the Pallas kernels against their references on this device.
 
-For every kernel op (``paged_decode``, ``tree_attention``):
+For every kernel op (``paged_decode``, ``tree_attention``, ``gdn_chunked``):
 
 1. **Check** (before any timing): the registered Pallas implementation (compiled for this device; interpret
    mode off GPU) and the XLA reference against an f32 oracle (the reference at HIGHEST matmul precision on
@@ -8,12 +8,14 @@ For every kernel op (``paged_decode``, ``tree_attention``):
    non-resident pages (table entry -1), one-node and full trees, and one / several KV partitions.
    ``<op>.check.max_rel_err`` (max |out - oracle| / max(1, max |oracle|)) and ``<op>.check.ok`` are figures;
    a mismatch prints ``MISMATCH`` and makes the command exit 1 (after writing the file), and the op is not timed.
-2. **Timing** over a grid (batch x prefix [x tree size]) at the model's head shapes, bf16: each implementation
-   runs ``steps`` times inside one jitted ``lax.scan`` over page-table sets of disjoint pages (so the KV does
-   not sit in L2), time per call = median over repeats / steps. Figures per case
-   ``<op>.b{B}[.t{N}].p{P}.{kernel_us,reference_us,speedup,bytes_per_s,bandwidth_fraction}``, where bytes are
-   the unique bytes a call must move (KV of the prefix, tree K/V, q, out) and the fraction is of the device
-   copy bandwidth measured in the same run (``device.copy_bytes_per_s``: ``y = x * 2`` over 1 GiB, read + write).
+2. **Timing** over a grid (batch x prefix [x tree size]; for GDN batch x tokens) at the model's head shapes
+   (attention bf16, GDN fp32 as the model feeds it): each implementation runs ``steps`` times inside one
+   jitted ``lax.scan`` over page-table sets of disjoint pages (so the KV does not sit in L2), one small input
+   perturbed by the loop carry (so nothing is hoisted out of the loop); time per call = median over repeats /
+   steps. Figures per case ``<op>.b{B}[.t{N}].p{P}.{kernel_us,reference_us,speedup,bytes_per_s,
+   bandwidth_fraction}``, where bytes are the unique bytes a call must move (KV of the prefix, tree K/V, q,
+   out; for GDN q, k, v, o, gates and the state in and out) and the fraction is of the device copy bandwidth
+   measured in the same run (``device.copy_bytes_per_s``: ``y = x * 2`` over 1 GiB, read + write).
 3. Summaries for the targets: ``paged_decode.bandwidth_fraction`` (median over prefixes >= 8K),
    ``tree_attention.b{B}.speedup`` (minimum over trees 16-32 and prefixes 2K-16K at that batch).
 
@@ -36,7 +38,7 @@ from jax import lax
 
 from dflash_jax.bench import results
 
-OPS = ("paged_decode", "tree_attention")
+OPS = ("paged_decode", "tree_attention", "gdn_chunked")
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
@@ -44,9 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="result JSON path (default: <out-dir>/kernels_<device>_<time>.json)")
     p.add_argument("--quick", action="store_true", help="fewer check cases and a small grid (~1 minute on a GPU)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    p.add_argument("--batches", type=int, nargs="+", default=None, help="override GRIDS' batches (both ops)")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="override GRIDS' batches (every op)")
     p.add_argument("--prefixes", type=int, nargs="+", default=None,
-                   help="override GRIDS' committed tokens per sequence (both ops)")
+                   help="override GRIDS' committed tokens per sequence (GDN: tokens per sequence)")
     p.add_argument("--trees", type=int, nargs="+", default=None, help="override GRIDS' tree slots")
     p.add_argument("--max-tokens", type=int, default=1 << 19,
                    help="skip grid cases with batch x prefix above this (the XLA reference gathers every page)")
@@ -54,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--gdn-heads", type=int, default=48, help="GDN value heads (the keys are expanded to them)")
+    p.add_argument("--gdn-dim", type=int, default=128, help="GDN key and value head dim")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=5)
@@ -66,10 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass
 class Problem:
-    """One call's inputs (a batch of page-table sets for timing) and the bytes it must move."""
+    """One call's arguments, page-table sets for timing (args[3] is replaced by one per step), the index of a
+    small float argument that the timing loop perturbs with its carry, and the bytes a call must move."""
 
-    args: tuple          # the call's arguments, page table = args[3] of set 0
-    tables: jax.Array    # [n_sets, B, W] page tables over disjoint pages
+    args: tuple
+    tables: jax.Array | None  # [n_sets, B, W] page tables over disjoint pages, or None
+    perturb: int
     nbytes: int
 
 
@@ -107,7 +113,7 @@ def decode_problem(rng, key, b, h, hkv, d, ps, lengths, dtype, n_sets=1, non_res
     q = jax.random.normal(kq, (b, h, d), jnp.float32).astype(dtype)
     isz = jnp.dtype(dtype).itemsize
     nbytes = int(lengths.sum()) * hkv * d * 2 * isz + 2 * b * h * d * isz
-    return Problem((q, k, v, pts[0], jnp.asarray(lengths), d ** -0.5), pts, nbytes)
+    return Problem((q, k, v, pts[0], jnp.asarray(lengths), d ** -0.5), pts, 0, nbytes)
 
 
 def tree_problem(rng, key, b, n, h, hkv, d, ps, starts, dtype, n_sets=1, non_resident=()) -> Problem:
@@ -125,7 +131,23 @@ def tree_problem(rng, key, b, n, h, hkv, d, ps, starts, dtype, n_sets=1, non_res
     anc = tree_ops.tree_ancestors(jnp.asarray(_tree_parents(rng, b, n)))
     isz = jnp.dtype(dtype).itemsize
     nbytes = (int(starts.sum()) + b * n) * hkv * d * 2 * isz + 2 * b * n * h * d * isz
-    return Problem((q, k, v, pts[0], jnp.asarray(starts), k_tree, v_tree, anc, d ** -0.5), pts, nbytes)
+    return Problem((q, k, v, pts[0], jnp.asarray(starts), k_tree, v_tree, anc, d ** -0.5), pts, 0, nbytes)
+
+
+def gdn_problem(key, b, t, h, dk, dv, n_pad=0) -> Problem:
+    """Model-like fp32 inputs: L2-normalised q/k, beta in (0,1), g <= 0; the last n_pad tokens are padding."""
+    from dflash_jax.models import gdn
+
+    ks = jax.random.split(key, 6)
+    m = (jnp.arange(t) < t - n_pad).astype(jnp.float32)[None, :, None]
+    q = gdn.l2norm(jax.random.normal(ks[0], (b, t, h, dk))) * dk ** -0.5
+    k = gdn.l2norm(jax.random.normal(ks[1], (b, t, h, dk))) * m[..., None]
+    v = jax.random.normal(ks[2], (b, t, h, dv)) * m[..., None]
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h))) * m
+    g = -jax.random.exponential(ks[4], (b, t, h)) * m
+    s0 = jax.random.normal(ks[5], (b, h, dk, dv))
+    nbytes = 4 * (b * t * h * (2 * dk + 2 * dv + 2) + 2 * b * h * dk * dv)
+    return Problem((q, k, v, beta, g, s0), None, 3, nbytes)
 
 
 # ------------------------------------------------------------------------------------------ implementations
@@ -139,14 +161,22 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
         from pallas_kernels import paged_decode as m
 
         kernel, pallas_fn, ref_fn = m.paged_decode, m.paged_decode_pallas, m.paged_decode_reference
-    else:
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
+                                     num_partitions=None)
+    elif op == "tree_attention":
         from pallas_kernels import tree_attention as m
 
         kernel, pallas_fn, ref_fn = m.tree_attention, m.tree_attention_pallas, m.tree_attention_reference
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
+                                     num_partitions=None)
+    else:
+        from pallas_kernels import gdn as m
+
+        kernel, pallas_fn, ref_fn = m.gdn_chunked, m.gdn_chunked_pallas, m.gdn_chunked_reference
+        defaults = lambda args: m.default_config(args[0].shape[-1], args[2].shape[-1])  # noqa: E731
 
     def explicit(*args, **config):
-        q, k = args[0], args[1]
-        cfg = dict(m.default_config(q.shape[-1], k.shape[1], k.dtype), num_partitions=None)
+        cfg = defaults(args)
         cfg.update(config)
         return kernel(*args, interpret=current_backend() not in GPU_BACKENDS, **cfg)
 
@@ -162,6 +192,9 @@ def check_cases(op: str, a: argparse.Namespace) -> list[dict]:
         cases = [dict(b=4, h=h, hkv=hkv, d=d, lengths=[1, ps, ps + 1, 64 * ps], non_resident=[(3, 5), (2, 0)]),
                  dict(b=3, h=12, hkv=2, d=64, lengths=[320, 7, 8], non_resident=[(0, 2)]),
                  dict(b=2, h=8, hkv=8, d=128, lengths=[4800, 2333], non_resident=[])]
+    elif op == "gdn_chunked":
+        gh, gd = a.gdn_heads, a.gdn_dim
+        cases = [dict(b=2, t=300, h=gh, dk=gd, dv=gd, n_pad=5), dict(b=1, t=33, h=4, dk=64, dv=32, n_pad=0)]
     else:
         cases = [dict(b=3, n=17, h=h, hkv=hkv, d=d, starts=[0, ps + 1, 64 * ps], non_resident=[(2, 3)]),
                  dict(b=2, n=64, h=h, hkv=hkv, d=d, starts=[40 * ps, 5], non_resident=[]),
@@ -187,7 +220,11 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
             dtype = jnp.dtype(dt)
             key = jax.random.key(100 + ci)
             c = dict(case)
-            if op == "paged_decode":
+            if op == "gdn_chunked":
+                if dt != "float32":
+                    continue  # the model feeds the delta rule fp32
+                prob = gdn_problem(key, **c)
+            elif op == "paged_decode":
                 prob = decode_problem(rng, key, c.pop("b"), c.pop("h"), c.pop("hkv"), c.pop("d"), a.page_size,
                                       c.pop("lengths"), dtype, non_resident=c.pop("non_resident"))
             else:
@@ -197,12 +234,15 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
             f32 = tuple(x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype == dtype else x for x in args)
             with jax.default_matmul_precision("highest"):
                 oracle = jax.block_until_ready(ref_fn(*f32))
-            variants = {"kernel": lambda: pallas_fn(*args),
-                        "kernel_s1": lambda: explicit(*args, num_partitions=1),
-                        "reference": lambda: ref_fn(*args)}
+            variants = {"kernel": lambda: pallas_fn(*args), "reference": lambda: ref_fn(*args)}
+            if op == "gdn_chunked":  # the registered one is opt-in, so check the kernel entry point too
+                variants["kernel_c64"] = lambda: explicit(*args, chunk=64)
+            else:
+                variants["kernel_s1"] = lambda: explicit(*args, num_partitions=1)
             for name, fn in variants.items():
                 tag = f"{op}.check.c{ci}.{dt}.{name}"
-                err = _rel_err(jax.block_until_ready(fn()), oracle)
+                err = max(_rel_err(o, r) for o, r in zip(jax.tree.leaves(jax.block_until_ready(fn())),
+                                                       jax.tree.leaves(oracle)))
                 figures[f"{tag}.rel_err"] = _finite(err)
                 good = bool(np.isfinite(err) and err <= TOL[dt])
                 if name != "reference":
@@ -239,26 +279,33 @@ def measure_copy_bandwidth(nbytes: int, repeats: int = 10) -> tuple[float, float
 
 
 def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
-    """Median seconds per call: ``steps`` calls in one jitted scan cycling over the page-table sets."""
-    n_sets = prob.tables.shape[0]
+    """Median seconds per call: ``steps`` calls in one jitted scan cycling over the page-table sets, with
+    ``args[perturb]`` shifted by ``0 * carry`` (not folded for floats) so no call is loop-invariant."""
     steps = int(np.clip(2e9 // max(prob.nbytes, 1), 8, 128))
-    *dyn, scale = prob.args
+    arrays = [i for i, x in enumerate(prob.args) if isinstance(x, jax.Array)]
+    tables = prob.tables
 
     @jax.jit
     def loop(dyn, tables):
         def body(acc, i):
-            a = list(dyn)
-            a[3] = tables[i % n_sets]
-            return acc + jnp.sum(fn(*a, scale), dtype=jnp.float32), None
+            a = list(prob.args)
+            for j, x in zip(arrays, dyn):
+                a[j] = x
+            if tables is not None:
+                a[3] = tables[i % tables.shape[0]]
+            a[prob.perturb] = a[prob.perturb] + (acc * 0.0).astype(a[prob.perturb].dtype)
+            out = fn(*a)
+            return acc + sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(out)), None
 
         acc, _ = lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(steps))
         return acc
 
-    jax.block_until_ready(loop(dyn, prob.tables))
+    dyn = tuple(prob.args[j] for j in arrays)
+    jax.block_until_ready(loop(dyn, tables))
     ts = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(loop(dyn, prob.tables))
+        jax.block_until_ready(loop(dyn, tables))
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) / steps
 
@@ -266,11 +313,14 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
 GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' region first
     "paged_decode": (([1, 8, 32, 64], [512, 2048, 8192, 32768], [None]), ([1, 64], [2048, 8192], [None])),
     "tree_attention": (([16, 64, 1], [2048, 8192, 16384], [16, 32, 64]), ([16, 64], [4096], [16, 32])),
+    "gdn_chunked": (([1, 4, 16], [1024, 4096], [None]), ([1, 4], [2048], [None])),
 }
 SWEEP = {  # kernel configs timed at one representative case (B, tree, prefix), after the grid
     "paged_decode": ((16, None, 8192), [dict(pages_per_block=ppb, num_warps=w) for ppb in (1, 2, 4, 8) for w in (4, 8)]),
     "tree_attention": ((16, 32, 8192), [dict(block_m=bm, pages_per_block=ppb, num_warps=w)
                                         for bm in (32, 64, 128) for ppb in (1, 2, 4) for w in (4, 8)]),
+    "gdn_chunked": ((4, None, 2048), [dict(chunk=c, block_v=bv, num_warps=w)
+                                     for c in (16, 32, 64) for bv in (16, 32, 64) for w in (4,)]),
 }
 
 
@@ -283,9 +333,11 @@ def grid(op: str, a: argparse.Namespace) -> list[tuple]:
 
 
 def _problem(op, a, b, n, p, dtype, rng):
-    set_bytes = b * p * a.kv_heads * a.head_dim * 2 * dtype.itemsize
-    n_sets = int(np.clip(-(-(256 << 20) // max(set_bytes, 1)), 1, 16))  # >= 256 MiB of distinct pages: not in L2
     key = jax.random.key(b * 7919 + p + (n or 0))
+    if op == "gdn_chunked":
+        return gdn_problem(key, b, p, a.gdn_heads, a.gdn_dim, a.gdn_dim)
+    set_bytes = b * p * a.kv_heads * a.head_dim * 2 * dtype.itemsize
+    n_sets = int(np.clip(-(-(256 << 20) // max(set_bytes, 1)), 2, 16))  # >= 256 MiB of distinct pages: not in L2
     if op == "paged_decode":
         return decode_problem(rng, key, b, a.heads, a.kv_heads, a.head_dim, a.page_size, [p] * b, dtype, n_sets)
     return tree_problem(rng, key, b, n, a.heads, a.kv_heads, a.head_dim, a.page_size, [p] * b, dtype, n_sets)
@@ -307,15 +359,16 @@ def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, err
     prob = _problem(op, a, b, n, p, dtype, np.random.default_rng(2))
     ref = jax.block_until_ready(ref_fn(*prob.args))
     for cfg in configs:
-        name = ".".join(f"{k.replace('pages_per_block', 'ppb').replace('num_warps', 'w').replace('block_m', 'bm')}{v}"
-                        for k, v in cfg.items())
+        short = {"pages_per_block": "ppb", "num_warps": "w", "block_m": "bm", "block_v": "bv", "chunk": "c"}
+        name = ".".join(f"{short[k]}{v}" for k, v in cfg.items())
         tag = f"{op}.sweep.{name}"
         if time.perf_counter() > deadline:
             skipped.append(tag)
             continue
         fn = lambda *args, cfg=cfg: explicit(*args, **cfg)  # noqa: E731
         try:
-            figures[f"{tag}.rel_err"] = _finite(_rel_err(fn(*prob.args), ref))
+            out = jax.tree.leaves(fn(*prob.args))
+            figures[f"{tag}.rel_err"] = _finite(max(_rel_err(o, r) for o, r in zip(out, jax.tree.leaves(ref))))
             t = time_call(fn, prob, a.repeats)
         except Exception as e:
             errors.setdefault(op, []).append(f"{tag}: {type(e).__name__}: {str(e)[:1000]}")
