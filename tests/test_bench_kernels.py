@@ -31,7 +31,7 @@ def test_check_then_time_writes_result(tmp_path):
     assert f["device.copy_bytes_per_s"] > 0
     for k in ("kernel_us", "reference_us", "speedup", "bytes_per_s", "bandwidth_fraction"):
         assert f[f"tree_attention.b2.t16.p48.{k}"] > 0
-    assert rec["extra"]["errors"] == {} and rec["extra"]["skipped"] == []
+    assert rec["extra"]["errors"] == {} and rec["extra"]["skipped"] == [] and rec["extra"]["complete"]
 
 
 def test_failing_kernel_is_recorded_and_others_continue(tmp_path, monkeypatch):

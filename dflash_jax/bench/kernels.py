@@ -38,7 +38,7 @@ from jax import lax
 
 from dflash_jax.bench import results
 
-OPS = ("paged_decode", "tree_attention", "gdn_chunked")
+OPS = ("tree_attention", "paged_decode", "gdn_chunked")  # timing order: the first target first
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
@@ -311,7 +311,7 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
 
 
 GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' region first
-    "paged_decode": (([1, 8, 32, 64], [512, 2048, 8192, 32768], [None]), ([1, 64], [2048, 8192], [None])),
+    "paged_decode": (([1, 16, 64], [512, 2048, 8192, 32768], [None]), ([1, 64], [2048, 8192], [None])),
     "tree_attention": (([16, 64, 1], [2048, 8192, 16384], [16, 32, 64]), ([16, 64], [4096], [16, 32])),
     "gdn_chunked": (([1, 4, 16], [1024, 4096], [None]), ([1, 4], [2048], [None])),
 }
@@ -445,6 +445,8 @@ def summarize(figures: dict) -> None:
 # ------------------------------------------------------------------------------------------ entry
 
 def run(a: argparse.Namespace, command: str) -> int:
+    """Checks of every op first, then the timing grids (ops in ``--ops`` order), then the sweeps. The result file
+    is rewritten after every phase, so a crash (e.g. a kernel that faults the device) keeps what came before."""
     t0 = time.perf_counter()
     deadline = t0 + a.budget_s
     dev = jax.devices()[0]
@@ -452,34 +454,48 @@ def run(a: argparse.Namespace, command: str) -> int:
     figures: dict = {}
     errors: dict[str, list[str]] = {}
     skipped: list[str] = []
+    out_path = a.out
+
+    def save(final: bool = False) -> None:
+        nonlocal out_path
+        figures["wall_s"] = time.perf_counter() - t0
+        if final:
+            results.print_table(figures)
+        if a.no_write:
+            return
+        extra = {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "page_size": a.page_size,
+                 "gdn_heads": a.gdn_heads, "gdn_dim": a.gdn_dim, "dtype": a.dtype, "quick": a.quick,
+                 "errors": errors, "skipped": skipped, "tolerances": TOL, "backend": jax.default_backend(),
+                 "complete": final}
+        out_path = results.write_result("kernels", figures, command, extra, out_dir=a.out_dir, out_path=out_path)
+        if final:
+            print(f"wrote {out_path}")
+
     copy_bw, read_bw = measure_copy_bandwidth(a.copy_bytes)
     figures["device.copy_bytes_per_s"] = copy_bw
     figures["device.read_bytes_per_s"] = read_bw
-    failed = False
     for op in a.ops:
         try:
             good = run_checks(op, a, figures, errors)
         except Exception as e:  # a lowering failure: record it, go on with the other ops
             good = False
-            errors.setdefault(op, []).append(f"check: {type(e).__name__}: {str(e)[:4000]}\n{traceback.format_exc()[-4000:]}")
+            errors.setdefault(op, []).append(f"check: {type(e).__name__}: {str(e)[:4000]}\n"
+                                             f"{traceback.format_exc()[-4000:]}")
             print(f"ERROR {op} check: {type(e).__name__}: {str(e)[:500]}", flush=True)
             figures[f"{op}.check.ok"] = 0
         figures[f"{op}.ok"] = int(good)
-        failed |= not good
-        if good:
-            run_timing(op, a, copy_bw, figures, errors, skipped, deadline)
+        save()
     for op in a.ops:
-        if figures.get(f"{op}.ok") and not a.no_sweep:
+        if figures[f"{op}.ok"]:
+            run_timing(op, a, copy_bw, figures, errors, skipped, deadline)
+            summarize(figures)
+            save()
+    for op in a.ops:
+        if figures[f"{op}.ok"] and not a.no_sweep:
             run_sweep(op, a, copy_bw, figures, errors, skipped, deadline)
     summarize(figures)
-    figures["wall_s"] = time.perf_counter() - t0
-    results.print_table(figures)
-    if not a.no_write:
-        extra = {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "page_size": a.page_size,
-                 "dtype": a.dtype, "quick": a.quick, "errors": errors, "skipped": skipped,
-                 "tolerances": TOL, "backend": jax.default_backend()}
-        path = results.write_result("kernels", figures, command, extra, out_dir=a.out_dir, out_path=a.out)
-        print(f"wrote {path}")
+    save(final=True)
+    failed = [op for op in a.ops if not figures[f"{op}.ok"]]
     if failed:
-        print("FAILED: " + "; ".join(f"{op}: {len(v)} error(s)" for op, v in errors.items()), flush=True)
+        print("FAILED: " + "; ".join(f"{op}: {len(errors.get(op, []))} error(s)" for op in failed), flush=True)
     return 1 if failed else 0
