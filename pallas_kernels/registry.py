@@ -41,6 +41,7 @@ _BUILTIN_MODULES = {
     "paged_decode": "pallas_kernels.paged_decode",
     "tree_attention": "pallas_kernels.tree_attention",
     "gdn_chunked": "pallas_kernels.gdn",
+    "gdn_step": "pallas_kernels.gdn",
 }
 
 

@@ -71,3 +71,14 @@ def test_gdn_chunked_lowers(platform):
     fn = lambda *a: gdn.gdn_chunked(*a, **cfg)  # noqa: E731
     text = lower(platform, fn, x, x, sd((b, t, h, dv), jnp.float32), gates, gates, sd((b, h, dk, dv), jnp.float32))
     assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+def test_gdn_step_lowers(platform):
+    b, h, dk, dv = 64, CFG.lin_num_v_heads, CFG.lin_k_dim, CFG.lin_v_dim
+    x = sd((b, h, dk), jnp.float32)
+    gates = sd((b, h), jnp.float32)
+    block_v = gdn.default_config(dk, dv, backend=platform)["block_v"]
+    fn = lambda *a: gdn.gdn_step(*a, block_v=block_v)  # noqa: E731
+    text = lower(platform, fn, x, x, sd((b, h, dv), jnp.float32), gates, gates, sd((b, h, dk, dv), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in text

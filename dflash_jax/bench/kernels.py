@@ -1,6 +1,6 @@
 """``python -m dflash_jax.bench kernels --out FILE.json``: the Pallas kernels against their references on this device.
 
-For every kernel op (``paged_decode``, ``tree_attention``, ``gdn_chunked``):
+For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gdn_step``):
 
 1. **Check** (before any timing): the registered Pallas implementation (compiled for this device; interpret
    mode off GPU) and the XLA reference against an f32 oracle (the reference at HIGHEST matmul precision on
@@ -38,7 +38,7 @@ from jax import lax
 
 from dflash_jax.bench import results
 
-OPS = ("tree_attention", "paged_decode", "gdn_chunked")  # timing order: the first target first
+OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step")  # timing order: the first target first
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
@@ -150,6 +150,13 @@ def gdn_problem(key, b, t, h, dk, dv, n_pad=0) -> Problem:
     return Problem((q, k, v, beta, g, s0), None, 3, nbytes)
 
 
+def gdn_step_problem(key, b, h, dk, dv) -> Problem:
+    """One decode token: ``gdn_problem`` with T = 1, squeezed; moves the state in and out once."""
+    p = gdn_problem(key, b, 1, h, dk, dv)
+    q, k, v, beta, g, s0 = p.args
+    return Problem((q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], s0), None, 3, p.nbytes)
+
+
 # ------------------------------------------------------------------------------------------ implementations
 
 def implementations(op: str) -> tuple[Callable, Callable, Callable]:
@@ -169,11 +176,16 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
         kernel, pallas_fn, ref_fn = m.tree_attention, m.tree_attention_pallas, m.tree_attention_reference
         defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
                                      num_partitions=None)
-    else:
+    elif op == "gdn_chunked":
         from pallas_kernels import gdn as m
 
         kernel, pallas_fn, ref_fn = m.gdn_chunked, m.gdn_chunked_pallas, m.gdn_chunked_reference
         defaults = lambda args: m.default_config(args[0].shape[-1], args[2].shape[-1])  # noqa: E731
+    else:
+        from pallas_kernels import gdn as m
+
+        kernel, pallas_fn, ref_fn = m.gdn_step, m.gdn_step_pallas, m.gdn_step_reference
+        defaults = lambda args: dict(block_v=m.default_config(args[0].shape[-1], args[2].shape[-1])["block_v"])  # noqa: E731
 
     def explicit(*args, **config):
         cfg = defaults(args)
@@ -195,6 +207,8 @@ def check_cases(op: str, a: argparse.Namespace) -> list[dict]:
     elif op == "gdn_chunked":
         gh, gd = a.gdn_heads, a.gdn_dim
         cases = [dict(b=2, t=300, h=gh, dk=gd, dv=gd, n_pad=5), dict(b=1, t=33, h=4, dk=64, dv=32, n_pad=0)]
+    elif op == "gdn_step":
+        cases = [dict(b=8, h=a.gdn_heads, dk=a.gdn_dim, dv=a.gdn_dim), dict(b=3, h=5, dk=64, dv=32)]
     else:
         cases = [dict(b=3, n=17, h=h, hkv=hkv, d=d, starts=[0, ps + 1, 64 * ps], non_resident=[(2, 3)]),
                  dict(b=2, n=64, h=h, hkv=hkv, d=d, starts=[40 * ps, 5], non_resident=[]),
@@ -220,10 +234,10 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
             dtype = jnp.dtype(dt)
             key = jax.random.key(100 + ci)
             c = dict(case)
-            if op == "gdn_chunked":
+            if op in ("gdn_chunked", "gdn_step"):
                 if dt != "float32":
                     continue  # the model feeds the delta rule fp32
-                prob = gdn_problem(key, **c)
+                prob = (gdn_problem if op == "gdn_chunked" else gdn_step_problem)(key, **c)
             elif op == "paged_decode":
                 prob = decode_problem(rng, key, c.pop("b"), c.pop("h"), c.pop("hkv"), c.pop("d"), a.page_size,
                                       c.pop("lengths"), dtype, non_resident=c.pop("non_resident"))
@@ -235,8 +249,10 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
             with jax.default_matmul_precision("highest"):
                 oracle = jax.block_until_ready(ref_fn(*f32))
             variants = {"kernel": lambda: pallas_fn(*args), "reference": lambda: ref_fn(*args)}
-            if op == "gdn_chunked":  # the registered one is opt-in, so check the kernel entry point too
+            if op == "gdn_chunked":
                 variants["kernel_c64"] = lambda: explicit(*args, chunk=64)
+            elif op == "gdn_step":
+                variants["kernel_bv64"] = lambda: explicit(*args, block_v=min(64, args[2].shape[-1]))
             else:
                 variants["kernel_s1"] = lambda: explicit(*args, num_partitions=1)
             for name, fn in variants.items():
@@ -314,6 +330,7 @@ GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' re
     "paged_decode": (([1, 16, 64], [512, 2048, 8192, 32768], [None]), ([1, 64], [2048, 8192], [None])),
     "tree_attention": (([16, 64, 1], [2048, 8192, 16384], [16, 32, 64]), ([16, 64], [4096], [16, 32])),
     "gdn_chunked": (([1, 4, 16], [1024, 4096], [None]), ([1, 4], [2048], [None])),
+    "gdn_step": (([1, 16, 64], [1], [None]), ([16, 64], [1], [None])),  # "prefix" 1 = one token
 }
 SWEEP = {  # kernel configs timed at one representative case (B, tree, prefix), after the grid
     "paged_decode": ((16, None, 8192), [dict(pages_per_block=ppb, num_warps=w) for ppb in (1, 2, 4, 8) for w in (4, 8)]),
@@ -321,13 +338,14 @@ SWEEP = {  # kernel configs timed at one representative case (B, tree, prefix), 
                                         for bm in (32, 64, 128) for ppb in (1, 2, 4) for w in (4, 8)]),
     "gdn_chunked": ((4, None, 2048), [dict(chunk=c, block_v=bv, num_warps=w)
                                      for c in (16, 32, 64) for bv in (16, 32, 64) for w in (4,)]),
+    "gdn_step": ((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)]),
 }
 
 
 def grid(op: str, a: argparse.Namespace) -> list[tuple]:
     """(batch, tree slots or None, prefix) cases of ``op``, without those above ``--max-tokens``."""
     batches, prefixes, trees = GRIDS[op][1 if a.quick else 0]
-    batches, prefixes = a.batches or batches, a.prefixes or prefixes
+    batches, prefixes = a.batches or batches, (a.prefixes or prefixes) if op != "gdn_step" else [1]
     trees = (a.trees or trees) if op == "tree_attention" else [None]
     return [(b, n, p) for b in batches for n in trees for p in prefixes if b * p <= a.max_tokens]
 
@@ -336,6 +354,8 @@ def _problem(op, a, b, n, p, dtype, rng):
     key = jax.random.key(b * 7919 + p + (n or 0))
     if op == "gdn_chunked":
         return gdn_problem(key, b, p, a.gdn_heads, a.gdn_dim, a.gdn_dim)
+    if op == "gdn_step":
+        return gdn_step_problem(key, b, a.gdn_heads, a.gdn_dim, a.gdn_dim)
     set_bytes = b * p * a.kv_heads * a.head_dim * 2 * dtype.itemsize
     n_sets = int(np.clip(-(-(256 << 20) // max(set_bytes, 1)), 2, 16))  # >= 256 MiB of distinct pages: not in L2
     if op == "paged_decode":
@@ -353,7 +373,7 @@ def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, err
     against the reference on the same inputs): data to pick the per-device defaults from."""
     _, ref_fn, explicit = implementations(op)
     (b, n, p), configs = SWEEP[op]
-    b, p = (a.batches or [b])[0], (a.prefixes or [p])[0]
+    b, p = (a.batches or [b])[0], (a.prefixes or [p])[0] if op != "gdn_step" else 1
     n = (a.trees or [n])[0] if n else None
     dtype = jnp.dtype(a.dtype)
     prob = _problem(op, a, b, n, p, dtype, np.random.default_rng(2))
@@ -458,6 +478,7 @@ def run(a: argparse.Namespace, command: str) -> int:
 
     def save(final: bool = False) -> None:
         nonlocal out_path
+        figures.pop("wall_s", None)  # keep it last in the table
         figures["wall_s"] = time.perf_counter() - t0
         if final:
             results.print_table(figures)

@@ -133,3 +133,63 @@ def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: ja
         name=f"gdn_chunked_c{chunk}_dk{dk}_bv{block_v}",
     )(q, k, v, beta, g, state)
     return o[:, :t], s
+
+
+# ---------------------------------------------------------------------------------------------- single step
+
+def _step_kernel(q_ref, k_ref, v_ref, bg_ref, s_ref, o_ref, s_out_ref):
+    # q_ref, k_ref [dk]; v_ref [BV]; bg_ref [2] = (beta, g); s_ref [dk, BV]
+    q = q_ref[...].astype(jnp.float32)
+    k = k_ref[...].astype(jnp.float32)
+    v = v_ref[...].astype(jnp.float32)
+    beta = bg_ref[0].astype(jnp.float32)
+    g = bg_ref[1].astype(jnp.float32)
+    s = s_ref[...].astype(jnp.float32) * jnp.exp(g)
+    read = jnp.sum(s * k[:, None], axis=0)                       # S^T k  [BV]
+    s = s + k[:, None] * (beta * (v - read))[None, :]
+    o_ref[...] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+    s_out_ref[...] = s.astype(s_out_ref.dtype)
+
+
+def step_block_plan(*, dk: int, dv: int, block_v: int) -> dict:
+    """Static tiles of a single-step launch (no dots: elementwise products and reductions only)."""
+    if dv % block_v:
+        raise ValueError(f"gdn_step: dv={dv} is not a multiple of block_v={block_v}")
+    check_block_shapes("gdn_step", {"q": (dk,), "v": (block_v,), "state": (dk, block_v)})
+    return dict(n_v_blocks=dv // block_v)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+def gdn_step(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array, *,
+             block_v: int = 32, num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """One decode token (``dflash_jax.models.gdn.gdn_step``'s contract), the state read and written once.
+
+    q, k [B, H, dk]; v [B, H, dv]; beta, g [B, H]; state [B, H, dk, dv] (fp32). Returns (o [B, H, dv] in v's
+    dtype, new state in state's dtype). Grid (B, H, dv / block_v): the state's value columns are independent.
+    """
+    b, h, dk = q.shape
+    dv = v.shape[-1]
+    if k.shape != q.shape or v.shape[:2] != (b, h) or beta.shape != (b, h) or g.shape != (b, h) \
+            or state.shape != (b, h, dk, dv):
+        raise ValueError(f"gdn_step: q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, g {g.shape}, "
+                         f"state {state.shape} disagree")
+    plan = step_block_plan(dk=dk, dv=dv, block_v=block_v)
+    bg = jnp.stack([beta, g], axis=-1).astype(jnp.float32)  # [B, H, 2]
+    o, s = pl.pallas_call(
+        _step_kernel,
+        grid=(b, h, plan["n_v_blocks"]),
+        in_specs=[
+            pl.BlockSpec((None, None, dk), lambda i, j, c: (i, j, 0)),
+            pl.BlockSpec((None, None, dk), lambda i, j, c: (i, j, 0)),
+            pl.BlockSpec((None, None, block_v), lambda i, j, c: (i, j, c)),
+            pl.BlockSpec((None, None, 2), lambda i, j, c: (i, j, 0)),
+            pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c)),
+        ],
+        out_specs=[pl.BlockSpec((None, None, block_v), lambda i, j, c: (i, j, c)),
+                   pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c))],
+        out_shape=[jax.ShapeDtypeStruct((b, h, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"gdn_step_dk{dk}_bv{block_v}",
+    )(q, k, v, bg, state)
+    return o, s
