@@ -521,6 +521,10 @@ def run(a: argparse.Namespace, command: str) -> int:
             run_sweep(op, a, copy_bw, figures, errors, skipped, deadline)
     summarize(figures)
     save(final=True)
+    print("\ntargets: " + ", ".join(
+        f"{k} {figures[k]:.3g}" for k in ("tree_attention.b16.speedup", "tree_attention.b64.speedup",
+                                          "paged_decode.bandwidth_fraction") if figures.get(k) is not None)
+          + "; ok: " + ", ".join(f"{op} {figures[f'{op}.ok']}" for op in a.ops), flush=True)
     failed = [op for op in a.ops if not figures[f"{op}.ok"]]
     if failed:
         print("FAILED: " + "; ".join(f"{op}: {len(errors.get(op, []))} error(s)" for op in failed), flush=True)
