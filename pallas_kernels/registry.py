@@ -10,7 +10,7 @@ Selection, first match wins:
 2. the environment variable ``DFLASH_KERNELS="op=impl,op2=impl2"`` (read at every call, so at trace
    time under ``jax.jit``);
 3. by backend (``jax.default_backend()``, with ROCm told apart from CUDA): on ``gpu``/``cuda``/``rocm``
-   the first of :data:`GPU_PREFERENCE` registered for that backend, otherwise ``"reference"``.
+   the first of :data:`GPU_PREFERENCE` registered (as preferred) for that backend, otherwise ``"reference"``.
 
 An explicit choice (1 or 2) is honoured whatever the backend (a Pallas kernel on CPU then runs in
 interpret mode, which is how the tests exercise it); an unknown name raises ``KeyError`` listing
@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import warnings
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -38,6 +39,9 @@ ANY = "any"
 # Ops whose implementations live in a module of this package: imported on first use by get().
 _BUILTIN_MODULES = {
     "paged_decode": "pallas_kernels.paged_decode",
+    "tree_attention": "pallas_kernels.tree_attention",
+    "gdn_chunked": "pallas_kernels.gdn",
+    "gdn_step": "pallas_kernels.gdn",
 }
 
 
@@ -47,6 +51,7 @@ class Impl:
     name: str
     fn: Callable
     backends: tuple[str, ...]
+    preferred: bool = True  # picked by default on its backends; False = only when asked for by name
 
     def supports(self, backend: str) -> bool:
         b = _normalize_backend(backend)
@@ -65,11 +70,13 @@ def _normalize_backend(backend: str) -> str:
 
 
 def register(op: str, impl_name: str, fn: Callable | None = None, *,
-             backends: Sequence[str] = ("gpu",)) -> Callable:
+             backends: Sequence[str] = ("gpu",), preferred: bool = True) -> Callable:
     """Register ``fn`` as implementation ``impl_name`` of ``op`` for ``backends``.
 
-    backends: any of "gpu" (CUDA or ROCm), "cuda", "rocm", "cpu", "tpu", or "any". Registering the
-    same (op, impl_name) again replaces it. Usable as a decorator when ``fn`` is omitted.
+    backends: any of "gpu" (CUDA or ROCm), "cuda", "rocm", "cpu", "tpu", or "any". preferred=False
+    keeps it out of the backend default (opt-in through ``impl=`` or the environment variable, e.g.
+    for a kernel not yet measured on hardware). Registering the same (op, impl_name) again replaces
+    it. Usable as a decorator when ``fn`` is omitted.
     """
     if isinstance(backends, str):
         backends = (backends,)
@@ -79,7 +86,7 @@ def register(op: str, impl_name: str, fn: Callable | None = None, *,
             raise ValueError(f"register({op!r}, {impl_name!r}): unknown backend {b!r}")
 
     def _do(f: Callable) -> Callable:
-        _REGISTRY.setdefault(op, {})[impl_name] = Impl(op, impl_name, f, bs)
+        _REGISTRY.setdefault(op, {})[impl_name] = Impl(op, impl_name, f, bs, preferred)
         return f
 
     return _do if fn is None else _do(fn)
@@ -143,12 +150,12 @@ def resolve(op: str, impl: str | None = None, *, backend: str | None = None) -> 
     b = _normalize_backend(backend or current_backend())
     if b in GPU_BACKENDS:
         for name in GPU_PREFERENCE:
-            if name in impls and impls[name].supports(b):
+            if name in impls and impls[name].supports(b) and impls[name].preferred:
                 return impls[name]
     if "reference" in impls and impls["reference"].supports(b):
         return impls["reference"]
     for cand in impls.values():
-        if cand.supports(b):
+        if cand.supports(b) and cand.preferred:
             return cand
     raise KeyError(f"op {op!r} has no implementation for backend {b!r}; available: "
                    f"{ {n: i.backends for n, i in impls.items()} }")
@@ -157,6 +164,12 @@ def resolve(op: str, impl: str | None = None, *, backend: str | None = None) -> 
 def get(op: str, impl: str | None = None, *, backend: str | None = None) -> Callable:
     """The implementation function of ``op`` (see the module docstring for the selection order)."""
     return resolve(op, impl, backend=backend).fn
+
+
+def warn_fallback(op: str, err: Exception) -> None:
+    """Say (once per distinct message) that a Pallas implementation handed a shape to the reference."""
+    warnings.warn(f"{op}: the Pallas kernel cannot take this shape ({err}); running the reference instead. "
+                  f"Set {ENV_VAR}={op}=reference to silence this.", RuntimeWarning, stacklevel=3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,6 +256,6 @@ def check_block_shapes(kernel: str, blocks: Mapping[str, Sequence[int]], *,
 
 __all__ = [
     "ANY", "ENV_VAR", "GPU_PREFERENCE", "Impl", "SMEM_BUDGET_BYTES", "check_block_shapes", "current_backend",
-    "get", "implementations", "ops", "parse_overrides", "register", "resolve", "smem_budget_bytes",
+    "get", "implementations", "ops", "parse_overrides", "register", "resolve", "smem_budget_bytes", "warn_fallback",
 ]
 

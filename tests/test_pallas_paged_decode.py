@@ -10,10 +10,13 @@ import jax.numpy as jnp
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from dflash_jax.models import attention
 from pallas_kernels import registry
 from pallas_kernels.paged_decode import block_plan, default_config, paged_decode, paged_decode_reference
 
 # Interpret-mode kernels are big scans: compiling them without LLVM's expensive passes halves test time.
+pytestmark = pytest.mark.xdist_group("pallas")
+
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -23,8 +26,9 @@ def run_kernel(q, k, v, pt, lens, scale, **static):
     return paged_decode.lower(*args, **static).compile(compiler_options=FAST_COMPILE)(q, k, v, pt, lens)
 
 
-def make_case(seed, b, hkv, g, d, page_size, width, lengths, null_tail, dtype):
-    """Random q/pages; each row owns `width` distinct real pages (page 0 = null page, also random)."""
+def make_case(seed, b, hkv, g, d, page_size, width, lengths, null_tail, dtype, non_resident=()):
+    """Random q/pages; each row owns `width` distinct real pages (page 0 = null page, also random);
+    `non_resident` lists (row, logical page) table entries set to -1."""
     rng = np.random.default_rng(seed)
     n_pages = 1 + b * width + 3
     q = rng.normal(size=(b, g * hkv, d)).astype(np.float32)
@@ -35,6 +39,8 @@ def make_case(seed, b, hkv, g, d, page_size, width, lengths, null_tail, dtype):
     if null_tail:  # the engine's tables: 0 past each sequence's last page
         used = -(-lens // page_size)
         pt = np.where(np.arange(width)[None, :] < used[:, None], pt, 0).astype(np.int32)
+    for r, p in non_resident:
+        pt[r, p] = -1
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     return cast(q), cast(k), cast(v), jnp.asarray(pt), jnp.asarray(lens)
 
@@ -57,9 +63,17 @@ def decode_cases(draw):
     ppb = draw(st.sampled_from([p for p in (1, 2, 4) if p * page_size >= 16]))
     parts = draw(st.sampled_from([1, 2, 3, None]))
     null_tail = draw(st.booleans())
+    non_resident = draw(st.lists(st.tuples(st.integers(0, b - 1), st.integers(0, width - 1)), max_size=3))
     seed = draw(st.integers(0, 2**31 - 1))
     return dict(seed=seed, b=b, hkv=hkv, g=g, d=d, page_size=page_size, width=width, lengths=lengths,
-                null_tail=null_tail), dict(pages_per_block=ppb, num_partitions=parts)
+                null_tail=null_tail, non_resident=non_resident), dict(pages_per_block=ppb, num_partitions=parts)
+
+
+def has_visible_key(pt, lens, page_size):
+    """[B] bool: some key j < length sits on a resident page (rows without one are zeros in the kernel)."""
+    pt, lens = np.asarray(pt), np.asarray(lens)
+    used = -(-lens // page_size)
+    return np.asarray([(pt[r, :used[r]] >= 0).any() for r in range(len(lens))])
 
 
 def check(case, static, dtype, tol):
@@ -69,7 +83,10 @@ def check(case, static, dtype, tol):
     ref = np.asarray(paged_decode_reference(q, k, v, pt, lens, scale).astype(jnp.float32))
     assert out.shape == ref.shape == (case["b"], case["g"] * case["hkv"], case["d"])
     assert np.isfinite(out).all()
-    err = np.abs(out - ref).max()
+    vis = has_visible_key(pt, lens, case["page_size"])
+    assert (out[~vis] == 0).all()  # no visible key: zeros (the reference averages masked keys there)
+    out, ref = out[vis], ref[vis]
+    err = np.abs(out - ref).max(initial=0.0)
     if dtype == jnp.float32:
         assert err <= tol, (err, case, static)
     else:
@@ -78,7 +95,9 @@ def check(case, static, dtype, tol):
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 # A GQA group of 6 (the 27B's 24/4), a length at a page boundary, one past it, 1, and a full table.
-EDGE = (dict(seed=1, b=4, hkv=2, g=6, d=64, page_size=16, width=4, lengths=[16, 17, 1, 64], null_tail=True),
+# A non-resident page inside the last row's context, and the first row's only page non-resident.
+EDGE = (dict(seed=1, b=4, hkv=2, g=6, d=64, page_size=16, width=4, lengths=[16, 17, 1, 64], null_tail=True,
+             non_resident=[(3, 1), (0, 0)]),
         dict(pages_per_block=2, num_partitions=2))
 
 
@@ -104,6 +123,36 @@ def test_partitions_agree_and_zero_length_rows_are_zero():
     assert (outs[0][1] == 0).all() and (outs[1][1] == 0).all()  # length 0: documented zeros, not NaN
     ref = np.asarray(paged_decode_reference(q[:1], k, v, pt[:1], lens[:1], 0.25))
     np.testing.assert_allclose(outs[0][:1], ref, atol=1e-5)
+
+
+def test_reference_masks_non_resident_pages():
+    """The reference against a NumPy oracle that lists the visible keys one by one."""
+    case = dict(seed=4, b=3, hkv=2, g=2, d=16, page_size=4, width=5, lengths=[7, 20, 3], null_tail=True,
+                non_resident=[(0, 0), (1, 2), (1, 4)])
+    q, k, v, pt, lens = make_case(dtype=jnp.float32, **case)
+    out = np.asarray(paged_decode_reference(q, k, v, pt, lens, 0.3))
+    qn, kn, vn, ptn = (np.asarray(a, np.float64) for a in (q, k, v, pt))
+    for r, n in enumerate(np.asarray(lens)):
+        keep = [j for j in range(n) if ptn[r, j // 4] >= 0]
+        for h in range(4):
+            ks = np.stack([kn[int(ptn[r, j // 4]), j % 4, h // 2] for j in keep])
+            vs = np.stack([vn[int(ptn[r, j // 4]), j % 4, h // 2] for j in keep])
+            s = ks @ qn[r, h] * 0.3
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(out[r, h], (p / p.sum()) @ vs, atol=1e-5)
+
+
+def test_model_decode_dispatch(monkeypatch):
+    """attention.paged_attention with T = 1 runs the registry's paged_decode (length = position + 1)."""
+    case = dict(seed=6, b=3, hkv=2, g=3, d=16, page_size=8, width=4, lengths=[1, 9, 32], null_tail=True,
+                non_resident=[(2, 1)])
+    q, k, v, pt, lens = make_case(dtype=jnp.float32, **case)
+    pos = (lens - 1)[:, None]
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    ref = np.asarray(attention.paged_attention(q[:, None], k, v, pt, pos, 0.25))
+    np.testing.assert_array_equal(ref, np.asarray(attention.paged_attention_reference(q[:, None], k, v, pt, pos, 0.25)))
+    monkeypatch.setenv(registry.ENV_VAR, "paged_decode=pallas_triton")
+    np.testing.assert_allclose(np.asarray(attention.paged_attention(q[:, None], k, v, pt, pos, 0.25)), ref, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- registry

@@ -87,6 +87,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
                "time to first token with PFlash prompt compression vs full prefill"),
     "concurrency": (lambda p: _lazy("concurrency").add_arguments(p), lambda a, c: _lazy("concurrency").run(a, c),
                     "paired AR / DDTree serving at several concurrencies, fail-closed feature matrix"),
+    "kernels": (lambda p: _lazy("kernels").add_arguments(p), lambda a, c: _lazy("kernels").run(a, c),
+                "Pallas kernels vs their references on this device: check, then time (bandwidth, speedup)"),
 }
 
 

@@ -78,11 +78,11 @@ def validate_figures(figures: dict[str, Any]) -> dict[str, float | int | None]:
 
 
 def write_result(bench: str, figures: dict[str, float], command: str, extra: dict | None = None,
-                 out_dir: str = "experiments/results") -> str:
+                 out_dir: str = "experiments/results", out_path: str | None = None) -> str:
     """Write ``<out_dir>/<bench>_<device>_<yyyymmdd-hhmm>.json`` and return its path.
 
     A file of the same name (same bench, device and minute) is never overwritten: ``-2``, ``-3``...
-    is appended instead.
+    is appended instead. ``out_path`` names the file exactly instead (replaced if it exists).
     """
     import jax
 
@@ -105,6 +105,12 @@ def write_result(bench: str, figures: dict[str, float], command: str, extra: dic
         "figures": figs,
         "extra": extra or {},
     }
+    if out_path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(rec, f, indent=2, sort_keys=False)
+            f.write("\n")
+        return out_path
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{bench}_{dev}_{now:%Y%m%d-%H%M}")
     path, n = stem + ".json", 1

@@ -92,7 +92,7 @@ def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params,
     ctx_v = tuple(attention.gather_pages(v, inp.page_table) for v in dkv.v)
     c = ctx_k[0].shape[1]
     ctx_pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (inp.root.shape[0], c))
-    ctx_valid = (ctx_pos < inp.start[:, None]) & attention.resident_keys(inp.page_table, dkv.k[0].shape[1])
+    ctx_valid = (ctx_pos < inp.start[:, None]) & attention.resident_tokens(inp.page_table, dkv.k[0].shape[1])
     blocks = dflash.make_blocks(dcfg, inp.root)
     logits = dflash.draft_forward(dparams, dcfg, params["embed"], params["lm_head"], blocks, inp.start,
                                   ctx_k, ctx_v, ctx_pos, ctx_valid)

@@ -1,10 +1,14 @@
 """Paged attention entry points for the full-attention layers.
 
-The functions here are the pure-``jnp`` reference; faster kernels plug in behind the same signatures.
 K/V live in pages (``KVPages``): ``k_pages, v_pages: [n_pages, page_size, n_kv_heads, head_dim]``.
 A sequence's page table ``[W]`` lists its physical pages in logical order, 0-padded (page 0 is null).
-An entry < 0 marks a logical page that is not resident (KVFlash): its keys are masked, never read out of
-bounds; writes only ever target resident pages (the host guarantees it).
+A negative entry marks a logical page that is not resident (bounded KV residency): its keys are
+masked, nothing is read from or written to it (reads and writes go to the null page instead).
+
+``paged_attention`` and ``tree_attention`` dispatch through :mod:`pallas_kernels.registry`
+(ops ``"paged_decode"`` for the T = 1 case and ``"tree_attention"``): the pure-``jnp`` bodies are
+``paged_attention_reference`` / ``tree_attention_reference``, the default off GPU; on a GPU the
+Pallas kernels are the default; ``DFLASH_KERNELS=op=impl`` overrides either way.
 """
 
 from __future__ import annotations
@@ -19,36 +23,37 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
              positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V into pages.
 
-    k, v: [B, T, Hkv, D]; page_table: [B, W]; positions, valid: [B, T]. Padding tokens go to the
-    null page, which is never read unmasked.
+    k, v: [B, T, Hkv, D]; page_table: [B, W]; positions, valid: [B, T]. Padding tokens, and tokens
+    whose logical page is not resident (table entry < 0), go to the null page, which is never read unmasked.
     """
     ps = k_pages.shape[1]
     slot_page = jnp.take_along_axis(page_table, jnp.clip(positions // ps, 0, page_table.shape[1] - 1), axis=1)
-    page = jnp.where(valid & (slot_page >= 0), slot_page, 0)
-    off = jnp.where(valid, positions % ps, 0)
+    keep = valid & (slot_page >= 0)
+    page = jnp.where(keep, slot_page, 0)
+    off = jnp.where(keep, positions % ps, 0)
     k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype))
     v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype))
     return k_pages, v_pages
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D] (non-resident pages read page 0)."""
+    """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D] (non-resident pages read as the null page)."""
     g = pages[jnp.maximum(page_table, 0)]  # [B, W, ps, Hkv, D]
     b, w, ps = g.shape[:3]
     return g.reshape((b, w * ps) + g.shape[3:])
 
 
-def resident_keys(page_table: jax.Array, page_size: int) -> jax.Array:
-    """[B, W] -> [B, W*ps] bool: key j lies in a resident page (table entry >= 0)."""
+def resident_tokens(page_table: jax.Array, page_size: int) -> jax.Array:
+    """[B, W] page table -> [B, W*page_size] bool: the token's logical page is resident (entry >= 0)."""
     return jnp.repeat(page_table >= 0, page_size, axis=1)
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
-                    q_positions: jax.Array, scale: float) -> jax.Array:
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                              q_positions: jax.Array, scale: float) -> jax.Array:
     """Causal GQA attention of new queries over a sequence's paged K/V (already holding them).
 
-    q: [B, T, H, D]; q_positions: [B, T] absolute positions; key j is visible iff j <= q_position.
-    Returns [B, T, H, D] in q's dtype. Softmax in float32.
+    q: [B, T, H, D]; q_positions: [B, T] absolute positions; key j is visible iff j <= q_position and
+    its page is resident. Returns [B, T, H, D] in q's dtype. Softmax in float32.
     """
     k = gather_pages(k_pages, page_table)
     v = gather_pages(v_pages, page_table)
@@ -58,20 +63,35 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     acc = jnp.promote_types(q.dtype, jnp.float32)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc) * scale
     kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
-    mask = (kv_pos[None, None, :] <= q_positions[:, :, None]) & resident_keys(page_table, k_pages.shape[1])[:, None]
+    mask = (kv_pos[None, None, :] <= q_positions[:, :, None]) & resident_tokens(page_table, k_pages.shape[1])[:, None]
     s = jnp.where(mask[:, None, None], s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=acc)
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
-def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, start: jax.Array,
-                   k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float) -> jax.Array:
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                    q_positions: jax.Array, scale: float) -> jax.Array:
+    """:func:`paged_attention_reference`'s contract; a single new token (T = 1) runs the registry's
+    ``"paged_decode"`` op (length = q_position + 1), longer inputs the reference."""
+    if q.shape[1] == 1:
+        from pallas_kernels import registry
+
+        impl = registry.resolve("paged_decode")
+        if impl.name != "reference":
+            lengths = q_positions[:, 0].astype(jnp.int32) + 1
+            return impl.fn(q[:, 0], k_pages, v_pages, page_table, lengths, scale)[:, None]
+    return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, scale)
+
+
+def tree_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                             start: jax.Array, k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array,
+                             scale: float) -> jax.Array:
     """Tree queries over each sequence's committed paged prefix plus its own tree.
 
-    q: [B, N, H, D]; the prefix is keys at positions < start [B] read through page_table [B, W];
-    k_tree, v_tree: [B, N, Hkv, D] the tree's own K/V, visible to slot i iff ancestors[b, i, j].
-    One softmax over prefix and tree keys together. Returns [B, N, H, D] in q's dtype.
+    q: [B, N, H, D]; the prefix is keys at positions < start [B] (on resident pages) read through
+    page_table [B, W]; k_tree, v_tree: [B, N, Hkv, D] the tree's own K/V, visible to slot i iff
+    ancestors[b, i, j]. One softmax over prefix and tree keys together. Returns [B, N, H, D] in q's dtype.
     """
     kp = gather_pages(k_pages, page_table)
     vp = gather_pages(v_pages, page_table)
@@ -81,11 +101,19 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     qg = q.reshape(b, n, hkv, h // hkv, d)
     s_pre = jnp.einsum("btkgd,bskd->bkgts", qg, kp, preferred_element_type=acc) * scale
     s_tree = jnp.einsum("btkgd,bskd->bkgts", qg, k_tree.astype(q.dtype), preferred_element_type=acc) * scale
-    pre_mask = (jnp.arange(kp.shape[1], dtype=jnp.int32)[None, :] < start[:, None]) & resident_keys(
-        page_table, k_pages.shape[1])  # [B, S]
+    pre_mask = ((jnp.arange(kp.shape[1], dtype=jnp.int32)[None, :] < start[:, None])
+                & resident_tokens(page_table, k_pages.shape[1]))  # [B, S]
     s_pre = jnp.where(pre_mask[:, None, None, None, :], s_pre, _NEG)
     s_tree = jnp.where(ancestors[:, None, None], s_tree, _NEG)
     p = jax.nn.softmax(jnp.concatenate([s_pre, s_tree], axis=-1), axis=-1)
     v_all = jnp.concatenate([vp, v_tree.astype(vp.dtype)], axis=1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_all.dtype), v_all, preferred_element_type=acc)
     return o.reshape(b, n, h, d).astype(q.dtype)
+
+
+def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, start: jax.Array,
+                   k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float) -> jax.Array:
+    """:func:`tree_attention_reference`'s contract, run by the registry's ``"tree_attention"`` op."""
+    from pallas_kernels import registry
+
+    return registry.get("tree_attention")(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)

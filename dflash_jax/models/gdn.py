@@ -24,6 +24,13 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def gdn_step(q, k, v, beta, g, state):
+    """:func:`gdn_step_reference`'s contract through the kernel registry's ``"gdn_step"`` op."""
+    from pallas_kernels import registry
+
+    return registry.get("gdn_step")(q, k, v, beta, g, state)
+
+
+def gdn_step_reference(q, k, v, beta, g, state):
     """One token for every row/head: q,k [B,H,dk], v [B,H,dv], beta,g [B,H] -> (o [B,H,dv], state)."""
     state = state * jnp.exp(g)[..., None, None]
     read = jnp.einsum("bhkv,bhk->bhv", state, k, precision=HI)
@@ -37,7 +44,7 @@ def gdn_recurrent(q, k, v, beta, g, state):
     """Token-by-token form (lax.scan over T). Returns (o [B,T,H,dv], final state)."""
 
     def body(s, xs):
-        o, s = gdn_step(*xs, s)
+        o, s = gdn_step_reference(*xs, s)
         return s, o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, beta, g))
@@ -70,6 +77,14 @@ def _chunk(q, k, v, beta, g, s0):
 
 
 def gdn_chunked(q, k, v, beta, g, state, chunk: int = 64):
+    """The chunked form through the kernel registry's ``"gdn_chunked"`` op (:func:`gdn_chunked_reference`'s
+    contract; a kernel may pick its own chunk length, the result is the same recurrence)."""
+    from pallas_kernels import registry
+
+    return registry.get("gdn_chunked")(q, k, v, beta, g, state, chunk)
+
+
+def gdn_chunked_reference(q, k, v, beta, g, state, chunk: int = 64):
     """Chunked (WY) form: sequential over chunks, matmuls inside. T need not divide by chunk."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]

@@ -18,9 +18,17 @@ from pallas_kernels.paged_decode.reference import paged_decode_reference
 
 def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                         lengths: jax.Array, scale: float) -> jax.Array:
-    """The registered Pallas implementation: tuned defaults, flash-decoding split chosen by batch."""
+    """The registered Pallas implementation: tuned defaults, flash-decoding split chosen by batch. Shapes the
+    Triton tiles cannot take (e.g. a head_dim that is not a power of two) run the reference, with a warning."""
     backend = registry.current_backend()
     cfg = default_config(q.shape[-1], k_pages.shape[1], k_pages.dtype, backend=backend)
+    try:
+        block_plan(batch=q.shape[0], n_heads=q.shape[1], n_kv_heads=k_pages.shape[2], head_dim=q.shape[-1],
+                   page_size=k_pages.shape[1], width=page_table.shape[1], dtype=k_pages.dtype,
+                   pages_per_block=cfg["pages_per_block"], num_partitions=None, num_stages=cfg["num_stages"])
+    except ValueError as e:
+        registry.warn_fallback("paged_decode", e)
+        return paged_decode_reference(q, k_pages, v_pages, page_table, lengths, scale)
     return paged_decode(q, k_pages, v_pages, page_table, lengths, float(scale),
                         pages_per_block=cfg["pages_per_block"], num_partitions=None,
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -65,23 +65,25 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, *out_refs, page_size: int, pag
         o, m, l = carry
         first = start + i * pages_per_block
         pages = pt_ref[pl.ds(first, pages_per_block)]
-        # Pages past the sequence's end (inside its last block) read the null page, whatever the
-        # table holds there: their keys are masked, and the load stays in bounds.
-        pages = jnp.where(first + jnp.arange(pages_per_block) < n_pages_seq, pages, 0)
+        # Pages past the sequence's end (inside its last block) and non-resident pages (entry < 0)
+        # read the null page, whatever the table holds there: their keys are masked, and the load
+        # stays in bounds.
+        pages = jnp.where((first + jnp.arange(pages_per_block) < n_pages_seq) & (pages >= 0), pages, 0)
         k = k_ref[pages].reshape(block_k, d)
         v = v_ref[pages].reshape(block_k, d)
         s = plt.dot(q, k, trans_b=True, precision=precision) * scale_log2  # [Gp, block_k] f32, log2 units
         tok = first * page_size + jnp.arange(block_k)
-        s = jnp.where((tok < length)[None, :], s, MASK_VALUE)
+        tok_page = pt_ref[first + jnp.arange(block_k) // page_size]  # each key's table entry
+        visible = ((tok < length) & (tok_page >= 0))[None, :]
+        s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
+        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # a block with no visible key adds nothing
         l = alpha * l + p.sum(axis=-1)
         o = alpha[:, None] * o + plt.dot(p.astype(v.dtype), v, precision=precision)
         return o, m_new, l
 
-    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), jnp.finfo(jnp.float32).min, jnp.float32),
-            jnp.zeros((gp,), jnp.float32))
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32))
     o, m, l = lax.fori_loop(0, n_iter, body, init)
     if split:
         o_ref, m_ref, l_ref = out_refs
@@ -154,9 +156,10 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
                  smem_budget: int | None = None) -> jax.Array:
     """Single-token paged GQA decode attention.
 
-    q [B, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D]; page_table [B, W] int32; lengths [B]
-    int32 valid KV tokens (key j visible iff j < length; lengths are clipped to [0, W*page_size]; a
-    row of length 0 returns zeros). Returns [B, H, D] in q's dtype.
+    q [B, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D]; page_table [B, W] int32 (an entry < 0
+    is a non-resident page: its keys are masked and it is never read); lengths [B] int32 valid KV
+    tokens (key j visible iff j < length and its page is resident; lengths are clipped to
+    [0, W*page_size]; a row with no visible key returns zeros). Returns [B, H, D] in q's dtype.
 
     pages_per_block: pages gathered per inner step (block_k = pages_per_block * page_size tokens, a
     power of two >= 16). num_partitions: KV partitions per sequence (flash-decoding); None picks

@@ -1,8 +1,8 @@
 """Pure-jnp reference for single-token paged decode attention.
 
-Delegates to the engine's reference ``dflash_jax.models.attention.paged_attention`` with T = 1 and
-``q_position = length - 1`` (key j visible iff j < length), so the kernel is tested against exactly
-what the model runs today.
+Delegates to the engine's reference ``dflash_jax.models.attention.paged_attention_reference`` with T = 1
+and ``q_position = length - 1`` (key j visible iff j < length and its page is resident), so the kernel is
+tested against exactly what the model's reference runs.
 """
 
 from __future__ import annotations
@@ -19,12 +19,7 @@ from dflash_jax.models import attention
 def paged_decode_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                            lengths: jax.Array, scale: float) -> jax.Array:
     """q [B, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D]; page_table [B, W]; lengths [B]
-    (valid KV tokens per sequence, 1 <= length <= W * page_size). Returns [B, H, D] in q's dtype."""
+    (valid KV tokens per sequence, 1 <= length <= W * page_size;
+    page-table entries < 0 are non-resident pages, their keys masked). Returns [B, H, D] in q's dtype."""
     pos = (lengths.astype(jnp.int32) - 1)[:, None]
-    return _jnp_paged_attention()(q[:, None], k_pages, v_pages, page_table, pos, scale)[:, 0]
-
-
-def _jnp_paged_attention():
-    # Once attention.paged_attention dispatches T = 1 to this registry, its pure-jnp body must be
-    # reachable under its own name (``paged_attention_reference``), or the reference would call the kernel.
-    return getattr(attention, "paged_attention_reference", attention.paged_attention)
+    return attention.paged_attention_reference(q[:, None], k_pages, v_pages, page_table, pos, scale)[:, 0]

@@ -1,0 +1,531 @@
+"""``python -m dflash_jax.bench kernels --out FILE.json``: the Pallas kernels against their references on this device.
+
+For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gdn_step``):
+
+1. **Check** (before any timing): the registered Pallas implementation (compiled for this device; interpret
+   mode off GPU) and the XLA reference against an f32 oracle (the reference at HIGHEST matmul precision on
+   the same rounded inputs), over shapes that include the 27B head shapes, ragged lengths, page boundaries,
+   non-resident pages (table entry -1), one-node and full trees, and one / several KV partitions.
+   ``<op>.check.max_rel_err`` (max |out - oracle| / max(1, max |oracle|)) and ``<op>.check.ok`` are figures;
+   a mismatch prints ``MISMATCH`` and makes the command exit 1 (after writing the file), and the op is not timed.
+2. **Timing** over a grid (batch x prefix [x tree size]; for GDN batch x tokens) at the model's head shapes
+   (attention bf16, GDN fp32 as the model feeds it): each implementation runs ``steps`` times inside one
+   jitted ``lax.scan`` over page-table sets of disjoint pages (so the KV does not sit in L2), one small input
+   perturbed by the loop carry (so nothing is hoisted out of the loop); time per call = median over repeats /
+   steps. Figures per case ``<op>.b{B}[.t{N}].p{P}.{kernel_us,reference_us,speedup,bytes_per_s,
+   bandwidth_fraction}``, where bytes are the unique bytes a call must move (KV of the prefix, tree K/V, q,
+   out; for GDN q, k, v, o, gates and the state in and out) and the fraction is of the device copy bandwidth
+   measured in the same run (``device.copy_bytes_per_s``: ``y = x * 2`` over 1 GiB, read + write).
+3. Summaries for the targets: ``paged_decode.bandwidth_fraction`` (median over prefixes >= 8K),
+   ``tree_attention.b{B}.speedup`` (minimum over trees 16-32 and prefixes 2K-16K at that batch).
+
+4. **Sweep** (``<op>.sweep.<config>.{kernel_us,bandwidth_fraction,rel_err}``): block configs of each kernel at
+   one representative case, to tune the per-device ``default_config`` from.
+
+A kernel that fails to lower or run is recorded (``<op>.ok = 0``, the error text under ``extra.errors``) and
+the others continue. Order: all checks, then the grids (tree attention first), then the sweeps; no new timing
+starts after ``--budget-s`` seconds (default 240; what was left out is listed in ``extra.skipped``), so the
+whole command stays under 5 minutes on a GPU (``--quick``: about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+import traceback
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dflash_jax.bench import results
+
+OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step")  # timing order: the first target first
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="result JSON path (default: <out-dir>/kernels_<device>_<time>.json)")
+    p.add_argument("--quick", action="store_true", help="fewer check cases and a small grid (~1 minute on a GPU)")
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="override GRIDS' batches (every op)")
+    p.add_argument("--prefixes", type=int, nargs="+", default=None,
+                   help="override GRIDS' committed tokens per sequence (GDN: tokens per sequence)")
+    p.add_argument("--trees", type=int, nargs="+", default=None, help="override GRIDS' tree slots")
+    p.add_argument("--max-tokens", type=int, default=1 << 19,
+                   help="skip grid cases with batch x prefix above this (the XLA reference gathers every page)")
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--gdn-heads", type=int, default=48, help="GDN value heads (the keys are expanded to them)")
+    p.add_argument("--gdn-dim", type=int, default=128, help="GDN key and value head dim")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=240.0, help="start no new timing after this many seconds")
+    p.add_argument("--no-sweep", action="store_true", help="skip the kernel-config sweep after the grid")
+    p.add_argument("--copy-bytes", type=int, default=1 << 30, help="array size of the copy-bandwidth measurement")
+
+
+# ------------------------------------------------------------------------------------------ problems
+
+@dataclasses.dataclass
+class Problem:
+    """One call's arguments, page-table sets for timing (args[3] is replaced by one per step), the index of a
+    small float argument that the timing loop perturbs with its carry, and the bytes a call must move."""
+
+    args: tuple
+    tables: jax.Array | None  # [n_sets, B, W] page tables over disjoint pages, or None
+    perturb: int
+    nbytes: int
+
+
+def _pages(key, n_pages, ps, hkv, d, dtype):
+    k1, k2 = jax.random.split(key)
+    return (jax.random.normal(k1, (n_pages, ps, hkv, d), jnp.float32).astype(dtype),
+            jax.random.normal(k2, (n_pages, ps, hkv, d), jnp.float32).astype(dtype))
+
+
+def _tables(rng, n_sets, b, width, lengths, ps, non_resident=()):
+    """[n_sets, B, W] tables over disjoint real pages; 0 past each prefix's last page; (row, page) -> -1."""
+    n_pages = 1 + n_sets * b * width
+    pt = rng.permutation(np.arange(1, n_pages)).reshape(n_sets, b, width).astype(np.int32)
+    used = -(-np.asarray(lengths) // ps)
+    pt = np.where(np.arange(width)[None, None, :] < used[None, :, None], pt, 0).astype(np.int32)
+    for r, p in non_resident:
+        pt[:, r, p] = -1
+    return n_pages, jnp.asarray(pt)
+
+
+def _tree_parents(rng, b, n):
+    """Best-first-like trees: every slot hangs below a random earlier slot, biased to the chain."""
+    par = np.full((b, n), -1, np.int32)
+    for i in range(1, n):
+        par[:, i] = np.where(rng.random(b) < 0.6, i - 1, rng.integers(0, i, b))
+    return par
+
+
+def decode_problem(rng, key, b, h, hkv, d, ps, lengths, dtype, n_sets=1, non_resident=()) -> Problem:
+    lengths = np.asarray(lengths, np.int32)
+    width = max(1, int(-(-lengths.max() // ps)))
+    n_pages, pts = _tables(rng, n_sets, b, width, lengths, ps, non_resident)
+    kq, kp = jax.random.split(key)
+    k, v = _pages(kp, n_pages, ps, hkv, d, dtype)
+    q = jax.random.normal(kq, (b, h, d), jnp.float32).astype(dtype)
+    isz = jnp.dtype(dtype).itemsize
+    nbytes = int(lengths.sum()) * hkv * d * 2 * isz + 2 * b * h * d * isz
+    return Problem((q, k, v, pts[0], jnp.asarray(lengths), d ** -0.5), pts, 0, nbytes)
+
+
+def tree_problem(rng, key, b, n, h, hkv, d, ps, starts, dtype, n_sets=1, non_resident=()) -> Problem:
+    from dflash_jax.models import tree_ops
+
+    starts = np.asarray(starts, np.int32)
+    width = max(1, int(-(-starts.max() // ps)))
+    n_pages, pts = _tables(rng, n_sets, b, width, starts, ps, non_resident)
+    kq, kp, kt = jax.random.split(key, 3)
+    k, v = _pages(kp, n_pages, ps, hkv, d, dtype)
+    q = jax.random.normal(kq, (b, n, h, d), jnp.float32).astype(dtype)
+    k1, k2 = jax.random.split(kt)
+    k_tree = jax.random.normal(k1, (b, n, hkv, d), jnp.float32).astype(dtype)
+    v_tree = jax.random.normal(k2, (b, n, hkv, d), jnp.float32).astype(dtype)
+    anc = tree_ops.tree_ancestors(jnp.asarray(_tree_parents(rng, b, n)))
+    isz = jnp.dtype(dtype).itemsize
+    nbytes = (int(starts.sum()) + b * n) * hkv * d * 2 * isz + 2 * b * n * h * d * isz
+    return Problem((q, k, v, pts[0], jnp.asarray(starts), k_tree, v_tree, anc, d ** -0.5), pts, 0, nbytes)
+
+
+def gdn_problem(key, b, t, h, dk, dv, n_pad=0) -> Problem:
+    """Model-like fp32 inputs: L2-normalised q/k, beta in (0,1), g <= 0; the last n_pad tokens are padding."""
+    from dflash_jax.models import gdn
+
+    ks = jax.random.split(key, 6)
+    m = (jnp.arange(t) < t - n_pad).astype(jnp.float32)[None, :, None]
+    q = gdn.l2norm(jax.random.normal(ks[0], (b, t, h, dk))) * dk ** -0.5
+    k = gdn.l2norm(jax.random.normal(ks[1], (b, t, h, dk))) * m[..., None]
+    v = jax.random.normal(ks[2], (b, t, h, dv)) * m[..., None]
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h))) * m
+    g = -jax.random.exponential(ks[4], (b, t, h)) * m
+    s0 = jax.random.normal(ks[5], (b, h, dk, dv))
+    nbytes = 4 * (b * t * h * (2 * dk + 2 * dv + 2) + 2 * b * h * dk * dv)
+    return Problem((q, k, v, beta, g, s0), None, 3, nbytes)
+
+
+def gdn_step_problem(key, b, h, dk, dv) -> Problem:
+    """One decode token: ``gdn_problem`` with T = 1, squeezed; moves the state in and out once."""
+    p = gdn_problem(key, b, 1, h, dk, dv)
+    q, k, v, beta, g, s0 = p.args
+    return Problem((q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], s0), None, 3, p.nbytes)
+
+
+# ------------------------------------------------------------------------------------------ implementations
+
+def implementations(op: str) -> tuple[Callable, Callable, Callable]:
+    """(registered Pallas implementation, reference, ``explicit(*args, **config)``: the kernel entry point with
+    the backend's default config updated by ``config``, e.g. ``num_partitions=1`` or ``block_m=32``)."""
+    from pallas_kernels.registry import GPU_BACKENDS, current_backend
+
+    if op == "paged_decode":
+        from pallas_kernels import paged_decode as m
+
+        kernel, pallas_fn, ref_fn = m.paged_decode, m.paged_decode_pallas, m.paged_decode_reference
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
+                                     num_partitions=None)
+    elif op == "tree_attention":
+        from pallas_kernels import tree_attention as m
+
+        kernel, pallas_fn, ref_fn = m.tree_attention, m.tree_attention_pallas, m.tree_attention_reference
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
+                                     num_partitions=None)
+    elif op == "gdn_chunked":
+        from pallas_kernels import gdn as m
+
+        kernel, pallas_fn, ref_fn = m.gdn_chunked, m.gdn_chunked_pallas, m.gdn_chunked_reference
+        defaults = lambda args: m.default_config(args[0].shape[-1], args[2].shape[-1])  # noqa: E731
+    else:
+        from pallas_kernels import gdn as m
+
+        kernel, pallas_fn, ref_fn = m.gdn_step, m.gdn_step_pallas, m.gdn_step_reference
+        defaults = lambda args: dict(block_v=m.default_config(args[0].shape[-1], args[2].shape[-1])["block_v"])  # noqa: E731
+
+    def explicit(*args, **config):
+        cfg = defaults(args)
+        cfg.update(config)
+        return kernel(*args, interpret=current_backend() not in GPU_BACKENDS, **cfg)
+
+    return pallas_fn, ref_fn, explicit
+
+
+# ------------------------------------------------------------------------------------------ check
+
+def check_cases(op: str, a: argparse.Namespace) -> list[dict]:
+    """Shapes for the on-device check; the model's head shapes first."""
+    h, hkv, d, ps = a.heads, a.kv_heads, a.head_dim, a.page_size
+    if op == "paged_decode":
+        cases = [dict(b=4, h=h, hkv=hkv, d=d, lengths=[1, ps, ps + 1, 64 * ps], non_resident=[(3, 5), (2, 0)]),
+                 dict(b=3, h=12, hkv=2, d=64, lengths=[320, 7, 8], non_resident=[(0, 2)]),
+                 dict(b=2, h=8, hkv=8, d=128, lengths=[4800, 2333], non_resident=[])]
+    elif op == "gdn_chunked":
+        gh, gd = a.gdn_heads, a.gdn_dim
+        cases = [dict(b=2, t=300, h=gh, dk=gd, dv=gd, n_pad=5), dict(b=1, t=33, h=4, dk=64, dv=32, n_pad=0)]
+    elif op == "gdn_step":
+        cases = [dict(b=8, h=a.gdn_heads, dk=a.gdn_dim, dv=a.gdn_dim), dict(b=3, h=5, dk=64, dv=32)]
+    else:
+        cases = [dict(b=3, n=17, h=h, hkv=hkv, d=d, starts=[0, ps + 1, 64 * ps], non_resident=[(2, 3)]),
+                 dict(b=2, n=64, h=h, hkv=hkv, d=d, starts=[40 * ps, 5], non_resident=[]),
+                 dict(b=2, n=1, h=8, hkv=2, d=128, starts=[100, 8 * ps], non_resident=[(0, 0)]),
+                 dict(b=4, n=23, h=12, hkv=2, d=64, starts=[3, 200, 1024, 0], non_resident=[(2, 1)])]
+    return cases[:1] if a.quick else cases
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    if not np.isfinite(out).all():
+        return float("inf")
+    return float(np.abs(out - ref).max() / max(1.0, float(np.abs(ref).max())))
+
+
+def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> bool:
+    """Kernel (auto and single partition) and XLA reference vs an f32 HIGHEST oracle. True iff all pass."""
+    pallas_fn, ref_fn, explicit = implementations(op)
+    rng = np.random.default_rng(0)
+    worst, ok = 0.0, True
+    for ci, case in enumerate(check_cases(op, a)):
+        for dt in a.check_dtypes:
+            dtype = jnp.dtype(dt)
+            key = jax.random.key(100 + ci)
+            c = dict(case)
+            if op in ("gdn_chunked", "gdn_step"):
+                if dt != "float32":
+                    continue  # the model feeds the delta rule fp32
+                prob = (gdn_problem if op == "gdn_chunked" else gdn_step_problem)(key, **c)
+            elif op == "paged_decode":
+                prob = decode_problem(rng, key, c.pop("b"), c.pop("h"), c.pop("hkv"), c.pop("d"), a.page_size,
+                                      c.pop("lengths"), dtype, non_resident=c.pop("non_resident"))
+            else:
+                prob = tree_problem(rng, key, c.pop("b"), c.pop("n"), c.pop("h"), c.pop("hkv"), c.pop("d"),
+                                    a.page_size, c.pop("starts"), dtype, non_resident=c.pop("non_resident"))
+            args = prob.args
+            f32 = tuple(x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype == dtype else x for x in args)
+            with jax.default_matmul_precision("highest"):
+                oracle = jax.block_until_ready(ref_fn(*f32))
+            variants = {"kernel": lambda: pallas_fn(*args), "reference": lambda: ref_fn(*args)}
+            if op == "gdn_chunked":
+                variants["kernel_c64"] = lambda: explicit(*args, chunk=64)
+            elif op == "gdn_step":
+                variants["kernel_bv64"] = lambda: explicit(*args, block_v=min(64, args[2].shape[-1]))
+            else:
+                variants["kernel_s1"] = lambda: explicit(*args, num_partitions=1)
+            for name, fn in variants.items():
+                tag = f"{op}.check.c{ci}.{dt}.{name}"
+                err = max(_rel_err(o, r) for o, r in zip(jax.tree.leaves(jax.block_until_ready(fn())),
+                                                       jax.tree.leaves(oracle)))
+                figures[f"{tag}.rel_err"] = _finite(err)
+                good = bool(np.isfinite(err) and err <= TOL[dt])
+                if name != "reference":
+                    worst = max(worst, err)
+                    if not good:
+                        ok = False
+                        print(f"MISMATCH {tag}: rel err {err:.3g} > {TOL[dt]} for case {case}", flush=True)
+                        errors.setdefault(op, []).append(f"mismatch {tag}: rel err {err:.3g} case {case}")
+                print(f"check {tag}: rel err {err:.3g}", flush=True)
+    figures[f"{op}.check.max_rel_err"] = _finite(worst)
+    figures[f"{op}.check.ok"] = int(ok)
+    return ok
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def measure_copy_bandwidth(nbytes: int, repeats: int = 10) -> tuple[float, float]:
+    """(copy bytes/s of ``y = x * 2`` counting read + write, read bytes/s of ``sum(x)``), bf16, median of repeats."""
+    n = nbytes // 2
+    x = jnp.ones((n // 4096, 4096), jnp.bfloat16)
+    copy = jax.jit(lambda x: x * 2)
+    read = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    out = []
+    for fn, moved in ((copy, 2 * x.nbytes), (read, x.nbytes)):
+        jax.block_until_ready(fn(x))
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            ts.append(time.perf_counter() - t)
+        out.append(moved / float(np.median(ts)))
+    del x
+    return out[0], out[1]
+
+
+def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
+    """Median seconds per call: ``steps`` calls in one jitted scan cycling over the page-table sets, with
+    ``args[perturb]`` shifted by ``0 * carry`` (not folded for floats) so no call is loop-invariant."""
+    steps = int(np.clip(2e9 // max(prob.nbytes, 1), 8, 128))
+    arrays = [i for i, x in enumerate(prob.args) if isinstance(x, jax.Array)]
+    tables = prob.tables
+
+    @jax.jit
+    def loop(dyn, tables):
+        def body(acc, i):
+            a = list(prob.args)
+            for j, x in zip(arrays, dyn):
+                a[j] = x
+            if tables is not None:
+                a[3] = tables[i % tables.shape[0]]
+            a[prob.perturb] = a[prob.perturb] + (acc * 0.0).astype(a[prob.perturb].dtype)
+            out = fn(*a)
+            return acc + sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(out)), None
+
+        acc, _ = lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(steps))
+        return acc
+
+    dyn = tuple(prob.args[j] for j in arrays)
+    jax.block_until_ready(loop(dyn, tables))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(dyn, tables))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) / steps
+
+
+GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' region first
+    "paged_decode": (([1, 16, 64], [512, 2048, 8192, 32768], [None]), ([1, 64], [2048, 8192], [None])),
+    "tree_attention": (([16, 64, 1], [2048, 8192, 16384], [16, 32, 64]), ([16, 64], [4096], [16, 32])),
+    "gdn_chunked": (([1, 4, 16], [1024, 4096], [None]), ([1, 4], [2048], [None])),
+    "gdn_step": (([1, 16, 64], [1], [None]), ([16, 64], [1], [None])),  # "prefix" 1 = one token
+}
+SWEEP = {  # kernel configs timed at one representative case (B, tree, prefix), after the grid
+    "paged_decode": ((16, None, 8192), [dict(pages_per_block=ppb, num_warps=w) for ppb in (1, 2, 4, 8) for w in (4, 8)]),
+    "tree_attention": ((16, 32, 8192), [dict(block_m=bm, pages_per_block=ppb, num_warps=w)
+                                        for bm in (32, 64, 128) for ppb in (1, 2, 4) for w in (4, 8)]),
+    "gdn_chunked": ((4, None, 2048), [dict(chunk=c, block_v=bv, num_warps=w)
+                                     for c in (16, 32, 64) for bv in (16, 32, 64) for w in (4,)]),
+    "gdn_step": ((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)]),
+}
+
+
+def grid(op: str, a: argparse.Namespace) -> list[tuple]:
+    """(batch, tree slots or None, prefix) cases of ``op``, without those above ``--max-tokens``."""
+    batches, prefixes, trees = GRIDS[op][1 if a.quick else 0]
+    batches, prefixes = a.batches or batches, (a.prefixes or prefixes) if op != "gdn_step" else [1]
+    trees = (a.trees or trees) if op == "tree_attention" else [None]
+    return [(b, n, p) for b in batches for n in trees for p in prefixes if b * p <= a.max_tokens]
+
+
+def _problem(op, a, b, n, p, dtype, rng):
+    key = jax.random.key(b * 7919 + p + (n or 0))
+    if op == "gdn_chunked":
+        return gdn_problem(key, b, p, a.gdn_heads, a.gdn_dim, a.gdn_dim)
+    if op == "gdn_step":
+        return gdn_step_problem(key, b, a.gdn_heads, a.gdn_dim, a.gdn_dim)
+    set_bytes = b * p * a.kv_heads * a.head_dim * 2 * dtype.itemsize
+    n_sets = int(np.clip(-(-(256 << 20) // max(set_bytes, 1)), 2, 16))  # >= 256 MiB of distinct pages: not in L2
+    if op == "paged_decode":
+        return decode_problem(rng, key, b, a.heads, a.kv_heads, a.head_dim, a.page_size, [p] * b, dtype, n_sets)
+    return tree_problem(rng, key, b, n, a.heads, a.kv_heads, a.head_dim, a.page_size, [p] * b, dtype, n_sets)
+
+
+def _tag(op, b, n, p):
+    return f"{op}.b{b}" + (f".t{n}" if n else "") + f".p{p}"
+
+
+def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict, skipped: list,
+              deadline: float) -> None:
+    """Time kernel configs at one case (``<op>.sweep.<config>.kernel_us`` / ``.bandwidth_fraction`` / ``.rel_err``
+    against the reference on the same inputs): data to pick the per-device defaults from."""
+    _, ref_fn, explicit = implementations(op)
+    (b, n, p), configs = SWEEP[op]
+    b, p = (a.batches or [b])[0], (a.prefixes or [p])[0] if op != "gdn_step" else 1
+    n = (a.trees or [n])[0] if n else None
+    dtype = jnp.dtype(a.dtype)
+    prob = _problem(op, a, b, n, p, dtype, np.random.default_rng(2))
+    ref = jax.block_until_ready(ref_fn(*prob.args))
+    for cfg in configs:
+        short = {"pages_per_block": "ppb", "num_warps": "w", "block_m": "bm", "block_v": "bv", "chunk": "c"}
+        name = ".".join(f"{short[k]}{v}" for k, v in cfg.items())
+        tag = f"{op}.sweep.{name}"
+        if time.perf_counter() > deadline:
+            skipped.append(tag)
+            continue
+        fn = lambda *args, cfg=cfg: explicit(*args, **cfg)  # noqa: E731
+        try:
+            out = jax.tree.leaves(fn(*prob.args))
+            figures[f"{tag}.rel_err"] = _finite(max(_rel_err(o, r) for o, r in zip(out, jax.tree.leaves(ref))))
+            t = time_call(fn, prob, a.repeats)
+        except Exception as e:
+            errors.setdefault(op, []).append(f"{tag}: {type(e).__name__}: {str(e)[:1000]}")
+            print(f"ERROR {tag}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        figures[f"{tag}.kernel_us"] = t * 1e6
+        figures[f"{tag}.bandwidth_fraction"] = prob.nbytes / t / copy_bw
+        print(f"sweep {_tag(op, b, n, p)} {name}: {t * 1e6:.1f} us, {prob.nbytes / t / copy_bw:.3f} of copy bw",
+              flush=True)
+
+
+def _finite(x: float) -> float | None:
+    return x if np.isfinite(x) else None
+
+
+def run_timing(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict, skipped: list,
+               deadline: float) -> None:
+    pallas_fn, ref_fn, _ = implementations(op)
+    dtype = jnp.dtype(a.dtype)
+    rng = np.random.default_rng(1)
+    ok_kernel = True
+    for b, n, p in grid(op, a):
+        tag = _tag(op, b, n, p)
+        if time.perf_counter() > deadline:
+            skipped.append(tag)
+            continue
+        prob = _problem(op, a, b, n, p, dtype, rng)
+        row = {}
+        for name, fn in (("kernel", pallas_fn), ("reference", ref_fn)):
+            if name == "kernel" and not ok_kernel:
+                continue
+            try:
+                row[name] = time_call(fn, prob, a.repeats)
+            except Exception as e:  # record and go on: one failing case must not lose the others
+                errors.setdefault(op, []).append(f"{tag} {name}: {type(e).__name__}: {str(e)[:2000]}")
+                print(f"ERROR {tag} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                if name == "kernel":
+                    ok_kernel = False  # a lowering failure repeats for every case: do not pay for it again
+        nbytes = prob.nbytes
+        del prob
+        if "kernel" in row:
+            figures[f"{tag}.kernel_us"] = row["kernel"] * 1e6
+            bw = nbytes / row["kernel"]
+            figures[f"{tag}.bytes_per_s"] = bw
+            figures[f"{tag}.bandwidth_fraction"] = bw / copy_bw
+        if "reference" in row:
+            figures[f"{tag}.reference_us"] = row["reference"] * 1e6
+        if "kernel" in row and "reference" in row:
+            figures[f"{tag}.speedup"] = row["reference"] / row["kernel"]
+        print(f"time {tag}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in row.items())
+              + (f", {figures[f'{tag}.bandwidth_fraction']:.3f} of copy bw" if "kernel" in row else ""), flush=True)
+
+
+def summarize(figures: dict) -> None:
+    """The targets' figures: paged decode's median (and min) bandwidth fraction over prefixes >= 8K; tree
+    attention's minimum speedup per batch over trees of 16-32 slots and prefixes of 2K-16K."""
+    fractions, speedups = [], {}
+    for k, v in figures.items():
+        parts = k.split(".")
+        if parts[0] == "paged_decode" and len(parts) == 4 and parts[1][0] == "b" and parts[3] == "bandwidth_fraction":
+            if int(parts[2][1:]) >= 8192:
+                fractions.append(v)
+        if parts[0] == "tree_attention" and len(parts) == 5 and parts[1][0] == "b" and parts[4] == "speedup":
+            b, n, p = int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:])
+            if 16 <= n <= 32 and 2048 <= p <= 16384:
+                speedups.setdefault(b, []).append(v)
+    if fractions:
+        figures["paged_decode.bandwidth_fraction"] = float(np.median(fractions))
+        figures["paged_decode.bandwidth_fraction_min"] = float(np.min(fractions))
+    for b, vs in sorted(speedups.items()):
+        figures[f"tree_attention.b{b}.speedup"] = float(np.min(vs))
+
+
+# ------------------------------------------------------------------------------------------ entry
+
+def run(a: argparse.Namespace, command: str) -> int:
+    """Checks of every op first, then the timing grids (ops in ``--ops`` order), then the sweeps. The result file
+    is rewritten after every phase, so a crash (e.g. a kernel that faults the device) keeps what came before."""
+    t0 = time.perf_counter()
+    deadline = t0 + a.budget_s
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    figures: dict = {}
+    errors: dict[str, list[str]] = {}
+    skipped: list[str] = []
+    out_path = a.out
+
+    def save(final: bool = False) -> None:
+        nonlocal out_path
+        figures.pop("wall_s", None)  # keep it last in the table
+        figures["wall_s"] = time.perf_counter() - t0
+        if final:
+            results.print_table(figures)
+        if a.no_write:
+            return
+        extra = {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "page_size": a.page_size,
+                 "gdn_heads": a.gdn_heads, "gdn_dim": a.gdn_dim, "dtype": a.dtype, "quick": a.quick,
+                 "errors": errors, "skipped": skipped, "tolerances": TOL, "backend": jax.default_backend(),
+                 "complete": final}
+        out_path = results.write_result("kernels", figures, command, extra, out_dir=a.out_dir, out_path=out_path)
+        if final:
+            print(f"wrote {out_path}")
+
+    copy_bw, read_bw = measure_copy_bandwidth(a.copy_bytes)
+    figures["device.copy_bytes_per_s"] = copy_bw
+    figures["device.read_bytes_per_s"] = read_bw
+    for op in a.ops:
+        try:
+            good = run_checks(op, a, figures, errors)
+        except Exception as e:  # a lowering failure: record it, go on with the other ops
+            good = False
+            errors.setdefault(op, []).append(f"check: {type(e).__name__}: {str(e)[:4000]}\n"
+                                             f"{traceback.format_exc()[-4000:]}")
+            print(f"ERROR {op} check: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            figures[f"{op}.check.ok"] = 0
+        figures[f"{op}.ok"] = int(good)
+        save()
+    for op in a.ops:
+        if figures[f"{op}.ok"]:
+            run_timing(op, a, copy_bw, figures, errors, skipped, deadline)
+            summarize(figures)
+            save()
+    for op in a.ops:
+        if figures[f"{op}.ok"] and not a.no_sweep:
+            run_sweep(op, a, copy_bw, figures, errors, skipped, deadline)
+    summarize(figures)
+    save(final=True)
+    print("\ntargets: " + ", ".join(
+        f"{k} {figures[k]:.3g}" for k in ("tree_attention.b16.speedup", "tree_attention.b64.speedup",
+                                          "paged_decode.bandwidth_fraction") if figures.get(k) is not None)
+          + "; ok: " + ", ".join(f"{op} {figures[f'{op}.ok']}" for op in a.ops), flush=True)
+    failed = [op for op in a.ops if not figures[f"{op}.ok"]]
+    if failed:
+        print("FAILED: " + "; ".join(f"{op}: {len(errors.get(op, []))} error(s)" for op in failed), flush=True)
+    return 1 if failed else 0

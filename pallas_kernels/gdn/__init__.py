@@ -1,0 +1,62 @@
+"""Gated delta rule kernels: ops ``"gdn_chunked"`` (prefill) and ``"gdn_step"`` (one decode token) in
+:mod:`pallas_kernels.registry`.
+
+Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], state [B,H,dk,dv] fp32, chunk)
+-> (o [B,T,H,dv], state)``, as ``dflash_jax.models.qwen36.gdn_layer`` calls ``gdn.gdn_chunked``):
+
+- ``"reference"``: pure jnp (``dflash_jax.models.gdn.gdn_chunked_reference``), any backend, the default everywhere;
+- ``"pallas_triton"``: :func:`kernel.gdn_chunked` (its own chunk length from :func:`kernel.default_config`; the
+  ``chunk`` argument is the reference's). Registered **opt-in** (not the GPU default) until it has been measured
+  on a GPU: ``DFLASH_KERNELS=gdn_chunked=pallas_triton``. Interpret mode off GPU.
+
+``"gdn_step"`` (signature ``(q, k [B,H,dk], v [B,H,dv], beta, g [B,H], state [B,H,dk,dv]) -> (o, state)``, as
+``qwen36.gdn_layer`` calls ``gdn.gdn_step`` for decode): ``"reference"`` = ``gdn.gdn_step_reference``;
+``"pallas_triton"`` = :func:`kernel.gdn_step` (the state read and written once), opt-in likewise.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import registry
+from pallas_kernels.gdn.kernel import block_plan, default_config, gdn_chunked, gdn_step, step_block_plan
+from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_step_reference
+
+
+def gdn_chunked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
+                       chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The registered Pallas implementation (``chunk`` is ignored: the kernel's own tile is used). Shapes its
+    tiles cannot take run the reference, with a warning."""
+    del chunk
+    backend = registry.current_backend()
+    dk, dv = q.shape[-1], v.shape[-1]
+    cfg = default_config(dk, dv, backend=backend)
+    try:
+        block_plan(dk=dk, dv=dv, chunk=cfg["chunk"], block_v=cfg["block_v"], backend=backend)
+    except ValueError as e:
+        registry.warn_fallback("gdn_chunked", e)
+        return gdn_chunked_reference(q, k, v, beta, g, state)
+    return gdn_chunked(q, k, v, beta, g, state, **cfg, interpret=backend not in registry.GPU_BACKENDS)
+
+
+def gdn_step_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
+                    state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The registered single-step kernel; shapes its tiles cannot take run the reference, with a warning."""
+    backend = registry.current_backend()
+    dk, dv = q.shape[-1], v.shape[-1]
+    block_v = default_config(dk, dv, backend=backend)["block_v"]
+    try:
+        step_block_plan(dk=dk, dv=dv, block_v=block_v)
+    except ValueError as e:
+        registry.warn_fallback("gdn_step", e)
+        return gdn_step_reference(q, k, v, beta, g, state)
+    return gdn_step(q, k, v, beta, g, state, block_v=block_v, interpret=backend not in registry.GPU_BACKENDS)
+
+
+registry.register("gdn_chunked", "reference", gdn_chunked_reference, backends=("any",))
+registry.register("gdn_chunked", "pallas_triton", gdn_chunked_pallas, backends=("gpu",), preferred=False)
+registry.register("gdn_step", "reference", gdn_step_reference, backends=("any",))
+registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",), preferred=False)
+
+__all__ = ["block_plan", "default_config", "gdn_chunked", "gdn_chunked_pallas", "gdn_chunked_reference", "gdn_step",
+           "gdn_step_pallas", "gdn_step_reference", "step_block_plan"]

@@ -1,0 +1,69 @@
+"""``python -m dflash_jax.bench kernels`` on CPU (interpret mode, tiny shapes): the JSON convention, the on-device
+check before timing, a failing kernel recorded while the others go on, and the targets' summary figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_jax.bench import __main__ as bench_main
+from dflash_jax.bench import kernels
+
+pytestmark = pytest.mark.xdist_group("pallas")
+
+TINY = ["--quick", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--gdn-heads", "2", "--gdn-dim", "16",
+        "--check-dtypes", "float32",
+        "--copy-bytes", "1000000", "--repeats", "1", "--no-sweep"]
+
+
+def test_check_then_time_writes_result(tmp_path):
+    out = tmp_path / "k.json"
+    rc = bench_main.main(["kernels", "--out", str(out), "--ops", "tree_attention", "--batches", "2",
+                          "--prefixes", "48", "--trees", "16", *TINY])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "kernels" and rec["command"].startswith("python -m dflash_jax.bench kernels")
+    assert {"device", "commit", "versions", "figures"} <= set(rec)
+    f = rec["figures"]
+    assert f["tree_attention.ok"] == 1 and f["tree_attention.check.ok"] == 1
+    assert f["tree_attention.check.max_rel_err"] <= kernels.TOL["float32"]
+    assert f["device.copy_bytes_per_s"] > 0
+    for k in ("kernel_us", "reference_us", "speedup", "bytes_per_s", "bandwidth_fraction"):
+        assert f[f"tree_attention.b2.t16.p48.{k}"] > 0
+    assert rec["extra"]["errors"] == {} and rec["extra"]["skipped"] == [] and rec["extra"]["complete"]
+
+
+def test_failing_kernel_is_recorded_and_others_continue(tmp_path, monkeypatch):
+    real = kernels.implementations
+
+    def broken(op):
+        pallas_fn, ref_fn, explicit = real(op)
+        if op == "paged_decode":
+            def pallas_fn(*args):
+                raise RuntimeError("Triton lowering failed: test")
+        return pallas_fn, ref_fn, explicit
+
+    monkeypatch.setattr(kernels, "implementations", broken)
+    out = tmp_path / "k.json"
+    rc = bench_main.main(["kernels", "--out", str(out), "--budget-s", "0", "--ops", "paged_decode", "tree_attention",
+                          *TINY])
+    assert rc == 1  # loud
+    rec = json.loads(out.read_text())
+    f = rec["figures"]
+    assert f["paged_decode.ok"] == 0 and f["paged_decode.check.ok"] == 0
+    assert "Triton lowering failed: test" in rec["extra"]["errors"]["paged_decode"][0]
+    assert f["tree_attention.ok"] == 1  # checked after the failure
+    assert rec["extra"]["skipped"]  # past the time budget: timings skipped, and said so
+
+
+def test_summary_figures():
+    f = {"paged_decode.b1.p2048.bandwidth_fraction": 0.1, "paged_decode.b1.p8192.bandwidth_fraction": 0.7,
+         "paged_decode.b8.p32768.bandwidth_fraction": 0.9, "paged_decode.b64.p8192.bandwidth_fraction": 0.8,
+         "tree_attention.b16.t16.p2048.speedup": 3.0, "tree_attention.b16.t32.p16384.speedup": 2.5,
+         "tree_attention.b16.t64.p2048.speedup": 1.0, "tree_attention.b16.t16.p512.speedup": 0.5,
+         "tree_attention.sweep.bm64.ppb2.w8.kernel_us": 1.0}
+    kernels.summarize(f)
+    assert f["paged_decode.bandwidth_fraction"] == pytest.approx(0.8)
+    assert f["paged_decode.bandwidth_fraction_min"] == pytest.approx(0.7)
+    assert f["tree_attention.b16.speedup"] == pytest.approx(2.5)

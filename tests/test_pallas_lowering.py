@@ -1,0 +1,84 @@
+"""Every Pallas kernel, at the 27B's shapes with its per-backend defaults, lowers to Triton IR for an H200 (CUDA)
+and an MI300 (ROCm gfx942) target, on a CPU-only machine (an abstract GPU device; nothing is compiled or run).
+
+This catches what interpret mode cannot: primitives without a Triton lowering, block specs the Triton backend
+refuses (dynamic grids, scalar prefetch), non-power-of-two tensors. Triton's own compiler passes (layouts,
+shared memory, registers) still need a GPU: ``python -m dflash_jax.bench kernels``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import TargetConfig
+from pallas_kernels import gdn, paged_decode, tree_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+TARGETS = {"cuda": "NVIDIA H200", "rocm": "gfx942"}
+CFG = TargetConfig.from_file(os.path.join(os.path.dirname(__file__), "..", "configs", "qwen36_27b.json"))
+sd = jax.ShapeDtypeStruct
+
+
+def lower(platform, fn, *args) -> str:
+    dev = jax.sharding.AbstractDevice(device_kind=TARGETS[platform], num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def attention_args(b, n, dtype, n_pages=4096, width=512):
+    h, hkv, d = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    pages = sd((n_pages, 16, hkv, d), dtype)
+    q = sd((b, n, h, d), dtype) if n else sd((b, h, d), dtype)
+    return q, pages, pages, sd((b, width), jnp.int32), sd((b,), jnp.int32), sd((b, n or 1, hkv, d), dtype), \
+        sd((b, n or 1, n or 1), jnp.bool_)
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b,n,parts", [(16, 23, None), (1, 64, None), (64, 16, 1)])
+def test_tree_attention_lowers(platform, dtype, b, n, parts):
+    q, kp, vp, pt, start, kt, anc = attention_args(b, n, dtype)
+    cfg = tree_attention.default_config(CFG.head_dim, 16, dtype, backend=platform)
+    fn = lambda *a: tree_attention.tree_attention(  # noqa: E731
+        *a, CFG.head_dim ** -0.5, block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"],
+        num_partitions=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    assert "__gpu$xla.gpu.triton" in lower(platform, fn, q, kp, vp, pt, start, kt, kt, anc)
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b,parts", [(1, None), (64, 1)])
+def test_paged_decode_lowers(platform, dtype, b, parts):
+    q, kp, vp, pt, lens, _, _ = attention_args(b, 0, dtype)
+    cfg = paged_decode.default_config(CFG.head_dim, 16, dtype, backend=platform)
+    fn = lambda *a: paged_decode.paged_decode(  # noqa: E731
+        *a, CFG.head_dim ** -0.5, pages_per_block=cfg["pages_per_block"], num_partitions=parts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    assert "__gpu$xla.gpu.triton" in lower(platform, fn, q, kp, vp, pt, lens)
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+def test_gdn_chunked_lowers(platform):
+    b, t, h, dk, dv = 2, 1000, CFG.lin_num_v_heads, CFG.lin_k_dim, CFG.lin_v_dim
+    x = sd((b, t, h, dk), jnp.float32)
+    gates = sd((b, t, h), jnp.float32)
+    cfg = gdn.default_config(dk, dv, backend=platform)
+    fn = lambda *a: gdn.gdn_chunked(*a, **cfg)  # noqa: E731
+    text = lower(platform, fn, x, x, sd((b, t, h, dv), jnp.float32), gates, gates, sd((b, h, dk, dv), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+def test_gdn_step_lowers(platform):
+    b, h, dk, dv = 64, CFG.lin_num_v_heads, CFG.lin_k_dim, CFG.lin_v_dim
+    x = sd((b, h, dk), jnp.float32)
+    gates = sd((b, h), jnp.float32)
+    block_v = gdn.default_config(dk, dv, backend=platform)["block_v"]
+    fn = lambda *a: gdn.gdn_step(*a, block_v=block_v)  # noqa: E731
+    text = lower(platform, fn, x, x, sd((b, h, dv), jnp.float32), gates, gates, sd((b, h, dk, dv), jnp.float32))
+    assert "__gpu$xla.gpu.triton" in text
