@@ -37,11 +37,14 @@ def _git(*args: str) -> str | None:
 def git_state() -> tuple[str, bool]:
     """(HEAD commit or ``"unknown"``, whether tracked or untracked files differ from it).
 
-    Outside a git checkout (e.g. a copied working tree) this is ``("unknown", False)``.
+    ``DFLASH_COMMIT`` (and ``DFLASH_DIRTY=1``), when set, override git: a copied working tree may carry a stale
+    ``.git``. Outside a git checkout and without them this is ``("unknown", False)``.
     """
+    if os.environ.get("DFLASH_COMMIT"):  # a copied tree (e.g. on a benchmark machine): the launcher says what it is
+        return os.environ["DFLASH_COMMIT"], os.environ.get("DFLASH_DIRTY", "0") == "1"
     head = _git("rev-parse", "HEAD")
-    if head is None:  # a copied tree (e.g. on a benchmark machine): the launcher passes the commit
-        return os.environ.get("DFLASH_COMMIT", "unknown"), os.environ.get("DFLASH_DIRTY", "0") == "1"
+    if head is None:
+        return "unknown", False
     status = _git("status", "--porcelain")
     return head.strip(), bool(status and status.strip())
 
