@@ -26,11 +26,12 @@ from dflash_jax.engine import compile as compile_mod
 from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
-from dflash_jax.engine.steps import StepOutput, step_fn
+from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, StepInput
-from dflash_jax.target import Target, load_target
+from dflash_jax.sharding import Layout
+from dflash_jax.target import Target, load_target, shard_target
 
 FinishReason = str  # "stop" | "length" | "abort"
 
@@ -144,6 +145,8 @@ class EngineOptions:
     kv_dtype: str | None = None  # default: the params' dtype
     spec: SpecConfig | None = None  # DDTree speculative decoding (needs a drafter)
     cohort_yield_min: float = 6.0  # a cohort whose first round emits fewer tokens per request goes AR (0 = never)
+    tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
+    data_parallel: int = 1  # devices of the mesh's data axis (not available in the engine yet; must be 1)
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -171,6 +174,14 @@ class Engine:
         if o.max_model_len > target.config.max_position_embeddings:
             raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's max_position_embeddings "
                              f"{target.config.max_position_embeddings}")
+        if o.data_parallel != 1:
+            raise ValueError(f"data_parallel={o.data_parallel}: data parallelism is not in the engine yet; run one "
+                             "engine per group of tensor_parallel devices (devices=...) or set data_parallel=1")
+        if o.tensor_parallel != 1 or target.layout is not None:
+            target = shard_target(target, o.tensor_parallel, o.data_parallel)
+        self.layout: Layout | None = target.layout
+        if drafter is not None and self.layout is not None:  # the drafter is small: replicated on every device
+            drafter = (drafter[0], jax.device_put(drafter[1], self.layout.replicated))
         self.target, self.cfg, self.tokenizer, self.options = target, target.config, tokenizer, o
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
@@ -181,14 +192,17 @@ class Engine:
         self.pages = PageAllocator(n_pages, o.page_size)
         dtype = self.target.params["layers"][0]["mlp"]["gate"].dtype
         kv_dtype = jnp.dtype(o.kv_dtype) if o.kv_dtype else dtype
-        self.state = EngineState.zeros(self.cfg, n_pages=n_pages, page_size=o.page_size, n_slots=o.max_batch + 1,
-                                       dtype=kv_dtype)
+        self._state_zeros = functools.partial(EngineState.zeros, self.cfg, n_pages=n_pages, page_size=o.page_size,
+                                              n_slots=o.max_batch + 1, dtype=kv_dtype)
+        self.state = self.zero_state()
         self.dkv = DraftKV.zeros(self.dcfg, n_pages, o.page_size, kv_dtype) if self.dcfg is not None else None
+        if self.dkv is not None and self.layout is not None:
+            self.dkv = jax.device_put(self.dkv, self.layout.replicated)
         self.free_slots = list(range(1, o.max_batch + 1))
         self.decode_buckets = _buckets(o.max_batch)
         self.prefill_buckets = _buckets(min(o.prefill_batch, o.max_batch))
-        self._jit = step_fn(self.cfg, self.dcfg)
-        self._spec_jit = (jax.jit(functools.partial(spec_step, self.cfg, self.dcfg, o.spec), donate_argnums=(2, 3))
+        self._jit = self._compiled(functools.partial(step, self.cfg, self.dcfg))
+        self._spec_jit = (self._compiled(functools.partial(spec_step, self.cfg, self.dcfg, o.spec))
                           if o.spec is not None else None)
         self._exec: dict[tuple[str, int], Callable] = {}
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -197,12 +211,30 @@ class Engine:
         self.warmup_report: dict[str, float] = {}
         self.counters = collections.Counter()
 
+    def zero_state(self) -> EngineState:
+        """A fresh device state (empty pages and slots), created directly on its shards."""
+        if self.layout is None:
+            return self._state_zeros()
+        return jax.jit(self._state_zeros, out_shardings=self.layout.state(jax.eval_shape(self._state_zeros)))()
+
+    def _compiled(self, fn: Callable):
+        """``fn(params, dparams, state, dkv, inp, samp) -> (state', dkv', out)`` jitted with state and drafter cache
+        donated; under a layout with explicit in/out shardings (state keeps its sharding, inputs and outputs are
+        replicated)."""
+        if self.layout is None:
+            return jax.jit(fn, donate_argnums=(2, 3))
+        lay, rep = self.layout, self.layout.replicated
+        state_sh = lay.state(self.state)
+        return jax.jit(fn, donate_argnums=(2, 3), in_shardings=(lay.params(self.target.params), rep, state_sh, rep, rep, rep),
+                       out_shardings=(state_sh, rep, rep))
+
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, target_path: str, dtype: str = "float32", warmup: bool = True,
                         drafter_path: str | None = None, **options) -> "Engine":
         """Load a target (and optionally a DFlash drafter) checkpoint; ``options`` are ``EngineOptions`` fields."""
-        target = load_target(target_path, dtype=dtype)
+        target = load_target(target_path, dtype=dtype, tensor_parallel=options.get("tensor_parallel", 1),
+                             data_parallel=options.get("data_parallel", 1))
         drafter = None
         if drafter_path is not None:
             from dflash_jax.models.dflash_loader import load_drafter

@@ -202,9 +202,12 @@ def gdn_inputs(p: Params, cfg: TargetConfig, c: jax.Array, braw: jax.Array, araw
     hk, hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
     f = braw.dtype
     c = c.astype(f)
-    q = gdn.l2norm(c[..., :cfg.key_dim].reshape(b, t, hk, dk)) * dk ** -0.5
-    k = gdn.l2norm(c[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk))
-    v = c[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
+    ng = cfg.gdn_qkv_groups  # channels are ng groups of [q | k | v] (1 = the checkpoint's layout)
+    kd = cfg.key_dim // ng
+    cg = c.reshape(b, t, ng, -1)
+    q = gdn.l2norm(cg[..., :kd].reshape(b, t, hk, dk)) * dk ** -0.5
+    k = gdn.l2norm(cg[..., kd:2 * kd].reshape(b, t, hk, dk))
+    v = cg[..., 2 * kd:].reshape(b, t, hv, dv)
     m = valid.astype(f)
     beta = jax.nn.sigmoid(braw) * m[..., None]
     g = -jnp.exp(p["A_log"].astype(f)) * jax.nn.softplus(araw + p["dt_bias"].astype(f)) * m[..., None]
