@@ -254,16 +254,21 @@ class Layout:
 
         return place
 
-    def shard_params(self, params, cfg: TargetConfig) -> Any:
-        """Re-lay-out and reshard an already-loaded parameter tree of checkpoint config ``cfg``, leaf by leaf
-        (each source leaf is freed as soon as its sharded copy exists, unless it is shared)."""
-        tied = params.get("lm_head") is params.get("embed")
+    def reshard(self, cfg: TargetConfig):
+        """``f(path, array)``: one device array of checkpoint config ``cfg`` -> re-laid-out on its shards (the
+        ``place`` hook of ``qwen36.init_params``)."""
 
-        def one(path, x):
+        def one(path: tuple, x: jax.Array) -> jax.Array:
             y = relayout(path, x, cfg, self.plan)
             return jax.device_put(y, self.param_sharding(path, y.shape))
 
-        out = jax.tree_util.tree_map_with_path(one, {k: v for k, v in params.items() if not (tied and k == "lm_head")})
+        return one
+
+    def shard_params(self, params, cfg: TargetConfig) -> Any:
+        """Re-lay-out and reshard an already-loaded parameter tree of checkpoint config ``cfg``, leaf by leaf."""
+        tied = params.get("lm_head") is params.get("embed")
+        rest = {k: v for k, v in params.items() if not (tied and k == "lm_head")}
+        out = jax.tree_util.tree_map_with_path(self.reshard(cfg), rest)
         if tied:
             out["lm_head"] = out["embed"]
         return out

@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash_jax.bench import results
 from dflash_jax.bench.ar import device_step_ms
-from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source
+from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.sampling import SamplingArrays
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
@@ -60,7 +60,7 @@ def spec_step_ms(eng: Engine, b: int, context: int, iters: int) -> float:
                     slots=np.arange(1, b + 1, dtype=np.int32), active=np.ones(b, bool),
                     page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (b, 1)) % eng.pages.n_pages)
     samp = SamplingArrays.from_rows([], b)
-    inp, samp = jax.device_put((inp, samp))
+    inp, samp = eng.put((inp, samp))
     fn = eng._exec[("spec", b)]
     args = lambda: (eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp)
     eng.state, eng.dkv, out = fn(*args())
@@ -80,7 +80,7 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
     truth = eng.generate([prompt], SamplingParams(max_tokens=n_tokens + dcfg.block_size, ignore_eos=True))[0].token_ids
     depth = dcfg.block_size - 1
     q = chain_keep_prob(tau, min(depth, spec.budget))  # the tree's chain holds at most `budget` nodes
-    step = jax.jit(functools.partial(oracle_step, cfg, dcfg, spec), donate_argnums=(2, 3))
+    step = eng.compile_step(functools.partial(oracle_step, cfg, dcfg, spec), extra_inputs=1)
     # prefill through the engine, then drive rounds by hand on that request's slot and pages
     rid = eng.submit(prompt, SamplingParams(max_tokens=n_tokens + dcfg.block_size + 1, ignore_eos=True))
     while not eng.running.get(rid) or not eng.running[rid].tokens:
@@ -88,7 +88,7 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
     r = eng.running[rid]
     out_tokens = list(r.tokens)
     start = r.n_cached
-    samp = jax.device_put(SamplingArrays.from_rows([], 1))
+    samp = eng.put(SamplingArrays.from_rows([], 1))
     eng.pages.grow(rid, len(prompt) + n_tokens + dcfg.block_size)
     table = eng.pages.page_tables([rid], eng.width)
     rounds, t_total = 0, 0.0
@@ -128,7 +128,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
-                                             cohort_yield_min=0.0), drafter=(dcfg, dparams))
+                                             cohort_yield_min=0.0, **parallel_options(args)),
+                 drafter=(dcfg, dparams))
     t0 = time.perf_counter()
     eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
     figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "budget": args.budget,

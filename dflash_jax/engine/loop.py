@@ -201,8 +201,8 @@ class Engine:
         self.free_slots = list(range(1, o.max_batch + 1))
         self.decode_buckets = _buckets(o.max_batch)
         self.prefill_buckets = _buckets(min(o.prefill_batch, o.max_batch))
-        self._jit = self._compiled(functools.partial(step, self.cfg, self.dcfg))
-        self._spec_jit = (self._compiled(functools.partial(spec_step, self.cfg, self.dcfg, o.spec))
+        self._jit = self.compile_step(functools.partial(step, self.cfg, self.dcfg))
+        self._spec_jit = (self.compile_step(functools.partial(spec_step, self.cfg, self.dcfg, o.spec))
                           if o.spec is not None else None)
         self._exec: dict[tuple[str, int], Callable] = {}
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -217,16 +217,20 @@ class Engine:
             return self._state_zeros()
         return jax.jit(self._state_zeros, out_shardings=self.layout.state(jax.eval_shape(self._state_zeros)))()
 
-    def _compiled(self, fn: Callable):
-        """``fn(params, dparams, state, dkv, inp, samp) -> (state', dkv', out)`` jitted with state and drafter cache
-        donated; under a layout with explicit in/out shardings (state keeps its sharding, inputs and outputs are
-        replicated)."""
+    def compile_step(self, fn: Callable, extra_inputs: int = 0):
+        """``fn(params, dparams, state, dkv, inp, samp, *extra) -> (state', dkv', out)`` jitted with state and
+        drafter cache donated; under a layout, with explicit in/out shardings (state keeps its sharding; drafter,
+        inputs and outputs are replicated), so its executables take and return the engine's own arrays."""
         if self.layout is None:
             return jax.jit(fn, donate_argnums=(2, 3))
         lay, rep = self.layout, self.layout.replicated
         state_sh = lay.state(self.state)
-        return jax.jit(fn, donate_argnums=(2, 3), in_shardings=(lay.params(self.target.params), rep, state_sh, rep, rep, rep),
-                       out_shardings=(state_sh, rep, rep))
+        ins = (lay.params(self.target.params), rep, state_sh, rep, rep, rep) + (rep,) * extra_inputs
+        return jax.jit(fn, donate_argnums=(2, 3), in_shardings=ins, out_shardings=(state_sh, rep, rep))
+
+    def put(self, tree):
+        """Host arrays -> device arrays placed as step inputs are (replicated over the mesh under a layout)."""
+        return jax.device_put(tree, self.layout.replicated if self.layout is not None else None)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod

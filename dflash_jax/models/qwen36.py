@@ -62,10 +62,11 @@ def param_shapes(cfg: TargetConfig, dtype=jnp.bfloat16) -> Params:
             "final_norm": S((d,), F32), "layers": tuple(layers)}
 
 
-def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params:
+def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=None) -> Params:
     """Random weights of the real shapes (for speed measurements without a checkpoint).
 
-    Generated leaf by leaf on the default device, so a 27B tree never needs a host copy.
+    Generated leaf by leaf on the default device, so a 27B tree never needs a host copy; ``place(path, leaf)``
+    (e.g. ``sharding.Layout.reshard``) moves each leaf to its final placement before the next is made.
     """
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
@@ -86,7 +87,8 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params
         name = jax.tree_util.keystr(path)
         kind = ("A_log" if "A_log" in name else "norm1" if name.endswith("['gdn']['norm']")
                 else "vec" if len(s.shape) == 1 else "mat")
-        out.append(make(k, s.shape, s.dtype, kind))
+        leaf = make(k, s.shape, s.dtype, kind)
+        out.append(place(path, leaf) if place is not None else leaf)
     params = jax.tree_util.tree_unflatten(treedef, out)
     if cfg.tie_word_embeddings:
         params["lm_head"] = params["embed"]

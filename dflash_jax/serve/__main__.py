@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter", help="DFlash drafter checkpoint directory")
     ap.add_argument("--target-device", default=None, help="cpu:0, cuda:0, rocm:0 (hip:0 = rocm:0)")
     ap.add_argument("--draft-device", default=None)
+    ap.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                    help="split the target over N devices (Megatron tensor parallelism; multi-host via "
+                         "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    ap.add_argument("--data-parallel", type=int, default=None, metavar="M",
+                    help="data-parallel replicas (not available in the engine yet: 1)")
     ap.add_argument("--ddtree", action="store_true", default=None, help="DDTree speculative decoding")
     ap.add_argument("--ddtree-budget", type=int, default=None)
     ap.add_argument("--draft-residency", choices=("persistent",), default=None)
@@ -59,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
-            "prefill_compression": "off", "kvflash": "off", "cohort_yield_min": 6.0}
+            "prefill_compression": "off", "kvflash": "off", "cohort_yield_min": 6.0, "tensor_parallel": 1,
+            "data_parallel": 1}
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -122,6 +128,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError(f"--model {ns.model}: not a directory")
     if ns.max_concurrency < 1:
         raise StartupError("--max-concurrency must be >= 1")
+    if int(ns.tensor_parallel) < 1 or int(ns.data_parallel) < 1:
+        raise StartupError("--tensor-parallel and --data-parallel must be >= 1")
+    if int(ns.data_parallel) != 1:
+        raise StartupError(f"--data-parallel {ns.data_parallel}: data parallelism is not in the engine yet; run one "
+                           "server per group of devices, or drop the flag")
+    if int(ns.tensor_parallel) > 1 and (ns.target_device or ns.draft_device):
+        raise StartupError("--tensor-parallel uses the first N devices of jax.devices(); drop --target-device / "
+                           "--draft-device (the drafter is replicated on every device)")
     return ns
 
 
@@ -161,21 +175,34 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.serve.app import Server, build_app
     from dflash_jax.target import load_target
 
+    from dflash_jax.sharding import ShardingError, initialize_distributed
+
+    initialize_distributed()
+    tp, dp = int(args.tensor_parallel), int(args.data_parallel)
     device = _select_device(args.target_device)
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     t0 = time.perf_counter()
     with jax.default_device(device):
-        target = load_target(args.model, dtype=dtype)
+        try:
+            target = load_target(args.model, dtype=dtype, tensor_parallel=tp, data_parallel=dp)
+        except ShardingError as e:
+            raise StartupError(str(e)) from e
+        if target.layout is not None:
+            print(f"sharding: {target.layout.plan.describe()} over {tp * dp} {device.platform} devices", flush=True)
+            for note in target.layout.plan.notes:
+                print(f"sharding: {note}", flush=True)
         drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
         spec = SpecConfig(budget=int(args.ddtree_budget)) if args.ddtree else None
         eng = Engine(target, Tokenizer.from_dir(args.model),
                      EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
                                    max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
                                    prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
-                                   spec=spec, cohort_yield_min=float(args.cohort_yield_min)),
+                                   spec=spec, cohort_yield_min=float(args.cohort_yield_min),
+                                   tensor_parallel=tp, data_parallel=dp),
                      drafter=drafter)
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
-        print(f"model {args.model} ({dtype}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "
+        where = device if target.layout is None else f"{tp} devices (tensor parallel)"
+        print(f"model {args.model} ({dtype}) loaded on {where} in {time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
         done = [0]
 
