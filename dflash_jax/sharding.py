@@ -21,9 +21,10 @@ A part that cannot split evenly (query heads not divisible by ``tp``, KV heads n
 ``model`` axis; ``ShardPlan.notes`` says which, for the start-up log.
 
 Data parallelism (the ``data`` axis): ``dp`` independent replicas of the batch in one SPMD program. State and
-step inputs carry a leading ``[dp]`` replica axis split over ``data`` and the step is ``vmap``-ed over it, so no
-collective ever crosses replicas; each replica owns its own slots and pages (the host keeps one page allocator
-per replica). Parameters are replicated over ``data``.
+step inputs carry a leading ``[dp]`` replica axis split over ``data``, and the step is manual over ``data``
+(``shard_map``, the ``model`` axis left to the partitioner), so no collective ever crosses replicas; each replica
+owns its own slots and pages (the host keeps one page allocator per replica and admits a request to the least
+loaded replica). Parameters are replicated over ``data``.
 
 Multi-host: ``initialize_distributed()`` calls ``jax.distributed.initialize`` when ``JAX_COORDINATOR_ADDRESS``
 is set (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; without them JAX auto-detects SLURM / Open MPI /
@@ -36,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -226,8 +227,9 @@ class Layout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def _rep(self, *spec) -> NamedSharding:
-        """An array of the replica-indexed state / inputs: leading ``[dp]`` axis over ``data`` when dp > 1."""
+    def per_replica(self, *spec) -> NamedSharding:
+        """An array of the per-replica state / inputs: leading ``[dp]`` axis over ``data`` when dp > 1, then
+        ``spec`` over the replica's own dims."""
         return self.named(DATA, *spec) if self.dp > 1 else self.named(*spec)
 
     # ---- parameters --------------------------------------------------------------------------------------
@@ -276,15 +278,15 @@ class Layout:
     # ---- state and inputs --------------------------------------------------------------------------------
     def kv(self) -> NamedSharding:
         """KV pages ``[n_pages, page, Hkv, hd]``: split by KV head."""
-        return self._rep(None, None, MODEL) if self.plan.attn else self._rep()
+        return self.per_replica(None, None, MODEL) if self.plan.attn else self.per_replica()
 
     def conv(self) -> NamedSharding:
         """Conv state ``[n_slots, K-1, conv_dim]``: split by (grouped) channel."""
-        return self._rep(None, None, MODEL) if self.plan.gdn else self._rep()
+        return self.per_replica(None, None, MODEL) if self.plan.gdn else self.per_replica()
 
     def ssm(self) -> NamedSharding:
         """SSM state ``[n_slots, Hv, dk, dv]``: split by value head."""
-        return self._rep(None, MODEL) if self.plan.gdn else self._rep()
+        return self.per_replica(None, MODEL) if self.plan.gdn else self.per_replica()
 
     def state(self, state) -> Any:
         """Shardings of an ``EngineState`` (same tree)."""
@@ -296,7 +298,22 @@ class Layout:
 
     def replica_tree(self, tree) -> Any:
         """Per-replica arrays with nothing split over ``model`` (drafter cache, step inputs, sampling)."""
-        return jax.tree_util.tree_map(lambda _: self._rep(), tree)
+        return jax.tree_util.tree_map(lambda _: self.per_replica(), tree)
+
+    def per_replica_step(self, fn: Callable, n_replicated: int, n_per_replica: int) -> Callable:
+        """``fn`` over one replica -> over all: manual over ``data`` (``shard_map``; the ``model`` axis stays with
+        the partitioner), so no collective can cross replicas. The first ``n_replicated`` arguments are the same on
+        every replica (parameters); the next ``n_per_replica`` and every output lead with the ``[dp]`` axis."""
+        one = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
+        lead = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)
+
+        def body(*args):
+            shared, mine = args[:n_replicated], args[n_replicated:]
+            return lead(fn(*shared, *(one(a) for a in mine)))
+
+        specs = (P(),) * n_replicated + (P(DATA),) * n_per_replica
+        return jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=P(DATA), axis_names={DATA},
+                             check_vma=False)
 
     def memory_per_device(self, tree) -> dict[Any, int]:
         """Bytes of ``tree``'s arrays held by each device (from the arrays' shardings)."""

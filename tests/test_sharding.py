@@ -87,6 +87,14 @@ if __name__ != "__main__":
         assert r["qkv_spec"] == ["model", None] and r["out_spec"] == [None, "model"]
         assert r["kv_spec"] == [None, None, "model", None]
 
+    def test_data_parallel_2x4_greedy_equals_unsharded_with_no_collective_across_replicas(results):
+        r = results["dp"]
+        assert r["tokens"] == results["engine"]["golden"]
+        assert r["replicas"] == [0, 1]  # the two requests ran on different replicas
+        assert r["kv_spec"] == ["data", None, None, "model", None]
+        assert r["all_reduce_hidden"] == r["expected_all_reduces"], r
+        assert r["groups"] and all(g == "model" for g in r["groups"]), r["groups"]
+
     def test_speculative_greedy_under_tp2_equals_unsharded(results):
         r = results["spec"]
         assert r["tokens"] == r["golden"]
@@ -105,6 +113,26 @@ def _collectives(text: str, op: str) -> list[tuple[list[int], int]]:
         for d in shape:
             n *= d
         out.append((shape, n))
+    return out
+
+
+def _groups(text: str, tp: int, dp: int) -> list[str]:
+    """For every collective of compiled HLO text: "model" if its device groups are the model axis (``tp``
+    consecutive devices), else the groups as written."""
+    out = []
+    for line in text.splitlines():
+        if not re.search(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line):
+            continue
+        m = re.search(r"replica_groups=(\[[\d,]+\]<=\[\d+\](?:T\([\d,]+\))?|mesh\[[^\]]*\] \{[^}]*\})", line)
+        g = m.group(1) if m else line
+        iota = re.fullmatch(r"\[(\d+),(\d+)\]<=\[\d+\]", g)
+        named = re.fullmatch(r"mesh\[(.*)\] \{(.*)\}", g)
+        if iota and int(iota.group(2)) == tp:
+            out.append("model")
+        elif named and named.group(2).strip("'") in ("model", named.group(1).split(",")[-1].split("=")[0].strip("'")):
+            out.append("model")
+        else:
+            out.append(g)
     return out
 
 
@@ -196,6 +224,26 @@ def _main(out_path: str) -> None:
                      "qkv_spec": spec_of(gdn0["qkv"]), "out_spec": spec_of(gdn0["out"]),
                      "kv_spec": spec_of(eng_state.kv.k[0])}
     res["timing"]["loader"] = time.perf_counter() - t3
+
+    # ---- data x tensor parallel 2 x 4: one request on each replica ----
+    t5 = time.perf_counter()
+    eng = Engine(base[name], None, EngineOptions(tensor_parallel=4, data_parallel=2, **opts))
+    rids = [eng.submit(pr, sp) for pr in prompts]
+    eng._admit()
+    replicas = sorted(eng.running[i].replica for i in rids)
+    final = {}
+    while eng.has_work():
+        final.update({o.request_id: o.token_ids for o in eng.step() if o.finish_reason is not None})
+    text = eng._exec[("decode", 1)].as_text()
+    p = eng.layout.plan
+    res["dp"] = {"tokens": [final[i] for i in rids], "replicas": replicas,
+                 "kv_spec": spec_of(eng.state.kv.k[0]),
+                 "expected_all_reduces": sum(int(p.attn if lt == "full_attention" else p.gdn) + int(p.mlp)
+                                             for lt in cfg0.layer_types) + int(p.vocab),
+                 "all_reduce_hidden": sum(1 for s, _ in _collectives(text, "all-reduce")  # one replica's [B, 1, D]
+                                          if s == [1, 1, cfg0.hidden_size]),
+                 "groups": _groups(text, 4, 2)}
+    res["timing"]["dp"] = time.perf_counter() - t5
 
     # ---- speculative decoding under TP=2 (drafter replicated) ----
     t4 = time.perf_counter()

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, {m['tok_s'] / roof:.3f} of roofline",
               flush=True)
     figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
-    for c in args.concurrency:  # the engine's own step on the device alone: host overhead = tpot - this
+    for c in args.concurrency if args.data_parallel == 1 else ():  # the engine's own step on the device alone
         figures[f"c{c}.device_step_ms"] = device_step_ms(eng, c, args.prompt_len + args.output_len // 2)
     for c in args.concurrency if tp == 1 else ():  # the single-device weight-stream ceiling, after the cases
         ceil[c] = ceiling.measure_ceiling(cfg, target.params, c, iters=args.ceiling_iters, fn=fn)

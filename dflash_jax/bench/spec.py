@@ -121,6 +121,9 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    if args.data_parallel != 1:
+        raise SystemExit("bench spec drives single rounds by hand on one replica: use --data-parallel 1 "
+                         "(--tensor-parallel works)")
     target = load_target_source(args)
     dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))

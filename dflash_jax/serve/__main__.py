@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="split the target over N devices (Megatron tensor parallelism; multi-host via "
                          "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
     ap.add_argument("--data-parallel", type=int, default=None, metavar="M",
-                    help="data-parallel replicas (not available in the engine yet: 1)")
+                    help="independent batch replicas over M groups of --tensor-parallel devices")
     ap.add_argument("--ddtree", action="store_true", default=None, help="DDTree speculative decoding")
     ap.add_argument("--ddtree-budget", type=int, default=None)
     ap.add_argument("--draft-residency", choices=("persistent",), default=None)
@@ -130,12 +130,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError("--max-concurrency must be >= 1")
     if int(ns.tensor_parallel) < 1 or int(ns.data_parallel) < 1:
         raise StartupError("--tensor-parallel and --data-parallel must be >= 1")
-    if int(ns.data_parallel) != 1:
-        raise StartupError(f"--data-parallel {ns.data_parallel}: data parallelism is not in the engine yet; run one "
-                           "server per group of devices, or drop the flag")
-    if int(ns.tensor_parallel) > 1 and (ns.target_device or ns.draft_device):
-        raise StartupError("--tensor-parallel uses the first N devices of jax.devices(); drop --target-device / "
-                           "--draft-device (the drafter is replicated on every device)")
+    if int(ns.max_concurrency) % int(ns.data_parallel):
+        raise StartupError(f"--max-concurrency {ns.max_concurrency} must be a multiple of --data-parallel "
+                           f"{ns.data_parallel} (each replica serves an equal share)")
+    if int(ns.tensor_parallel) * int(ns.data_parallel) > 1 and (ns.target_device or ns.draft_device):
+        raise StartupError("--tensor-parallel / --data-parallel use the first N x M devices of jax.devices(); drop "
+                           "--target-device / --draft-device (the drafter is replicated on every device)")
     return ns
 
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                                    tensor_parallel=tp, data_parallel=dp),
                      drafter=drafter)
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
-        where = device if target.layout is None else f"{tp} devices (tensor parallel)"
+        where = device if target.layout is None else f"{dp} x {tp} devices (data x tensor parallel)"
         print(f"model {args.model} ({dtype}) loaded on {where} in {time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
         done = [0]
