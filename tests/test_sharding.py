@@ -146,7 +146,6 @@ def _main(out_path: str) -> None:
     from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
     from dflash_jax.engine.spec_steps import SpecConfig
     from dflash_jax.models import dflash, qwen36
-    from dflash_jax.sharding import Layout, ShardPlan, param_spec, path_names
     from dflash_jax.target import Target, shard_target
 
     assert len(jax.devices()) == N_DEVICES, jax.devices()

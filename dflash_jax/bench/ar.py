@@ -116,22 +116,24 @@ def run(args: argparse.Namespace, command: str) -> int:
     for c in args.concurrency:
         _case(eng, c, 16, 8, cfg.vocab_size, 0, measure=False)
     compiles_before = compile_count()
-    tp = args.tensor_parallel
-    fn = ceiling.make_weight_stream(cfg) if tp == 1 else None
+    tp, dp = args.tensor_parallel, args.data_parallel
+    single = tp * dp == 1  # the weight-stream ceiling is a one-device figure: measured only then
+    fn = ceiling.make_weight_stream(cfg) if single else None
     ceil = {}
     for c in args.concurrency:
         m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
         ctx = args.prompt_len + args.output_len // 2
-        roof = tp * roofline.roofline_tok_s(cfg, c, ctx, itemsize=dtype.itemsize)  # aggregate over TP devices
+        # aggregate over the tp x dp devices: each replica streams its share of the weights for c / dp rows
+        roof = tp * dp * roofline.roofline_tok_s(cfg, -(-c // dp), ctx, itemsize=dtype.itemsize)
         figures.update({f"c{c}.tok_s": m["tok_s"], f"c{c}.tpot_ms": m["tpot_ms"],
                         f"c{c}.roofline_fraction": m["tok_s"] / roof, f"c{c}.roofline_tok_s": roof,
                         f"c{c}.ttft_max_s": m["ttft_max_s"], f"c{c}.peak_mem_gb": (_peak_bytes() or 0) / 1e9})
         print(f"c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, {m['tok_s'] / roof:.3f} of roofline",
               flush=True)
     figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
-    for c in args.concurrency if args.data_parallel == 1 else ():  # the engine's own step on the device alone
+    for c in args.concurrency if dp == 1 else ():  # the engine's own step on the device alone
         figures[f"c{c}.device_step_ms"] = device_step_ms(eng, c, args.prompt_len + args.output_len // 2)
-    for c in args.concurrency if tp == 1 else ():  # the single-device weight-stream ceiling, after the cases
+    for c in args.concurrency if single else ():  # the single-device weight-stream ceiling, after the cases
         ceil[c] = ceiling.measure_ceiling(cfg, target.params, c, iters=args.ceiling_iters, fn=fn)
         figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]
         figures[f"c{c}.ceiling_ratio"] = figures[f"c{c}.tok_s"] / ceil[c]["tok_s"]
@@ -143,6 +145,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                  "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
                  "page_size": args.page_size, "prefill_chunk": args.prefill_chunk, "compile_s": report,
                  "kv_pool_pages": eng.pages.n_pages, "tensor_parallel": tp,
+                 "data_parallel": dp,
                  "sharding": eng.layout.plan.describe() if eng.layout else None,
                  "sharding_notes": list(eng.layout.plan.notes) if eng.layout else []}
         print("wrote", results.write_result("ar", figures, command, extra, out_dir=args.out_dir))
