@@ -8,7 +8,9 @@ Parameters (weights kept in the checkpoint's ``[out, in]`` layout, one dict per 
     gdn  {qkv [conv_dim, D], z [Hv*dv, D], b [Hv, D], a [Hv, D], conv [conv_dim, K], A_log [Hv],
           dt_bias [Hv], norm [dv], out [D, Hv*dv]}                                          (linear layers)
 
-Norm weights, A_log and dt_bias are float32; matrices use the activation dtype.
+Norm weights, A_log and dt_bias are float32; matrices use the activation dtype. The qkv / conv channels are
+``[q | k | v]`` or, under tensor parallelism, ``cfg.gdn_qkv_groups`` groups of whole heads of each
+(``sharding.qkv_permutation``); the model code is otherwise free of sharding (``dflash_jax/sharding.py``).
 """
 
 from __future__ import annotations

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         except ShardingError as e:
             raise StartupError(str(e)) from e
         if target.layout is not None:
-            print(f"sharding: {target.layout.plan.describe()} over {tp * dp} {device.platform} devices", flush=True)
+            print(f"sharding: data={dp} x model={tp} {device.platform} devices; {target.layout.plan.describe()}",
+                  flush=True)
             for note in target.layout.plan.notes:
                 print(f"sharding: {note}", flush=True)
         drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
