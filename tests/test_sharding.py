@@ -86,6 +86,7 @@ if __name__ != "__main__":
         assert r["logits_err"] <= 1e-4
         assert r["qkv_spec"] == ["model", None] and r["out_spec"] == [None, "model"]
         assert r["kv_spec"] == [None, None, "model", None]
+        assert r["engine_tp"] == 2
 
     def test_data_parallel_2x4_greedy_equals_unsharded_with_no_collective_across_replicas(results):
         r = results["dp"]
@@ -216,12 +217,13 @@ def _main(out_path: str) -> None:
     t3 = time.perf_counter()
     lt = dj.load_target(os.path.join(FIXTURES, name), dtype="float32", tensor_parallel=2)
     gdn0 = lt.params["layers"][0]["gdn"]
-    eng_state = Engine(lt, None, EngineOptions(tensor_parallel=2, max_batch=1, max_model_len=32)).state
+    adopted = Engine(lt, None, EngineOptions(max_batch=1, max_model_len=32))  # takes the target's own layout
+    eng_state = adopted.state
     spec_of = lambda a: list(a.sharding.spec) + [None] * (a.ndim - len(a.sharding.spec))
     res["loader"] = {"logits_err": float(np.abs(np.asarray(lt.logits(g["p1.ids"])) -
                                                 np.asarray(base[name].logits(g["p1.ids"]))).max()),
                      "qkv_spec": spec_of(gdn0["qkv"]), "out_spec": spec_of(gdn0["out"]),
-                     "kv_spec": spec_of(eng_state.kv.k[0])}
+                     "kv_spec": spec_of(eng_state.kv.k[0]), "engine_tp": adopted.options.tensor_parallel}
     res["timing"]["loader"] = time.perf_counter() - t3
 
     # ---- data x tensor parallel 2 x 4: one request on each replica ----

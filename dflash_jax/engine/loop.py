@@ -175,6 +175,8 @@ class Engine:
         if o.max_model_len > target.config.max_position_embeddings:
             raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's max_position_embeddings "
                              f"{target.config.max_position_embeddings}")
+        if target.layout is not None and (o.tensor_parallel, o.data_parallel) == (1, 1):  # already laid out
+            o = dataclasses.replace(o, tensor_parallel=target.layout.tp, data_parallel=target.layout.dp)
         if o.data_parallel < 1 or o.max_batch % o.data_parallel:
             raise ValueError(f"max_batch {o.max_batch} must be a multiple of data_parallel {o.data_parallel} (each "
                              "replica serves max_batch / data_parallel sequences)")
