@@ -192,6 +192,12 @@ def relayout(path: tuple, x, cfg: TargetConfig, plan: ShardPlan):
     return x
 
 
+def param_sharding(path: tuple, shape: tuple[int, ...], cfg: TargetConfig, mesh: Mesh) -> NamedSharding:
+    """The sharding of one target parameter: ``path`` into the tree, its (re-laid-out) ``shape``, the checkpoint's
+    ``cfg`` and the mesh (TP = its ``model`` axis). ``Layout`` does the same for whole trees."""
+    return Layout(mesh, ShardPlan.for_config(cfg, mesh.shape[MODEL])).param_sharding(path, shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # the layout: mesh + plan -> shardings of every array
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +226,7 @@ class Layout:
         return self.mesh.shape[DATA]
 
     def named(self, *spec) -> NamedSharding:
-        """A NamedSharding; with dp > 1 replica-axis arrays get ``DATA`` prepended by the callers below."""
+        """``NamedSharding(mesh, P(*spec))``."""
         return NamedSharding(self.mesh, P(*spec))
 
     @property

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from conftest import FIXTURES
 from dflash_jax.config import TargetConfig
 from dflash_jax.models import qwen36
-from dflash_jax.sharding import ShardingError, ShardPlan, make_mesh, param_spec, qkv_permutation, relayout
+from dflash_jax.sharding import (ShardingError, ShardPlan, make_mesh, param_sharding, param_spec, qkv_permutation,
+                                 relayout)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,6 +87,12 @@ def test_repeated_kv_heads_copy_each_head_to_its_query_group():
     heads = w.reshape(cfg.num_kv_heads, cfg.head_dim, 3)
     for e in range(4):  # stored head e serves query head e (4 heads over 4 devices) = KV head e // 2
         np.testing.assert_array_equal(out[e], heads[e // 2])
+
+
+def test_param_sharding_on_a_one_device_mesh_replicates():
+    cfg = TargetConfig.from_file(os.path.join(FIXTURES, "qwen36_tiny_b"))
+    sh = param_sharding(("layers", 0, "gdn", "qkv"), (cfg.conv_dim, cfg.hidden_size), cfg, make_mesh(1, 1))
+    assert sh.spec == jax.sharding.PartitionSpec() and sh.mesh.shape == {"data": 1, "model": 1}
 
 
 def test_more_devices_than_visible_is_a_clear_error():
