@@ -162,6 +162,10 @@ class TargetConfig:
     max_position_embeddings: int = 262144
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # layout of the GDN fused qkv channels (in_proj_qkv rows, conv1d rows, conv state): g groups, each
+    # [q | k | v] of hk/g key heads and hv/g value heads. 1 = the checkpoint's [q | k | v]; tensor
+    # parallelism sets g = tp so that each device's contiguous block holds whole heads of all three parts.
+    gdn_qkv_groups: int = 1
 
     # ---- derived -------------------------------------------------------------------------------
     @property

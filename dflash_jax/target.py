@@ -13,6 +13,7 @@ import numpy as np
 
 from dflash_jax.config import TargetConfig, read_generation_eos
 from dflash_jax.models import loader, qwen36
+from dflash_jax.sharding import Layout, ShardingError
 from dflash_jax.state import KVPages, RecurrentSlots, StepInput
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
@@ -48,12 +49,17 @@ def _full_pass(params, cfg, tokens, n_valid, return_layers):
 
 @dataclasses.dataclass
 class Target:
-    """A loaded target: ``config``, ``params`` (pytree on the device), ``eos_token_ids``."""
+    """A loaded target: ``config``, ``params`` (pytree on the device), ``eos_token_ids``.
+
+    With a ``layout`` (tensor / data parallel), ``params`` are sharded over its mesh and ``config`` is the
+    model config of its plan (KV heads as stored, GDN qkv channels grouped; ``sharding.ShardPlan.model_config``).
+    """
 
     config: TargetConfig
     params: qwen36.Params
     eos_token_ids: tuple[int, ...] = ()
     path: str | None = None
+    layout: Layout | None = None
 
     def _run(self, token_ids: Sequence[int], return_layers: tuple[int, ...]):
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
@@ -93,10 +99,34 @@ class Target:
         return out
 
 
-def load_target(path: str | os.PathLike, dtype="float32") -> Target:
-    """Load a Qwen3.5/3.6 hybrid checkpoint in the Hugging Face layout."""
+def load_target(path: str | os.PathLike, dtype="float32", tensor_parallel: int = 1, data_parallel: int = 1,
+                devices: list | None = None) -> Target:
+    """Load a Qwen3.5/3.6 hybrid checkpoint in the Hugging Face layout.
+
+    With ``tensor_parallel`` or ``data_parallel`` > 1, each tensor is re-laid out and written straight to its
+    shards of a ``data`` x ``model`` mesh over ``devices`` (default ``jax.devices()``) while streaming.
+    """
     path = os.fspath(path)
     cfg = TargetConfig.from_file(path)
-    params = loader.load_params(path, cfg, resolve_dtype(dtype))
     eos = tuple(dict.fromkeys(read_generation_eos(path) + cfg.eos_token_ids))
-    return Target(config=cfg, params=params, eos_token_ids=eos, path=path)
+    if tensor_parallel == 1 and data_parallel == 1:
+        params = loader.load_params(path, cfg, resolve_dtype(dtype))
+        return Target(config=cfg, params=params, eos_token_ids=eos, path=path)
+    lay = Layout.build(cfg, tensor_parallel, data_parallel, devices)
+    params = loader.load_params(path, cfg, resolve_dtype(dtype), place=lay.place(cfg))
+    return Target(config=lay.plan.model_config(cfg), params=params, eos_token_ids=eos, path=path, layout=lay)
+
+
+def shard_target(target: Target, tensor_parallel: int = 1, data_parallel: int = 1,
+                 devices: list | None = None) -> Target:
+    """``target`` laid out over a ``data`` x ``model`` mesh (re-laid-out and resharded leaf by leaf); a target
+    already laid out that way is returned as is."""
+    if target.layout is not None:
+        have = (target.layout.tp, target.layout.dp)
+        if have != (tensor_parallel, data_parallel):
+            raise ShardingError(f"the target is laid out for tensor_parallel={have[0]}, data_parallel={have[1]} "
+                                f"but {tensor_parallel}, {data_parallel} were asked for; load it again unsharded")
+        return target
+    lay = Layout.build(target.config, tensor_parallel, data_parallel, devices)
+    return dataclasses.replace(target, config=lay.plan.model_config(target.config),
+                               params=lay.shard_params(target.params, target.config), layout=lay)

@@ -27,6 +27,8 @@ def _resolve(*argv):
     (("--model", MODEL, "--target-device", "cuda:0", "--draft-device", "cpu:0"), "mixed-device"),
     (("--model", MODEL, "--target-device", "tpu:0"), "not understood"),
     (("--model", MODEL, "--max-concurrency", "0"), "--max-concurrency"),
+    (("--model", MODEL, "--tensor-parallel", "0"), "--tensor-parallel and --data-parallel must be >= 1"),
+    (("--model", MODEL, "--tensor-parallel", "2", "--target-device", "cpu:0"), "drop --target-device"),
     (("--model", MODEL, "--config", os.path.join(ROOT, "configs", "strix_halo.yaml")), "--ddtree needs --drafter"),
 ])
 def test_unsupported_or_inconsistent_flags_are_rejected(argv, needle):

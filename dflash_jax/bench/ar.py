@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import ceiling, results, roofline
-from dflash_jax.bench.sources import add_target_arguments, load_target_source
+from dflash_jax.bench.sources import add_target_arguments, load_target_source, parallel_options
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 
@@ -84,7 +84,7 @@ def device_step_ms(eng: Engine, c: int, context: int, iters: int = 10) -> float:
                     n_valid=np.ones(c, np.int32), slots=np.arange(1, c + 1, dtype=np.int32),
                     page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (c, 1)) % eng.pages.n_pages)
     samp = SamplingArrays.from_rows([], c)
-    inp, samp = jax.device_put((inp, samp))
+    inp, samp = eng.put((inp, samp))
     fn = eng._exec[("decode", c)]
     eng.state, eng.dkv, out = fn(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp)
     jax.block_until_ready(out)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     max_len = args.prompt_len + args.output_len
     eng = Engine(target, None, EngineOptions(max_batch=cmax, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk,
-                                             prefill_batch=args.prefill_batch))
+                                             prefill_batch=args.prefill_batch, **parallel_options(args)))
     print(f"model loaded in {load_s:.1f}s; compiling {len(eng.prefill_buckets) + len(eng.decode_buckets)} buckets",
           flush=True)
     t0 = time.perf_counter()  # compiles run concurrently: per-bucket seconds overlap; startup_compile_s is wall time
@@ -116,21 +116,24 @@ def run(args: argparse.Namespace, command: str) -> int:
     for c in args.concurrency:
         _case(eng, c, 16, 8, cfg.vocab_size, 0, measure=False)
     compiles_before = compile_count()
-    fn = ceiling.make_weight_stream(cfg)
+    tp, dp = args.tensor_parallel, args.data_parallel
+    single = tp * dp == 1  # the weight-stream ceiling is a one-device figure: measured only then
+    fn = ceiling.make_weight_stream(cfg) if single else None
     ceil = {}
     for c in args.concurrency:
         m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
         ctx = args.prompt_len + args.output_len // 2
-        roof = roofline.roofline_tok_s(cfg, c, ctx, itemsize=dtype.itemsize)
+        # aggregate over the tp x dp devices: each replica streams its share of the weights for c / dp rows
+        roof = tp * dp * roofline.roofline_tok_s(cfg, -(-c // dp), ctx, itemsize=dtype.itemsize)
         figures.update({f"c{c}.tok_s": m["tok_s"], f"c{c}.tpot_ms": m["tpot_ms"],
                         f"c{c}.roofline_fraction": m["tok_s"] / roof, f"c{c}.roofline_tok_s": roof,
                         f"c{c}.ttft_max_s": m["ttft_max_s"], f"c{c}.peak_mem_gb": (_peak_bytes() or 0) / 1e9})
         print(f"c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, {m['tok_s'] / roof:.3f} of roofline",
               flush=True)
     figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
-    for c in args.concurrency:  # the engine's own step on the device alone: host overhead = tpot - this
+    for c in args.concurrency if dp == 1 else ():  # the engine's own step on the device alone
         figures[f"c{c}.device_step_ms"] = device_step_ms(eng, c, args.prompt_len + args.output_len // 2)
-    for c in args.concurrency:  # the weight-stream ceiling, same run, after the engine cases
+    for c in args.concurrency if single else ():  # the single-device weight-stream ceiling, after the cases
         ceil[c] = ceiling.measure_ceiling(cfg, target.params, c, iters=args.ceiling_iters, fn=fn)
         figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]
         figures[f"c{c}.ceiling_ratio"] = figures[f"c{c}.tok_s"] / ceil[c]["tok_s"]
@@ -141,6 +144,9 @@ def run(args: argparse.Namespace, command: str) -> int:
         extra = {"source": args.model or args.random_weights, "weights": "checkpoint" if args.model else "random",
                  "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
                  "page_size": args.page_size, "prefill_chunk": args.prefill_chunk, "compile_s": report,
-                 "kv_pool_pages": eng.pages.n_pages}
+                 "kv_pool_pages": eng.pages.n_pages, "tensor_parallel": tp,
+                 "data_parallel": dp,
+                 "sharding": eng.layout.plan.describe() if eng.layout else None,
+                 "sharding_notes": list(eng.layout.plan.notes) if eng.layout else []}
         print("wrote", results.write_result("ar", figures, command, extra, out_dir=args.out_dir))
     return 0

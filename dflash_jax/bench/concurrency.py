@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from dflash_jax.bench import results
-from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source
+from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.spec_steps import SpecConfig
@@ -219,7 +219,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
-                         kvflash_scoring=args.kvflash_scoring)
+                         kvflash_scoring=args.kvflash_scoring, **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
     t0 = time.perf_counter()
     eng.warmup()

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models import dflash, qwen36
+from dflash_jax.sharding import Layout, initialize_distributed
 from dflash_jax.target import Target, load_target
 
 
@@ -19,6 +20,9 @@ def add_target_arguments(p: argparse.ArgumentParser, model_help: str = "HF targe
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=model_help)
     src.add_argument("--random-weights", metavar="CONFIG", help=random_help)
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="devices of the mesh's model axis (Megatron tensor parallelism; dflash_jax/sharding.py)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="M", help="devices of the mesh's data axis")
 
 
 def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,13 +38,25 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
     add_drafter_arguments(p)
 
 
+def parallel_options(args: argparse.Namespace) -> dict[str, int]:
+    """``EngineOptions`` fields of ``--tensor-parallel`` / ``--data-parallel``."""
+    return {"tensor_parallel": args.tensor_parallel, "data_parallel": args.data_parallel}
+
+
 def load_target_source(args: argparse.Namespace) -> Target:
-    """The target ``--model`` names, or the ``--random-weights`` config with random weights (key 0)."""
+    """The target ``--model`` names, or the ``--random-weights`` config with random weights (key 0); with
+    ``--tensor-parallel`` / ``--data-parallel`` > 1, laid out over that mesh (each tensor straight to its shards)."""
     dtype = jnp.dtype(args.dtype)
+    tp, dp = args.tensor_parallel, args.data_parallel
+    initialize_distributed()
     if args.model:
-        return load_target(args.model, dtype=args.dtype)
+        return load_target(args.model, dtype=args.dtype, tensor_parallel=tp, data_parallel=dp)
     cfg = TargetConfig.from_file(args.random_weights)
-    return Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
+    if tp == dp == 1:
+        return Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
+    lay = Layout.build(cfg, tp, dp)
+    params = qwen36.init_params(cfg, jax.random.key(0), dtype, place=lay.reshard(cfg))
+    return Target(lay.plan.model_config(cfg), params, (), layout=lay)
 
 
 def load_drafter_source(args: argparse.Namespace):

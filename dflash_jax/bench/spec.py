@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash_jax.bench import results
 from dflash_jax.bench.ar import device_step_ms
-from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source
+from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.sampling import SamplingArrays
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
@@ -60,7 +60,7 @@ def spec_step_ms(eng: Engine, b: int, context: int, iters: int) -> float:
                     slots=np.arange(1, b + 1, dtype=np.int32), active=np.ones(b, bool),
                     page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (b, 1)) % eng.pages.n_pages)
     samp = SamplingArrays.from_rows([], b)
-    inp, samp = jax.device_put((inp, samp))
+    inp, samp = eng.put((inp, samp))
     fn = eng._exec[("spec", b)]
     args = lambda: (eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp)
     eng.state, eng.dkv, out = fn(*args())
@@ -87,8 +87,8 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
     prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
     depth = dcfg.block_size - 1
     q = chain_keep_prob(tau, min(depth, spec.budget))  # the tree's chain holds at most `budget` nodes
-    step = jax.jit(functools.partial(oracle_step, cfg, dcfg, spec), donate_argnums=(2, 3))
-    samp = jax.device_put(SamplingArrays.from_rows([], 1))
+    step = eng.compile_step(functools.partial(oracle_step, cfg, dcfg, spec), extra_inputs=1)
+    samp = eng.put(SamplingArrays.from_rows([], 1))
     exact = eng.target.params["embed"].dtype == np.float32
     history: list[int] = []  # tokens emitted after the prompt
     rounds, emitted, t_total, resyncs, compiled = 0, 0, 0.0, -1, False
@@ -135,6 +135,9 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    if args.data_parallel != 1:
+        raise SystemExit("bench spec drives single rounds by hand on one replica: use --data-parallel 1 "
+                         "(--tensor-parallel works)")
     target = load_target_source(args)
     dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
-                                             cohort_yield_min=0.0), drafter=(dcfg, dparams))
+                                             cohort_yield_min=0.0, **parallel_options(args)),
+                 drafter=(dcfg, dparams))
     t0 = time.perf_counter()
     eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
     figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "budget": args.budget,

@@ -26,12 +26,13 @@ from dflash_jax.engine import compile as compile_mod
 from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
-from dflash_jax.engine.steps import StepOutput, step_fn
+from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.kv.kvflash import KVFlashOptions, Plan, Residency, resolve_pool_tokens
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, StepInput
-from dflash_jax.target import Target, load_target
+from dflash_jax.sharding import Layout
+from dflash_jax.target import Target, load_target, shard_target
 
 FinishReason = str  # "stop" | "length" | "abort" | "error" (the engine failed this request alone; stats["error"])
 
@@ -130,6 +131,7 @@ class _Request:
     seed: int
     stats: RequestStats
     slot: int = 0
+    replica: int = 0  # data-parallel replica holding its slot and pages
     cursor: int = 0  # prompt tokens already prefilled
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -165,6 +167,8 @@ class EngineOptions:
     kvflash_scoring: str = "keys"  # "keys" | "lru" (see kv/kvflash.py)
     kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
+    tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
+    data_parallel: int = 1  # replicas over the mesh's data axis; each serves max_batch / data_parallel sequences
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -197,24 +201,46 @@ class Engine:
         if o.max_model_len > target.config.max_position_embeddings:
             raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's max_position_embeddings "
                              f"{target.config.max_position_embeddings}")
+        if target.layout is not None and (o.tensor_parallel, o.data_parallel) == (1, 1):  # already laid out
+            o = dataclasses.replace(o, tensor_parallel=target.layout.tp, data_parallel=target.layout.dp)
+        if o.data_parallel < 1 or o.max_batch % o.data_parallel:
+            raise ValueError(f"max_batch {o.max_batch} must be a multiple of data_parallel {o.data_parallel} (each "
+                             "replica serves max_batch / data_parallel sequences)")
+        if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
+            target = shard_target(target, o.tensor_parallel, o.data_parallel)
+        self.layout: Layout | None = target.layout
+        if drafter is not None and self.layout is not None:  # the drafter is small: replicated on every device
+            drafter = (drafter[0], jax.device_put(drafter[1], self.layout.replicated))
         self.target, self.cfg, self.tokenizer, self.options = target, target.config, tokenizer, o
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.dcfg, self.dparams = drafter if drafter is not None else (None, None)
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
         self.width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # page-table width
-        n_pages = o.n_pages or o.max_batch * self.width + 1
+        # data parallelism: dp replicas, each with its own slots and page pool (state [dp, ...], steps vmapped)
+        self.dp = dp = o.data_parallel
+        per_replica = o.max_batch // dp
+        n_pages = (o.n_pages or o.max_batch * self.width + dp) // dp  # pages of one replica
         dtype = self.target.params["layers"][0]["mlp"]["gate"].dtype
         kv_dtype = jnp.dtype(o.kv_dtype) if o.kv_dtype else dtype
         self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
+        if self.kvflash_pool_tokens is not None and (dp > 1 or self.layout is not None):
+            raise ValueError("KVFlash bounded residency runs on one device: it cannot be combined with "
+                             "tensor_parallel > 1 or data_parallel > 1; drop one of them")
         if self.kvflash_pool_tokens is None:
-            self.pages: PageAllocator | Residency = PageAllocator(n_pages, o.page_size)
+            self.pools: list[PageAllocator | Residency] = [PageAllocator(n_pages, o.page_size) for _ in range(dp)]
         else:
-            self.pages = self._residency(n_pages - 1)
-            n_pages = self.pages.n_pages
-        self.state = EngineState.zeros(self.cfg, n_pages=n_pages, page_size=o.page_size, n_slots=o.max_batch + 1,
-                                       dtype=kv_dtype)
-        self.dkv = DraftKV.zeros(self.dcfg, n_pages, o.page_size, kv_dtype) if self.dcfg is not None else None
+            self.pools = [self._residency(n_pages - 1)]
+            n_pages = self.pools[0].n_pages
+        self.pages = self.pools[0]  # replica 0's pool (every replica's is the same size)
+        self.replica_slots = [list(range(1, per_replica + 1)) for _ in range(dp)]  # free slots of each replica
+        self._state_zeros = functools.partial(EngineState.zeros, self.cfg, n_pages=n_pages, page_size=o.page_size,
+                                              n_slots=per_replica + 1, dtype=kv_dtype)
+        self.state = self.zero_state()
+        self.dkv = None
+        if self.dcfg is not None:
+            self.dkv = self._replicas(functools.partial(DraftKV.zeros, self.dcfg, n_pages, o.page_size, kv_dtype),
+                                      lambda lay, shapes: lay.replica_tree(shapes))
         self.kvf = None
         if self.kvflash_pool_tokens is not None:
             from dflash_jax.kv.kvflash_device import KVFlashDevice
@@ -224,11 +250,10 @@ class Engine:
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}
         self.kvflash_steps: collections.deque[dict] = collections.deque(maxlen=256)  # per-step telemetry
-        self.free_slots = list(range(1, o.max_batch + 1))
-        self.decode_buckets = _buckets(o.max_batch)
-        self.prefill_buckets = _buckets(min(o.prefill_batch, o.max_batch))
-        self._jit = step_fn(self.cfg, self.dcfg)
-        self._spec_jit = (jax.jit(functools.partial(spec_step, self.cfg, self.dcfg, o.spec), donate_argnums=(2, 3))
+        self.decode_buckets = _buckets(per_replica)
+        self.prefill_buckets = _buckets(min(o.prefill_batch, per_replica))
+        self._jit = self.compile_step(functools.partial(step, self.cfg, self.dcfg))
+        self._spec_jit = (self.compile_step(functools.partial(spec_step, self.cfg, self.dcfg, o.spec))
                           if o.spec is not None else None)
         self._exec: dict[tuple[str, int], Callable] = {}
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -281,7 +306,7 @@ class Engine:
         """
         if self.kvf is None:
             for r, (_, hi) in zip(rows, ranges):
-                self.pages.grow(r.rid, hi)
+                self.pools[r.replica].grow(r.rid, hi)
             return rows
         t0 = time.perf_counter()
         res: Residency = self.pages
@@ -373,12 +398,49 @@ class Engine:
                     "score_decisions", "lru_decisions", "score_fallbacks", "clean_evictions", "table_refreshes",
                     "transfer_failures", "summary_failures")}}
 
+    def zero_state(self) -> EngineState:
+        """A fresh device state (empty pages and slots), created directly on its shards."""
+        return self._replicas(self._state_zeros, lambda lay, shapes: lay.state(shapes))
+
+    def _replicas(self, zeros: Callable, shardings: Callable):
+        """``zeros()`` with a leading ``[dp]`` replica axis when dp > 1, made on the device(s) under the layout's
+        ``shardings(layout, shapes)``."""
+        dp = self.dp
+        fn = zeros if dp == 1 else (lambda: jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (dp,) + a.shape),
+                                                                    zeros()))
+        if self.layout is None:
+            return fn()
+        return jax.jit(fn, out_shardings=shardings(self.layout, jax.eval_shape(fn)))()
+
+    @property
+    def free_slots(self) -> list[int]:
+        """Free recurrent slots of all replicas."""
+        return [s for free in self.replica_slots for s in free]
+
+    def compile_step(self, fn: Callable, extra_inputs: int = 0):
+        """``fn(params, dparams, state, dkv, inp, samp, *extra) -> (state', dkv', out)`` jitted with state and
+        drafter cache donated; under a layout, with explicit in/out shardings (state keeps its sharding; drafter,
+        inputs and outputs are replicated), so its executables take and return the engine's own arrays."""
+        if self.layout is None:
+            return jax.jit(fn, donate_argnums=(2, 3))
+        lay, per = self.layout, self.layout.per_replica()
+        if self.dp > 1:
+            fn = lay.per_replica_step(fn, n_replicated=2, n_per_replica=4 + extra_inputs)
+        state_sh = lay.state(self.state)
+        ins = (lay.params(self.target.params), lay.replicated, state_sh, per, per, per) + (per,) * extra_inputs
+        return jax.jit(fn, donate_argnums=(2, 3), in_shardings=ins, out_shardings=(state_sh, per, per))
+
+    def put(self, tree):
+        """Host arrays -> device arrays placed as step inputs are (per replica under a layout)."""
+        return jax.device_put(tree, self.layout.per_replica() if self.layout is not None else None)
+
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, target_path: str, dtype: str = "float32", warmup: bool = True,
                         drafter_path: str | None = None, **options) -> "Engine":
         """Load a target (and optionally a DFlash drafter) checkpoint; ``options`` are ``EngineOptions`` fields."""
-        target = load_target(target_path, dtype=dtype)
+        target = load_target(target_path, dtype=dtype, tensor_parallel=options.get("tensor_parallel", 1),
+                             data_parallel=options.get("data_parallel", 1))
         drafter = None
         if drafter_path is not None:
             from dflash_jax.models.dflash_loader import load_drafter
@@ -400,7 +462,8 @@ class Engine:
                             page_table=i32(b, self.width))
         samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       SamplingArrays.from_rows([], b))
-        return inp, samp
+        lead = () if self.dp == 1 else (self.dp,)
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(lead + a.shape, a.dtype), (inp, samp))
 
     def _lower(self, kind: str, b: int):
         fn = self._spec_jit if kind == "spec" else self._jit
@@ -509,7 +572,7 @@ class Engine:
         """Admit, prefill one chunk, decode one token; returns the requests that changed."""
         self._admit()
         changed: dict[int, _Request] = {}
-        pre = [r for r in self.running.values() if r.cursor < len(r.prompt)][: self.prefill_buckets[-1]]
+        pre = self._take([r for r in self.running.values() if r.cursor < len(r.prompt)], self.prefill_buckets[-1])
         if pre:
             for r in self._prefill(pre):
                 changed[r.rid] = r
@@ -522,8 +585,8 @@ class Engine:
                     st.spec_mode, st.probe_base = "ddtree", st.spec_steps
                     st.reprobes += 1
                     self.counters["cohort_reprobe"] += 1
-        spec = [r for r in dec if r.stats.spec_mode == "ddtree"][: self.decode_buckets[-1]]
-        ar = [r for r in dec if r.stats.spec_mode != "ddtree"][: self.decode_buckets[-1]]
+        spec = self._take([r for r in dec if r.stats.spec_mode == "ddtree"], self.decode_buckets[-1])
+        ar = self._take([r for r in dec if r.stats.spec_mode != "ddtree"], self.decode_buckets[-1])
         if spec:
             for r in self._spec(spec):
                 changed[r.rid] = r
@@ -543,16 +606,31 @@ class Engine:
                 self._free(r)
         return outs
 
+    def _take(self, rows: list[_Request], per_replica: int) -> list[_Request]:
+        """The first rows, at most ``per_replica`` of each replica (a bucket's worth each)."""
+        n = [0] * self.dp
+        out = []
+        for r in rows:
+            if n[r.replica] < per_replica:
+                n[r.replica] += 1
+                out.append(r)
+        return out
+
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
+        while self.waiting:
             r = self.waiting[0]
             need = len(r.prompt) + r.sp.max_tokens + (self.spec_span if r.stats.spec_mode == "ddtree" else 0)
-            if not self.pages.can_admit(need):
+            with_slot = [k for k in range(self.dp) if self.replica_slots[k]]
+            if not with_slot:
+                break
+            fits = [k for k in with_slot if self.pools[k].can_admit(need)]
+            if not fits:
                 self.counters["admission_deferred"] += 1
                 break  # FIFO: wait for pages to free up
+            k = max(fits, key=lambda k: (len(self.replica_slots[k]), -k))  # the least loaded replica
             self.waiting.popleft()
-            self.pages.admit(r.rid, need)
-            r.slot = self.free_slots.pop(0)
+            self.pools[k].admit(r.rid, need)
+            r.replica, r.slot = k, self.replica_slots[k].pop(0)
             r.stats.admitted = time.perf_counter()
             self.running[r.rid] = r
 
@@ -562,30 +640,51 @@ class Engine:
             if self.kvf is not None:
                 self._kv_snapshot(r)
                 self._dispatched_version.pop(r.rid, None)
-            self.pages.release(r.rid)
-            self.free_slots.append(r.slot)
-            self.free_slots.sort()
+            self.pools[r.replica].release(r.rid)
+            self.replica_slots[r.replica].append(r.slot)
+            self.replica_slots[r.replica].sort()
             r.stats.finished = r.stats.finished or time.perf_counter()
+
+    def _by_replica(self, rows: list[_Request], buckets: tuple[int, ...], make: Callable):
+        """Step inputs of ``rows``: ``make(replica, row indices, bucket)`` builds one replica's padded inputs; with
+        dp > 1 they are stacked on a leading ``[dp]`` axis. Returns ``(bucket, inputs, take)`` where
+        ``take(outputs)`` puts each output row back in the order of ``rows``."""
+        groups = [[i for i, r in enumerate(rows) if r.replica == k] for k in range(self.dp)]
+        b = self._bucket(buckets, max(len(g) for g in groups))
+        parts = [make(k, g, b) for k, g in enumerate(groups)]
+        if self.dp == 1:
+            return b, parts[0], lambda out: out
+        ks = np.zeros(len(rows), np.int32)
+        js = np.zeros(len(rows), np.int32)
+        for k, g in enumerate(groups):
+            ks[g], js[g] = k, np.arange(len(g))
+        inputs = jax.tree_util.tree_map(lambda *a: np.stack(a), *parts)
+        return b, inputs, lambda out: jax.tree_util.tree_map(lambda a: a[ks, js], out)
 
     def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
         return next(b for b in buckets if b >= n)
 
     def _run(self, kind: str, rows: list[_Request], tokens: np.ndarray, n_valid: np.ndarray,
              start: np.ndarray) -> StepOutput:
-        b = self._bucket(self.prefill_buckets if kind == "prefill" else self.decode_buckets, len(rows))
         t = tokens.shape[1]
-        tok = np.zeros((b, t), np.int32)
-        tok[: len(rows)] = tokens
-        nv = np.zeros(b, np.int32)
-        nv[: len(rows)] = n_valid
-        pos = np.zeros((b, t), np.int32)
-        pos[: len(rows)] = start[:, None] + np.arange(t, dtype=np.int32)[None]
-        slots = np.zeros(b, np.int32)
-        slots[: len(rows)] = [r.slot for r in rows]
-        table = self.pages.page_tables([r.rid for r in rows] + [None] * (b - len(rows)), self.width)
-        samp = self._row_sampling(rows, b)
-        inp = StepInput(tokens=tok, positions=pos, n_valid=nv, slots=slots, page_table=table)
-        return self._call(kind, b, inp, samp)
+
+        def make(k: int, g: list[int], b: int):
+            n = len(g)
+            tok = np.zeros((b, t), np.int32)
+            tok[:n] = tokens[g]
+            nv = np.zeros(b, np.int32)
+            nv[:n] = n_valid[g]
+            pos = np.zeros((b, t), np.int32)
+            pos[:n] = start[g][:, None] + np.arange(t, dtype=np.int32)[None]
+            slots = np.zeros(b, np.int32)
+            slots[:n] = [rows[i].slot for i in g]
+            table = self.pools[k].page_tables([rows[i].rid for i in g] + [None] * (b - n), self.width)
+            inp = StepInput(tokens=tok, positions=pos, n_valid=nv, slots=slots, page_table=table)
+            return inp, self._row_sampling([rows[i] for i in g], b)
+
+        b, (inp, samp), take = self._by_replica(rows, self.prefill_buckets if kind == "prefill" else
+                                                self.decode_buckets, make)
+        return take(self._call(kind, b, inp, samp))
 
     def _call(self, kind: str, b: int, inp, samp):
         fn = self._exec.get((kind, b))
@@ -608,14 +707,19 @@ class Engine:
         rows = self._reside(rows, [(r.n_cached, r.n_cached + self.spec_span) for r in rows])
         if not rows:
             return []
-        b = self._bucket(self.decode_buckets, len(rows))
-        pad = b - len(rows)
-        inp = SpecInput(root=np.array([r.tokens[-1] for r in rows] + [0] * pad, np.int32),
-                        start=np.array([r.n_cached for r in rows] + [0] * pad, np.int32),
-                        slots=np.array([r.slot for r in rows] + [0] * pad, np.int32),
-                        active=np.array([True] * len(rows) + [False] * pad),
-                        page_table=self.pages.page_tables([r.rid for r in rows] + [None] * pad, self.width))
-        out = self._call("spec", b, inp, self._row_sampling(rows, b))
+
+        def make(k: int, g: list[int], b: int):
+            rs = [rows[i] for i in g]
+            pad = b - len(rs)
+            inp = SpecInput(root=np.array([r.tokens[-1] for r in rs] + [0] * pad, np.int32),
+                            start=np.array([r.n_cached for r in rs] + [0] * pad, np.int32),
+                            slots=np.array([r.slot for r in rs] + [0] * pad, np.int32),
+                            active=np.array([True] * len(rs) + [False] * pad),
+                            page_table=self.pools[k].page_tables([r.rid for r in rs] + [None] * pad, self.width))
+            return inp, self._row_sampling(rs, b)
+
+        b, (inp, samp), take = self._by_replica(rows, self.decode_buckets, make)
+        out = take(self._call("spec", b, inp, samp))
         cohort, emitted = [], 0
         for i, r in enumerate(rows):
             n = int(out.n_accepted[i])
@@ -631,7 +735,7 @@ class Engine:
                 if r.finish is not None:
                     break
             if r.finish is None:
-                self.pages.truncate(r.rid, r.n_cached)
+                self.pools[r.replica].truncate(r.rid, r.n_cached)
             if st.spec_steps == st.probe_base + 1:  # first round since (re)entering DDTree
                 cohort.append(r)
                 emitted += len(burst)

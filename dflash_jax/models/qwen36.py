@@ -8,7 +8,9 @@ Parameters (weights kept in the checkpoint's ``[out, in]`` layout, one dict per 
     gdn  {qkv [conv_dim, D], z [Hv*dv, D], b [Hv, D], a [Hv, D], conv [conv_dim, K], A_log [Hv],
           dt_bias [Hv], norm [dv], out [D, Hv*dv]}                                          (linear layers)
 
-Norm weights, A_log and dt_bias are float32; matrices use the activation dtype.
+Norm weights, A_log and dt_bias are float32; matrices use the activation dtype. The qkv / conv channels are
+``[q | k | v]`` or, under tensor parallelism, ``cfg.gdn_qkv_groups`` groups of whole heads of each
+(``sharding.qkv_permutation``); the model code is otherwise free of sharding (``dflash_jax/sharding.py``).
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ def param_shapes(cfg: TargetConfig, dtype=jnp.bfloat16) -> Params:
             "final_norm": S((d,), F32), "layers": tuple(layers)}
 
 
-def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params:
+def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=None) -> Params:
     """Random weights of the real shapes (for speed measurements without a checkpoint).
 
-    Generated leaf by leaf on the default device, so a 27B tree never needs a host copy.
+    Generated leaf by leaf on the default device, so a 27B tree never needs a host copy; ``place(path, leaf)``
+    (e.g. ``sharding.Layout.reshard``) moves each leaf to its final placement before the next is made.
     """
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
@@ -86,7 +89,8 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params
         name = jax.tree_util.keystr(path)
         kind = ("A_log" if "A_log" in name else "norm1" if name.endswith("['gdn']['norm']")
                 else "vec" if len(s.shape) == 1 else "mat")
-        out.append(make(k, s.shape, s.dtype, kind))
+        leaf = make(k, s.shape, s.dtype, kind)
+        out.append(place(path, leaf) if place is not None else leaf)
     params = jax.tree_util.tree_unflatten(treedef, out)
     if cfg.tie_word_embeddings:
         params["lm_head"] = params["embed"]
@@ -202,9 +206,12 @@ def gdn_inputs(p: Params, cfg: TargetConfig, c: jax.Array, braw: jax.Array, araw
     hk, hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
     f = braw.dtype
     c = c.astype(f)
-    q = gdn.l2norm(c[..., :cfg.key_dim].reshape(b, t, hk, dk)) * dk ** -0.5
-    k = gdn.l2norm(c[..., cfg.key_dim:2 * cfg.key_dim].reshape(b, t, hk, dk))
-    v = c[..., 2 * cfg.key_dim:].reshape(b, t, hv, dv)
+    ng = cfg.gdn_qkv_groups  # channels are ng groups of [q | k | v] (1 = the checkpoint's layout)
+    kd = cfg.key_dim // ng
+    cg = c.reshape(b, t, ng, -1)
+    q = gdn.l2norm(cg[..., :kd].reshape(b, t, hk, dk)) * dk ** -0.5
+    k = gdn.l2norm(cg[..., kd:2 * kd].reshape(b, t, hk, dk))
+    v = cg[..., 2 * kd:].reshape(b, t, hv, dv)
     m = valid.astype(f)
     beta = jax.nn.sigmoid(braw) * m[..., None]
     g = -jnp.exp(p["A_log"].astype(f)) * jax.nn.softplus(araw + p["dt_bias"].astype(f)) * m[..., None]

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter", help="DFlash drafter checkpoint directory")
     ap.add_argument("--target-device", default=None, help="cpu:0, cuda:0, rocm:0 (hip:0 = rocm:0)")
     ap.add_argument("--draft-device", default=None)
+    ap.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                    help="split the target over N devices (Megatron tensor parallelism; multi-host via "
+                         "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    ap.add_argument("--data-parallel", type=int, default=None, metavar="M",
+                    help="independent batch replicas over M groups of --tensor-parallel devices")
     ap.add_argument("--ddtree", action="store_true", default=None, help="DDTree speculative decoding")
     ap.add_argument("--ddtree-budget", type=int, default=None)
     ap.add_argument("--draft-residency", choices=("persistent",), default=None)
@@ -68,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
-            "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys", "cohort_yield_min": 6.0}
+            "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys", "cohort_yield_min": 6.0,
+            "tensor_parallel": 1, "data_parallel": 1}
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -133,6 +139,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError(f"--model {ns.model}: not a directory")
     if ns.max_concurrency < 1:
         raise StartupError("--max-concurrency must be >= 1")
+    if int(ns.tensor_parallel) < 1 or int(ns.data_parallel) < 1:
+        raise StartupError("--tensor-parallel and --data-parallel must be >= 1")
+    if int(ns.max_concurrency) % int(ns.data_parallel):
+        raise StartupError(f"--max-concurrency {ns.max_concurrency} must be a multiple of --data-parallel "
+                           f"{ns.data_parallel} (each replica serves an equal share)")
+    if int(ns.tensor_parallel) * int(ns.data_parallel) > 1 and (ns.target_device or ns.draft_device):
+        raise StartupError("--tensor-parallel / --data-parallel use the first N x M devices of jax.devices(); drop "
+                           "--target-device / --draft-device (the drafter is replicated on every device)")
     return ns
 
 
@@ -188,11 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.serve.app import Server, build_app
     from dflash_jax.target import load_target
 
+    from dflash_jax.sharding import ShardingError, initialize_distributed
+
+    initialize_distributed()
+    tp, dp = int(args.tensor_parallel), int(args.data_parallel)
     device = _select_device(args.target_device)
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     t0 = time.perf_counter()
     with jax.default_device(device):
-        target = load_target(args.model, dtype=dtype)
+        try:
+            target = load_target(args.model, dtype=dtype, tensor_parallel=tp, data_parallel=dp)
+        except ShardingError as e:
+            raise StartupError(str(e)) from e
+        if target.layout is not None:
+            print(f"sharding: data={dp} x model={tp} {device.platform} devices; {target.layout.plan.describe()}",
+                  flush=True)
+            for note in target.layout.plan.notes:
+                print(f"sharding: {note}", flush=True)
         drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
         spec = SpecConfig(budget=int(args.ddtree_budget)) if args.ddtree else None
         try:
@@ -201,12 +227,14 @@ def main(argv: list[str] | None = None) -> int:
                                        max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
                                        prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
                                        spec=spec, cohort_yield_min=float(args.cohort_yield_min),
-                                       kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring),
+                                       kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
+                                       tensor_parallel=tp, data_parallel=dp),
                          drafter=drafter)
         except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
             raise StartupError(str(e)) from e
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
-        print(f"model {args.model} ({dtype}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "
+        where = device if target.layout is None else f"{dp} x {tp} devices (data x tensor parallel)"
+        print(f"model {args.model} ({dtype}) loaded on {where} in {time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
         done = [0]
 

@@ -375,8 +375,8 @@ class Server:
         eng, m = self.engine, self.metrics
         m.queue_depth.set(len(eng.waiting))
         m.running.set(len(eng.running))
-        m.free_pages.set(eng.pages.num_free)
-        m.total_pages.set(eng.pages.n_pages - 1)
+        m.free_pages.set(sum(p.num_free for p in eng.pools))
+        m.total_pages.set(sum(p.n_pages - 1 for p in eng.pools))
         m.free_slots.set(len(eng.free_slots))
         m.engine_faults.set(self.runner.faults)
         m.cohort_yield.set(eng.counters["cohort_yield"])
