@@ -353,7 +353,8 @@ def test_no_arguments_serve_the_shipped_model_set():
 
 
 def test_ddtree_flags_start_a_speculative_server(tmp_path):
-    """--ddtree --drafter serves losslessly (same greedy text as the AR server) and reports the mode."""
+    """--ddtree --drafter (with --fast-rollback: one sequence) serves losslessly (same greedy text as the AR
+    server) and reports the mode and how rounds committed."""
     import jax
     import jax.numpy as jnp
 
@@ -372,13 +373,14 @@ def test_ddtree_flags_start_a_speculative_server(tmp_path):
     save_drafter(str(tmp_path / "drafter"), dcfg, dflash.init_params(dcfg, jax.random.key(0), jnp.float32))
     proc, base = _spawn(["--model", model, "--max-concurrency", "1", "--max-model-len", "128", "--page-size", "8",
                          "--prefill-chunk", "32", "--ddtree", "--drafter", str(tmp_path / "drafter"),
-                         "--ddtree-budget", "4", "--cohort-yield-min", "0"])
+                         "--ddtree-budget", "4", "--cohort-yield-min", "0", "--fast-rollback"])
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
                                  extra_body={"ignore_eos": True})
         tel = r.choices[0].model_extra["telemetry"]
         assert tel["spec_mode"] == "ddtree" and tel["draft_steps"] >= 1 and r.usage.completion_tokens == 6
+        assert tel["rollback_mode"] == "fast-rollback"
         want = dj.load_target(model).greedy([5, 6, 7, 8], 6)
         assert r.choices[0].text == Tokenizer.from_dir(model).decode(want)
     finally:

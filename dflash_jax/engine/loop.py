@@ -232,7 +232,6 @@ class Engine:
         else:
             self.pools = [self._residency(n_pages - 1)]
             n_pages = self.pools[0].n_pages
-        self.pages = self.pools[0]  # replica 0's pool (every replica's is the same size)
         self.replica_slots = [list(range(1, per_replica + 1)) for _ in range(dp)]  # free slots of each replica
         self._state_zeros = functools.partial(EngineState.zeros, self.cfg, n_pages=n_pages, page_size=o.page_size,
                                               n_slots=per_replica + 1, dtype=kv_dtype)
@@ -245,7 +244,7 @@ class Engine:
         if self.kvflash_pool_tokens is not None:
             from dflash_jax.kv.kvflash_device import KVFlashDevice
 
-            self.kvf = KVFlashDevice(self.state, self.dkv, self.pages.host_pages, host_kind=o.kvflash_host_kind)
+            self.kvf = KVFlashDevice(self.state, self.dkv, self.pools[0].host_pages, host_kind=o.kvflash_host_kind)
         self._plan: Plan | None = None
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}
@@ -411,6 +410,17 @@ class Engine:
         if self.layout is None:
             return fn()
         return jax.jit(fn, out_shardings=shardings(self.layout, jax.eval_shape(fn)))()
+
+    @property
+    def pages(self) -> "PageAllocator | Residency":
+        """Replica 0's page pool (every replica's is the same size; the only one without data parallelism)."""
+        return self.pools[0]
+
+    @pages.setter
+    def pages(self, pool: "PageAllocator | Residency") -> None:
+        if self.dp != 1:
+            raise ValueError("with data parallelism each replica has its own pool: set engine.pools[k]")
+        self.pools[0] = pool
 
     @property
     def free_slots(self) -> list[int]:

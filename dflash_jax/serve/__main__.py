@@ -7,9 +7,9 @@
 
 Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation, ``--prefill-compression auto|always
 --prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring keys|lru]`` bounded KV
-residency (a resident pool of N tokens shared by all running sequences, histories backed by pinned host memory).
-Features that this build cannot run yet (fast rollback) are rejected at start-up with a message naming the flag,
-never silently ignored.
+residency (a resident pool of N tokens shared by all running sequences, histories backed by pinned host memory),
+``--fast-rollback`` (one sequence) the node-selecting commit. Combinations this engine cannot run are rejected at
+start-up with a message naming the flags, never silently ignored.
 """
 
 from __future__ import annotations
@@ -55,9 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kvflash-scoring", choices=("keys", "lru"), default=None,
                     help="what stays resident beyond the sink and recent pages: keys = query-aware score of each "
                          "page's mean keys against the latest keys; lru = least recently used leaves first")
-    ap.add_argument("--fast-rollback", action="store_true", default=None)
+    ap.add_argument("--fast-rollback", action="store_true", default=None,
+                    help="single sequence (--ddtree, --max-concurrency 1): commit by selecting the accepted tree "
+                         "node's kept recurrent state instead of the closed-form replay")
     ap.add_argument("--cohort-yield-min", type=float, default=None,
                     help="a cohort whose first DDTree round emits fewer tokens per request continues AR (0 = never)")
+    ap.add_argument("--cohort-reprobe-tokens", type=int, default=None,
+                    help="a yielded request probes DDTree again after this many AR tokens, the wait doubling after "
+                         "each failed probe (0 = never)")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=None)
@@ -74,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
             "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys", "cohort_yield_min": 6.0,
+            "cohort_reprobe_tokens": 0,
             "tensor_parallel": 1, "data_parallel": 1}
 
 
@@ -101,7 +107,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             merged[k] = v
     ns = argparse.Namespace(**{k: merged.get(k) for k in set(vars(args)) | set(merged)})
 
-    unavailable = []
     if not ns.model:  # the shipped set: its drafter and scorer are the defaults of --ddtree / --prefill-compression
         ns.model = os.path.join(SHIPPED, "target")
         if ns.ddtree and not ns.drafter:
@@ -116,8 +121,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError(f"--drafter {ns.drafter}: not a directory")
     if ns.ddtree and not 1 <= int(ns.ddtree_budget) <= 256:
         raise StartupError(f"--ddtree-budget must be in [1, 256], got {ns.ddtree_budget}")
-    if ns.fast_rollback:
-        unavailable.append("--fast-rollback")
+    if ns.fast_rollback and not ns.ddtree:
+        raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
+    if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:
+        raise StartupError(f"--fast-rollback keeps every tree node's recurrent state and serves a single sequence: "
+                           f"use --max-concurrency 1 (got {ns.max_concurrency})")
+    if int(ns.cohort_reprobe_tokens) < 0:
+        raise StartupError(f"--cohort-reprobe-tokens must be >= 0, got {ns.cohort_reprobe_tokens}")
     if ns.prefill_compression not in (None, "off") and not ns.prefill_drafter:
         raise StartupError(f"--prefill-compression {ns.prefill_compression} needs --prefill-drafter PATH "
                            "(a dense Qwen3 scorer checkpoint)")
@@ -126,9 +136,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.prefill_drafter and not os.path.isdir(ns.prefill_drafter):
         raise StartupError(f"--prefill-drafter {ns.prefill_drafter}: not a directory")
     ns.kvflash = _kvflash_flag(ns.kvflash)
-    if unavailable:
-        raise StartupError("not available in this build yet: " + ", ".join(unavailable)
-                           + ". Remove these flags (or set them to off) to serve with plain AR decoding.")
     for spec in (ns.target_device, ns.draft_device):
         if spec:
             _platform(spec)
@@ -220,14 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             for note in target.layout.plan.notes:
                 print(f"sharding: {note}", flush=True)
         drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
-        spec = SpecConfig(budget=int(args.ddtree_budget)) if args.ddtree else None
+        spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback)) if args.ddtree
+                else None)
         try:
             eng = Engine(target, Tokenizer.from_dir(args.model),
                          EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
                                        max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
                                        prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
                                        spec=spec, cohort_yield_min=float(args.cohort_yield_min),
-                                       kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
+                                       cohort_reprobe_tokens=int(args.cohort_reprobe_tokens), kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
                                        tensor_parallel=tp, data_parallel=dp),
                          drafter=drafter)
         except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
@@ -266,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
                     default_thinking=args.enable_thinking in (True, "true"), pflash=pflash)
-    mode = (f"ddtree(budget={args.ddtree_budget}, drafter={args.drafter}, mode=packed-verify-replay, "
-            f"cohort_yield_min={args.cohort_yield_min})" if args.ddtree else "ar")
+    commit = "fast-rollback" if args.fast_rollback else "replay"
+    mode = (f"ddtree(budget={args.ddtree_budget}, drafter={args.drafter}, mode=packed-verify-{commit}, "
+            f"cohort_yield_min={args.cohort_yield_min}, cohort_reprobe_tokens={args.cohort_reprobe_tokens})"
+            if args.ddtree else "ar")
     pf = (f"{pflash[0].mode}(keep_ratio={pflash[0].keep_ratio}, min_tokens={pflash[0].min_tokens}, "
           f"scorer={args.prefill_drafter})" if pflash else "off")
     kr = eng.kvflash_report()
