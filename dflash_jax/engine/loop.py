@@ -398,6 +398,20 @@ class Engine:
                     "score_decisions", "lru_decisions", "score_fallbacks", "clean_evictions", "table_refreshes",
                     "transfer_failures", "summary_failures")}}
 
+    def kvflash_residency(self) -> dict[int, dict] | None:
+        """Where every running request's KV pages are now (None when residency is unbounded).
+
+        ``{request_id: {"resident": [logical page indices resident in the device pool], "logical_pages": pages of
+        its history, "tokens": tokens of its history}}``; the other logical pages live in host slabs. Sample it
+        between ``step()`` calls to follow residency over time.
+        """
+        if self.kvf is None:
+            return None
+        res: Residency = self.pages
+        return {rid: {"resident": res.resident_of(rid), "logical_pages": res.n_logical(rid),
+                      "tokens": res.num_tokens(rid)}
+                for rid in self.running if rid in res}
+
     def zero_state(self) -> EngineState:
         """A fresh device state (empty pages and slots), created directly on its shards."""
         return self._replicas(self._state_zeros, lambda lay, shapes: lay.state(shapes))
