@@ -10,5 +10,10 @@ from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.models.loader import CheckpointError
 from dflash_jax.target import Target, load_target
 
-__all__ = ["CheckpointError", "ConfigError", "Target", "TargetConfig", "load_target"]
+#: The shipped trained tiny model set (Hugging Face layout): ``target/`` (hybrid target + tokenizer), ``drafter/``
+#: (its DFlash drafter), ``scorer/`` (the dense PFlash scorer) and ``train_report.json`` (how they were trained,
+#: which files were held out).
+SHIPPED_MODELS = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "assets", "tiny")
+
+__all__ = ["CheckpointError", "ConfigError", "SHIPPED_MODELS", "Target", "TargetConfig", "load_target"]
 __version__ = "0.1.0"

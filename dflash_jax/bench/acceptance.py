@@ -117,6 +117,22 @@ def chain_tau(lp: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return 1 + np.cumprod(hit, axis=-1).sum(-1)
 
 
+def label_path(tokens: np.ndarray, parent: np.ndarray, valid: np.ndarray, labels: np.ndarray) -> list[int]:
+    """Slots of one tree (``[N]`` arrays of ``spec.ddtree.Tree``, slot 0 = root) on the path that follows ``labels``
+    ``[blk]`` (``labels[0]`` is the root's token, ``labels[d]`` the token wanted at depth d): the root, then at each
+    depth the child whose token is the next label. With the target's greedy continuation as labels this is the path
+    greedy verification accepts; ``len(path)`` is the accepted length (bonus included)."""
+    path, node = [0], 0
+    while len(path) < len(labels):
+        kids = np.nonzero(valid & (parent == node) & (tokens == labels[len(path)]))[0]
+        kids = kids[kids > 0]
+        if not len(kids):
+            break
+        node = int(kids[0])
+        path.append(node)
+    return path
+
+
 def tree_tau(lp: np.ndarray, labels: np.ndarray, budget: int) -> np.ndarray:
     """The accepted length of the label path through the DDTree of each block (bonus included)."""
     blk, v = lp.shape[-2:]
@@ -125,16 +141,7 @@ def tree_tau(lp: np.ndarray, labels: np.ndarray, budget: int) -> np.ndarray:
     tree = jax.jit(build_tree, static_argnames=("budget", "top_k", "chain_seed"))(
         jnp.asarray(flat_lp), budget=budget, chain_seed=True)
     tok, par, val = (np.asarray(x) for x in (tree.tokens, tree.parent, tree.valid))
-    out = np.ones(len(flat_lab), np.int64)
-    for b in range(len(flat_lab)):
-        node, depth = 0, 0
-        while depth + 1 < blk:
-            kids = np.nonzero(val[b] & (par[b] == node) & (tok[b] == flat_lab[b, depth + 1]))[0]
-            kids = kids[kids > 0]
-            if not len(kids):
-                break
-            node, depth = int(kids[0]), depth + 1
-        out[b] = 1 + depth
+    out = np.asarray([len(label_path(tok[b], par[b], val[b], flat_lab[b])) for b in range(len(flat_lab))], np.int64)
     return out.reshape(labels.shape[:-1])
 
 

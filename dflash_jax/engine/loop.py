@@ -149,6 +149,13 @@ class _Request:
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
+    """How an ``Engine`` is built (fixed for its lifetime: buckets and pool sizes are compiled in).
+
+    max_batch: running sequences (recurrent slots); page_size / max_model_len / n_pages: the paged KV pool;
+    prefill_chunk / prefill_batch: tokens per prefill chunk and rows per prefill call; spec: DDTree speculative
+    decoding (with ``Engine(..., drafter=...)``); kvflash*: bounded KV residency (see the fields' comments).
+    """
+
     max_batch: int = 8
     page_size: int = 16
     max_model_len: int = 2048
@@ -248,7 +255,9 @@ class Engine:
         self._plan: Plan | None = None
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}
-        self.kvflash_steps: collections.deque[dict] = collections.deque(maxlen=256)  # per-step telemetry
+        # KVFlash telemetry of the last 256 device calls: step, rows, deferred, pages_in/out, bytes_in/out, wait_s,
+        # resident_pages, occupancy, sequences_changed (empty when residency is unbounded)
+        self.kvflash_steps: collections.deque[dict] = collections.deque(maxlen=256)
         self.decode_buckets = _buckets(per_replica)
         self.prefill_buckets = _buckets(min(o.prefill_batch, per_replica))
         self._jit = self.compile_step(functools.partial(step, self.cfg, self.dcfg))
@@ -396,6 +405,20 @@ class Engine:
                     "pages_in", "pages_out", "bytes_in", "bytes_out", "wait_s", "deferred_steps",
                     "score_decisions", "lru_decisions", "score_fallbacks", "clean_evictions", "table_refreshes",
                     "transfer_failures", "summary_failures")}}
+
+    def kvflash_residency(self) -> dict[int, dict] | None:
+        """Where every running request's KV pages are now (None when residency is unbounded).
+
+        ``{request_id: {"resident": [logical page indices resident in the device pool], "logical_pages": pages of
+        its history, "tokens": tokens of its history}}``; the other logical pages live in host slabs. Sample it
+        between ``step()`` calls to follow residency over time.
+        """
+        if self.kvf is None:
+            return None
+        res: Residency = self.pages
+        return {rid: {"resident": res.resident_of(rid), "logical_pages": res.n_logical(rid),
+                      "tokens": res.num_tokens(rid)}
+                for rid in self.running if rid in res}
 
     def zero_state(self) -> EngineState:
         """A fresh device state (empty pages and slots), created directly on its shards."""
@@ -575,6 +598,7 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
+        """Requests are waiting or running (``step()`` has something to do)."""
         return bool(self.waiting or self.running)
 
     # ---- one iteration --------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import os
 import sys
 import time
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny")
+from dflash_jax import SHIPPED_MODELS as SHIPPED
+
 DEVICE_PREFIXES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "hip": "gpu"}
 
 
