@@ -138,6 +138,8 @@ class Server:
             self.metrics.tpot.observe(o.stats["tpot_s"])
         if o.stats.get("mean_accept_len") is not None:
             self.metrics.accept_len.observe(o.stats["mean_accept_len"])
+        self.metrics.kv_pages_in.inc(o.stats.get("kv_pages_in", 0))
+        self.metrics.kv_pages_out.inc(o.stats.get("kv_pages_out", 0))
 
     def _usage(self, prompt_len: int, outs: list[RequestOutput]) -> dict[str, int]:
         c = sum(len(o.token_ids) for o in outs)
