@@ -73,22 +73,23 @@ def _ceiling_run(args: argparse.Namespace, command: str) -> int:
 
 # ---- registry --------------------------------------------------------------------------------
 Runner = Callable[[argparse.Namespace, str], int]
+def _module(name: str, help_: str) -> tuple[Callable[[argparse.ArgumentParser], None], Runner, str]:
+    """A subcommand whose ``add_arguments``/``run`` live in ``dflash_jax.bench.<name>`` (imported when used)."""
+    return (lambda p: _lazy(name).add_arguments(p), lambda a, c: _lazy(name).run(a, c), help_)
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, str]] = {
     "ceiling": (_ceiling_args, _ceiling_run, "weight-stream ceiling of a decode step (DESIGN.md §8)"),
-    "ar": (lambda p: _lazy("ar").add_arguments(p), lambda a, c: _lazy("ar").run(a, c),
-           "AR decode throughput of the engine at several concurrencies"),
-    "spec": (lambda p: _lazy("spec").add_arguments(p), lambda a, c: _lazy("spec").run(a, c),
-             "speculative round cost (step overhead vs AR) and oracle-draft throughput"),
-    "acceptance": (lambda p: _lazy("acceptance").add_arguments(p), lambda a, c: _lazy("acceptance").run(a, c),
-                   "drafter acceptance length (chain and DDTree tau) on held-out text, and through the engine"),
-    "needle": (lambda p: _lazy("needle").add_arguments(p), lambda a, c: _lazy("needle").run(a, c),
-               "needle-in-a-haystack retrieval at a context length, with and without PFlash"),
-    "pflash": (lambda p: _lazy("pflash").add_arguments(p), lambda a, c: _lazy("pflash").run(a, c),
-               "time to first token with PFlash prompt compression vs full prefill"),
-    "concurrency": (lambda p: _lazy("concurrency").add_arguments(p), lambda a, c: _lazy("concurrency").run(a, c),
-                    "paired AR / DDTree serving at several concurrencies, fail-closed feature matrix"),
-    "kernels": (lambda p: _lazy("kernels").add_arguments(p), lambda a, c: _lazy("kernels").run(a, c),
-                "Pallas kernels vs their references on this device: check, then time (bandwidth, speedup)"),
+    "ar": _module("ar", "AR decode throughput of the engine at several concurrencies"),
+    "spec": _module("spec", "speculative round cost (step overhead vs AR) and oracle-draft throughput"),
+    "acceptance": _module("acceptance", "drafter acceptance length (chain and DDTree tau) on held-out text, and "
+                                        "through the engine"),
+    "needle": _module("needle", "needle-in-a-haystack retrieval at a context length, with and without PFlash"),
+    "pflash": _module("pflash", "time to first token with PFlash prompt compression vs full prefill"),
+    "concurrency": _module("concurrency", "paired AR / DDTree serving at several concurrencies, fail-closed "
+                                          "feature matrix"),
+    "kernels": _module("kernels", "Pallas kernels vs their references on this device: check, then time "
+                                  "(bandwidth, speedup)"),
 }
 
 
