@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import TargetConfig, read_generation_eos
-from dflash_jax.models import loader, qwen36
+from dflash_jax.models import loader, quant, qwen36
 from dflash_jax.state import KVPages, RecurrentSlots, StepInput
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
@@ -93,10 +93,21 @@ class Target:
         return out
 
 
-def load_target(path: str | os.PathLike, dtype="float32") -> Target:
-    """Load a Qwen3.5/3.6 hybrid checkpoint in the Hugging Face layout."""
+def load_target(path: str | os.PathLike, dtype="float32", quantization: str | None = None) -> Target:
+    """Load a Qwen3.5/3.6 hybrid checkpoint: a Hugging Face directory (bf16/fp32, or FP8 with
+    ``weight_scale_inv`` block scales) or a llama.cpp ``.gguf`` file (``qwen35``; dequantized at load).
+
+    ``dtype`` is the activation dtype; ``quantization="fp8"`` stores every large matmul weight as fp8 with
+    per-output-channel scales (quantized on the device as it loads).
+    """
     path = os.fspath(path)
+    quantization = quant.check_quantization(quantization)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from dflash_jax.models import gguf_loader
+
+        cfg, params, eos = gguf_loader.load_gguf(path, resolve_dtype(dtype), quantization=quantization)
+        return Target(config=cfg, params=params, eos_token_ids=eos, path=path)
     cfg = TargetConfig.from_file(path)
-    params = loader.load_params(path, cfg, resolve_dtype(dtype))
+    params = loader.load_params(path, cfg, resolve_dtype(dtype), quantization=quantization)
     eos = tuple(dict.fromkeys(read_generation_eos(path) + cfg.eos_token_ids))
     return Target(config=cfg, params=params, eos_token_ids=eos, path=path)

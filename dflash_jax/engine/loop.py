@@ -28,6 +28,7 @@ from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step_fn
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
+from dflash_jax.models import quant
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, StepInput
 from dflash_jax.target import Target, load_target
@@ -144,6 +145,7 @@ class EngineOptions:
     kv_dtype: str | None = None  # default: the params' dtype
     spec: SpecConfig | None = None  # DDTree speculative decoding (needs a drafter)
     cohort_yield_min: float = 6.0  # a cohort whose first round emits fewer tokens per request goes AR (0 = never)
+    quantization: str | None = None  # "fp8": matmul weights of target and drafter in fp8 (quant.QuantizedWeight)
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -171,6 +173,10 @@ class Engine:
         if o.max_model_len > target.config.max_position_embeddings:
             raise ValueError(f"max_model_len {o.max_model_len} exceeds the model's max_position_embeddings "
                              f"{target.config.max_position_embeddings}")
+        if quant.check_quantization(o.quantization) is not None:  # no-op for leaves quantized at load
+            target = dataclasses.replace(target, params=quant.quantize_params(target.params, o.quantization))
+            if drafter is not None:
+                drafter = (drafter[0], quant.quantize_params(drafter[1], o.quantization))
         self.target, self.cfg, self.tokenizer, self.options = target, target.config, tokenizer, o
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
@@ -201,13 +207,15 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target_path: str, dtype: str = "float32", warmup: bool = True,
                         drafter_path: str | None = None, **options) -> "Engine":
-        """Load a target (and optionally a DFlash drafter) checkpoint; ``options`` are ``EngineOptions`` fields."""
-        target = load_target(target_path, dtype=dtype)
+        """Load a target (and optionally a DFlash drafter) checkpoint; ``options`` are ``EngineOptions`` fields
+        (``quantization="fp8"`` quantizes both as they load)."""
+        q = options.get("quantization")
+        target = load_target(target_path, dtype=dtype, quantization=q)
         drafter = None
         if drafter_path is not None:
             from dflash_jax.models.dflash_loader import load_drafter
 
-            drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype)
+            drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype, quantization=q)
         eng = cls(target, Tokenizer.from_dir(target_path), EngineOptions(**options), drafter=drafter)
         if warmup:
             eng.warmup()
