@@ -81,6 +81,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
              "speculative round cost (step overhead vs AR) and oracle-draft throughput"),
     "concurrency": (lambda p: _lazy("concurrency").add_arguments(p), lambda a, c: _lazy("concurrency").run(a, c),
                     "paired AR / DDTree serving at several concurrencies, fail-closed feature matrix"),
+    "linear": (lambda p: _lazy("linear").add_arguments(p), lambda a, c: _lazy("linear").run(a, c),
+               "one 27B-shaped matmul weight: bf16 vs fp8 (per-channel, 128x128 blocks) at small batch"),
 }
 
 

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    ap.add_argument("--quantization", choices=("none", "fp8"), default=None,
+                    help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales, quantized "
+                         "as they load (an FP8 checkpoint stays FP8 either way)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
                     help="server default for chat_template_kwargs.enable_thinking")
     ap.add_argument("--host", default=None)
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
-            "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
+            "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true", "ddtree_budget": 22,
             "prefill_compression": "off", "kvflash": "off", "cohort_yield_min": 6.0}
 
 
@@ -118,8 +121,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if not ns.model:
         raise StartupError("no model given and no default model set is shipped in this build yet: pass --model PATH "
                            "(a Qwen3.5/3.6 checkpoint directory in the Hugging Face layout)")
-    if not os.path.isdir(ns.model):
-        raise StartupError(f"--model {ns.model}: not a directory")
+    if not (os.path.isdir(ns.model) or ns.model.endswith(".gguf") and os.path.isfile(ns.model)):
+        raise StartupError(f"--model {ns.model}: not a directory (or a .gguf file)")
+    if ns.quantization not in ("none", "fp8"):
+        raise StartupError(f"--quantization must be none or fp8, got {ns.quantization!r}")
     if ns.max_concurrency < 1:
         raise StartupError("--max-concurrency must be >= 1")
     return ns
@@ -165,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     t0 = time.perf_counter()
     with jax.default_device(device):
-        target = load_target(args.model, dtype=dtype)
-        drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
+        q = None if args.quantization == "none" else args.quantization
+        target = load_target(args.model, dtype=dtype, quantization=q)
+        drafter = (load_drafter(args.drafter, dtype=target.params["embed"].dtype, quantization=q)
+                   if args.ddtree else None)
         spec = SpecConfig(budget=int(args.ddtree_budget)) if args.ddtree else None
         eng = Engine(target, Tokenizer.from_dir(args.model),
                      EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                    spec=spec, cohort_yield_min=float(args.cohort_yield_min)),
                      drafter=drafter)
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
-        print(f"model {args.model} ({dtype}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "
+        print(f"model {args.model} ({dtype}{', fp8 weights' if q else ''}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
         done = [0]
 
