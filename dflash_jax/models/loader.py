@@ -12,7 +12,7 @@ import json
 import os
 import re
 import struct
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +150,8 @@ Placer = Callable[[tuple[Any, ...], np.ndarray], jax.Array]
 def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
                   strip: Callable[[str], str | None], place: Placer | None = None,
                   skip: Callable[[str], bool] | None = None, where: str = "checkpoint",
-                  config: str = "config.json", quantization: str | None = None) -> Params:
+                  config: str = "config.json", quantization: str | None = None,
+                  tensors: Iterable[tuple[str, np.ndarray]] | None = None) -> Params:
     """Stream the tensors of the checkpoint at ``path`` into a pytree shaped like ``shapes``.
 
     Each tensor name goes through ``strip`` (None: ignore the tensor), then ``skip`` (True: ignore it), then
@@ -164,7 +165,8 @@ def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
     ``X.weight`` and its ``X.weight_scale_inv`` (block scales per ``weight_block_size``, or per channel) become
     one ``quant.QuantizedWeight`` (put with ``jax.device_put``); ``*activation_scale`` / ``*input_scale`` tensors
     are ignored. With ``quantization="fp8"`` every other matmul weight (``quant.MATMUL_NAMES``) is quantized
-    per output channel on the device right after it is placed.
+    per output channel on the device right after it is placed. ``tensors`` replaces the safetensors files of
+    ``path`` as the source of ``(name, host array)`` pairs (the GGUF loader's dequantized stream).
     """
     fp8_block = quant.read_fp8_block(path) if os.path.isdir(path) else None
     qleaf = quant.leaf_quantizer(quantization)
@@ -174,7 +176,7 @@ def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
     n_layers = len(shapes["layers"])
     place = place or (lambda _p, a: jax.device_put(a))
     seen: set[str] = set()
-    for full_name, arr in iter_tensors(path):
+    for full_name, arr in (iter_tensors(path) if tensors is None else tensors):
         name = strip(full_name)
         if name is None or skip is not None and skip(name):
             continue
