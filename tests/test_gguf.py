@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 import dflash_jax as dj  # noqa: E402
 import gguf_fixture as fx  # noqa: E402
@@ -42,6 +44,28 @@ def test_value_heads_are_tiled_the_way_the_converter_writes_them():
     back = gguf_loader.tiled_to_grouped(gguf_loader.grouped_to_tiled(rows, 0, 2, 3, 4), 0, 2, 3, 4)
     np.testing.assert_array_equal(back, rows)
     np.testing.assert_array_equal(gguf_loader.grouped_to_tiled(rows, 0, 2, 3, 4)[4:8, 0], 3)
+
+
+# relative error (Frobenius) a tensor may show after its format's round trip (random normal weights)
+BOUND = {"Q4_K": 0.12, "Q5_K": 0.06, "Q6_K": 0.03, "Q8_0": 0.01, "F16": 1e-3, "F32": 1e-6}
+
+
+@settings(max_examples=30, deadline=None)
+@given(qtype=st.sampled_from(["Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16"]), rows=st.integers(1, 4),
+       blocks=st.integers(1, 3), seed=st.integers(0, 999), scale=st.floats(1e-3, 1e2), offset=st.floats(-1, 1))
+def test_format_round_trips_through_ggufs_dequantizer_within_bound(qtype, rows, blocks, seed, scale, offset):
+    """What the loader relies on: each format's bytes decode (``gguf.quants.dequantize``) to the values within
+    the format's error (element-wise: half a quantization step of the block's range)."""
+    rng = np.random.default_rng(seed)
+    a = ((rng.standard_normal((rows, 256 * blocks)) + offset) * scale).astype(np.float32)
+    data, raw = fx.encode(a, qtype)
+    back = (data.astype(np.float32) if raw is None else gguf.quants.dequantize(data, raw)).reshape(a.shape)
+    assert back.dtype == np.float32 and np.all(np.isfinite(back))
+    assert np.linalg.norm(back - a) <= BOUND[qtype] * np.linalg.norm(a) + 1e-30
+    bits = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "F16": 11}[qtype]
+    # no element off by more than ~one step of a 2^bits grid over the row's range (scales are 6-bit / fp16)
+    step = (a.max(1, keepdims=True) - np.minimum(a.min(1, keepdims=True), 0)) / (2 ** bits - 1)
+    assert np.all(np.abs(back - a) <= 2.5 * step + 1e-6 * scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,10 +109,6 @@ def wide(tmp_path_factory) -> str:
                            lambda: cfg_json,
                            rename=lambda n: n if n == "lm_head.weight" else "model.language_model." + n)
     return dst
-
-
-# relative error (Frobenius) a tensor may show after its format's round trip (random normal weights)
-BOUND = {"Q4_K": 0.12, "Q5_K": 0.06, "Q6_K": 0.03, "Q8_0": 0.01, "F16": 1e-3, "F32": 1e-6}
 
 
 def test_k_quant_gguf_loads_within_each_formats_error_and_close_logits(tmp_path, wide):

@@ -27,6 +27,7 @@ def _resolve(*argv):
     (("--model", MODEL, "--target-device", "cuda:0", "--draft-device", "cpu:0"), "mixed-device"),
     (("--model", MODEL, "--target-device", "tpu:0"), "not understood"),
     (("--model", MODEL, "--max-concurrency", "0"), "--max-concurrency"),
+    (("--model", os.path.join(FIXTURES, "missing.gguf")), "not a directory (or a .gguf file)"),
     (("--model", MODEL, "--config", os.path.join(ROOT, "configs", "strix_halo.yaml")), "--ddtree needs --drafter"),
 ])
 def test_unsupported_or_inconsistent_flags_are_rejected(argv, needle):
@@ -42,3 +43,12 @@ def test_presets_load_and_command_line_overrides_them(tmp_path):
     bad.write_text("no-such-flag: 1\n")
     with pytest.raises(StartupError, match="unknown flag 'no-such-flag'"):
         _resolve("--model", MODEL, "--config", str(bad))
+
+
+def test_quantization_flag_and_preset_value_are_checked(tmp_path):
+    assert _resolve("--model", MODEL).quantization == "none"
+    assert _resolve("--model", MODEL, "--quantization", "fp8").quantization == "fp8"
+    preset = tmp_path / "p.yaml"
+    preset.write_text("quantization: int3\n")
+    with pytest.raises(StartupError, match="--quantization must be none or fp8"):
+        _resolve("--model", MODEL, "--config", str(preset))
