@@ -38,6 +38,7 @@ ANY = "any"
 # Ops whose implementations live in a module of this package: imported on first use by get().
 _BUILTIN_MODULES = {
     "paged_decode": "pallas_kernels.paged_decode",
+    "fp8_matmul": "pallas_kernels.fp8_matmul",
 }
 
 
