@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import time
 
 import jax
@@ -34,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--prefill-batch", type=int, default=4)
     p.add_argument("--ceiling-iters", type=int, default=20)
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
+                   help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
 
 
 def _peak_bytes() -> int | None:
@@ -119,7 +122,8 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     max_len = args.prompt_len + args.output_len
     eng = Engine(target, None, EngineOptions(max_batch=cmax, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk,
-                                             prefill_batch=args.prefill_batch))
+                                             prefill_batch=args.prefill_batch, kv_dtype=args.kv_dtype))
+    kv_itemsize = sum(x.nbytes for x in eng.state.kv.k) / sum(math.prod(x.shape) for x in eng.state.kv.k)
     print(f"[{quantization}] model loaded in {load_s:.1f}s ({w_itemsize:.3f} bytes/weight); compiling "
           f"{len(eng.prefill_buckets) + len(eng.decode_buckets)} buckets", flush=True)
     t0 = time.perf_counter()  # compiles run concurrently: per-bucket seconds overlap; startup_compile_s is wall time
@@ -135,7 +139,8 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     for c in args.concurrency:
         m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
         ctx = args.prompt_len + args.output_len // 2
-        roof = roofline.roofline_tok_s(cfg, c, ctx, itemsize=dtype.itemsize, weight_itemsize=w_itemsize)
+        roof = roofline.roofline_tok_s(cfg, c, ctx, itemsize=dtype.itemsize, weight_itemsize=w_itemsize,
+                                       kv_itemsize=kv_itemsize)
         figures.update({f"c{c}.tok_s": m["tok_s"], f"c{c}.tpot_ms": m["tpot_ms"],
                         f"c{c}.roofline_fraction": m["tok_s"] / roof, f"c{c}.roofline_tok_s": roof,
                         f"c{c}.ttft_max_s": m["ttft_max_s"], f"c{c}.peak_mem_gb": (_peak_bytes() or 0) / 1e9})
@@ -148,7 +153,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
         ceil[c] = ceiling.measure_ceiling(cfg, eng.target.params, c, iters=args.ceiling_iters, fn=fn)
         figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]
         figures[f"c{c}.ceiling_ratio"] = figures[f"c{c}.tok_s"] / ceil[c]["tok_s"]
-    figures["kv_bytes_per_token"] = cfg.kv_bytes_per_token(dtype.itemsize)
+    figures["kv_bytes_per_token"] = cfg.kv_bytes_per_token(kv_itemsize)
     figures["recurrent_bytes_per_seq"] = cfg.recurrent_bytes_per_seq(dtype.itemsize)
     extra = {"compile_s": report, "kv_pool_pages": eng.pages.n_pages}
     return figures, extra
@@ -176,7 +181,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     results.print_table(figures)
     if not args.no_write:
         extra = {"source": args.model or args.random_weights, "weights": "checkpoint" if args.model else "random",
-                 "dtype": args.dtype, "quantization": variants, "prompt_len": args.prompt_len,
+                 "dtype": args.dtype, "quantization": variants, "kv_dtype": args.kv_dtype, "prompt_len": args.prompt_len,
                  "output_len": args.output_len, "page_size": args.page_size, "prefill_chunk": args.prefill_chunk}
         extra.update(extras[base] if plain else {"variants": extras})
         print("wrote", results.write_result("ar", figures, command, extra, out_dir=args.out_dir))

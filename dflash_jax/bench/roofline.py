@@ -67,20 +67,22 @@ def recurrent_bytes(cfg: TargetConfig, batch: int, conv_itemsize: int = 2) -> in
 
 
 def decode_step_bytes(cfg: TargetConfig, batch: int, context: int, itemsize: int = 2,
-                      weight_itemsize: float | None = None) -> int:
+                      weight_itemsize: float | None = None, kv_itemsize: float | None = None) -> int:
     """HBM bytes of one decode step of ``batch`` sequences attending over ``context`` tokens each.
 
     ``W + B*ctx*kv_per_token + 2*B*R + B*(D*itemsize + kv_per_token)``: weights, KV read, recurrent
     state read+write, and the small per-token terms (embedding rows read, new K/V written). Weights take
-    ``weight_itemsize`` bytes an element (default ``itemsize``; ~1 for fp8 weights).
+    ``weight_itemsize`` bytes an element (default ``itemsize``; ~1 for fp8 weights), K/V ``kv_itemsize``
+    (default ``itemsize``; ~1 + 4/head_dim for fp8/int8 pages with their scales).
     """
-    small = batch * (cfg.hidden_size * itemsize + cfg.kv_bytes_per_token(itemsize))
+    kvi = itemsize if kv_itemsize is None else kv_itemsize
+    small = batch * (cfg.hidden_size * itemsize + cfg.kv_bytes_per_token(kvi))
     w = weight_bytes(cfg, itemsize if weight_itemsize is None else weight_itemsize)
-    return w + kv_bytes_read(cfg, context, batch, itemsize) + recurrent_bytes(cfg, batch, itemsize) + small
+    return int(w + kv_bytes_read(cfg, context, batch, kvi) + recurrent_bytes(cfg, batch, itemsize) + small)
 
 
 def roofline_tok_s(cfg: TargetConfig, batch: int, context: int,
                    hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, itemsize: int = 2,
-                   weight_itemsize: float | None = None) -> float:
+                   weight_itemsize: float | None = None, kv_itemsize: float | None = None) -> float:
     """Upper bound on decode throughput: ``B / (decode_step_bytes / hbm_bytes_per_s)`` tokens/s."""
-    return batch * hbm_bytes_per_s / decode_step_bytes(cfg, batch, context, itemsize, weight_itemsize)
+    return batch * hbm_bytes_per_s / decode_step_bytes(cfg, batch, context, itemsize, weight_itemsize, kv_itemsize)

@@ -27,6 +27,7 @@ from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step_fn
+from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models import quant
 from dflash_jax.models.tokenizer import Tokenizer
@@ -142,7 +143,7 @@ class EngineOptions:
     n_pages: int | None = None  # default: enough for max_batch sequences of max_model_len
     prefill_chunk: int = 64
     prefill_batch: int = 2
-    kv_dtype: str | None = None  # default: the params' dtype
+    kv_dtype: str | None = None  # default: the params' dtype; "fp8" / "int8": quantized pages (per token-head scales)
     spec: SpecConfig | None = None  # DDTree speculative decoding (needs a drafter)
     cohort_yield_min: float = 6.0  # a cohort whose first round emits fewer tokens per request goes AR (0 = never)
     quantization: str | None = None  # "fp8": matmul weights of target and drafter in fp8 (quant.QuantizedWeight)
@@ -185,11 +186,11 @@ class Engine:
         self.width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # page-table width
         n_pages = o.n_pages or o.max_batch * self.width + 1
         self.pages = PageAllocator(n_pages, o.page_size)
-        dtype = self.target.params["layers"][0]["mlp"]["gate"].dtype
-        kv_dtype = jnp.dtype(o.kv_dtype) if o.kv_dtype else dtype
-        self.state = EngineState.zeros(self.cfg, n_pages=n_pages, page_size=o.page_size, n_slots=o.max_batch + 1,
-                                       dtype=kv_dtype)
-        self.dkv = DraftKV.zeros(self.dcfg, n_pages, o.page_size, kv_dtype) if self.dcfg is not None else None
+        self.dtype = jnp.dtype(self.target.params["layers"][0]["mlp"]["gate"].dtype)
+        self.kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)
+        self.state = self.zero_state()
+        self.dkv = (DraftKV.zeros(self.dcfg, n_pages, o.page_size, self.kv_dtype, self.dtype)
+                    if self.dcfg is not None else None)
         self.free_slots = list(range(1, o.max_batch + 1))
         self.decode_buckets = _buckets(o.max_batch)
         self.prefill_buckets = _buckets(min(o.prefill_batch, o.max_batch))
@@ -204,6 +205,12 @@ class Engine:
         self.counters = collections.Counter()
 
     # ---- construction ---------------------------------------------------------------------------
+    def zero_state(self) -> EngineState:
+        """Empty device state of this engine's shapes (K/V pages in ``kv_dtype``, quantized for fp8 / int8)."""
+        o = self.options
+        return EngineState.zeros(self.cfg, n_pages=self.pages.n_pages, page_size=o.page_size,
+                                 n_slots=o.max_batch + 1, dtype=self.dtype, kv_dtype=self.kv_dtype)
+
     @classmethod
     def from_pretrained(cls, target_path: str, dtype: str = "float32", warmup: bool = True,
                         drafter_path: str | None = None, **options) -> "Engine":

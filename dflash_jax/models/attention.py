@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.kv import quant as kv_quant
+
 _NEG = -1e30  # finite, so a fully masked (padding) row gives a finite mean instead of NaN
 
 
@@ -24,14 +26,14 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
     slot_page = jnp.take_along_axis(page_table, jnp.clip(positions // ps, 0, page_table.shape[1] - 1), axis=1)
     page = jnp.where(valid, slot_page, 0)
     off = jnp.where(valid, positions % ps, 0)
-    k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype))
+    k_pages = kv_quant.set_rows(k_pages, page, off, k)
+    v_pages = kv_quant.set_rows(v_pages, page, off, v)
     return k_pages, v_pages
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D]."""
-    g = pages[page_table]  # [B, W, ps, Hkv, D]
+    g = kv_quant.take(pages, page_table)  # [B, W, ps, Hkv, D] (quantized pages: dequantized)
     b, w, ps = g.shape[:3]
     return g.reshape((b, w * ps) + g.shape[3:])
 

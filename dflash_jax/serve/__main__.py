@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
+                    help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
     ap.add_argument("--quantization", choices=("none", "fp8"), default=None,
                     help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales, quantized "
                          "as they load (an FP8 checkpoint stays FP8 either way)")
@@ -123,6 +125,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                            "(a Qwen3.5/3.6 checkpoint directory in the Hugging Face layout)")
     if not (os.path.isdir(ns.model) or ns.model.endswith(".gguf") and os.path.isfile(ns.model)):
         raise StartupError(f"--model {ns.model}: not a directory (or a .gguf file)")
+    if ns.kv_dtype not in (None, "bf16", "fp8", "int8"):
+        raise StartupError(f"--kv-dtype must be bf16, fp8 or int8, got {ns.kv_dtype!r}")
     if ns.quantization not in ("none", "fp8"):
         raise StartupError(f"--quantization must be none or fp8, got {ns.quantization!r}")
     if ns.max_concurrency < 1:
@@ -179,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                      EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
                                    max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
                                    prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
-                                   spec=spec, cohort_yield_min=float(args.cohort_yield_min)),
+                                   spec=spec, cohort_yield_min=float(args.cohort_yield_min),
+                                   kv_dtype=args.kv_dtype),
                      drafter=drafter)
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
         print(f"model {args.model} ({dtype}{', fp8 weights' if q else ''}) loaded on {device} in {time.perf_counter() - t0:.1f}s; "

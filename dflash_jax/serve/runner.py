@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from dflash_jax.engine.loop import Engine, RequestOutput, SamplingParams
-from dflash_jax.state import EngineState
 
 log = logging.getLogger("dflash_jax.serve")
 
@@ -116,6 +115,4 @@ class EngineRunner:
             eng.abort(rid)
             self._publish(rid, EngineFault(f"engine fault: {type(err).__name__}: {err}"))
             self._subs.pop(rid, None)
-        o = eng.options
-        eng.state = EngineState.zeros(eng.cfg, n_pages=eng.pages.n_pages, page_size=o.page_size,
-                                      n_slots=o.max_batch + 1, dtype=eng.state.kv.k[0].dtype)
+        eng.state = eng.zero_state()
