@@ -128,8 +128,9 @@ def dequantize(w: QuantizedWeight, dtype=F32) -> jax.Array:
 def _pallas_chosen() -> bool:
     """``DFLASH_KERNELS=fp8_matmul=pallas_triton`` (read at trace time) routes per-channel fp8 matmuls through
     the Pallas kernel of ``pallas_kernels.fp8_matmul``; by default XLA's fused convert + dot is used."""
-    spec = os.environ.get("DFLASH_KERNELS", "")
-    return "fp8_matmul=pallas_triton" in spec.replace(" ", "")
+    from pallas_kernels.registry import ENV_VAR, parse_overrides
+
+    return parse_overrides(os.environ.get(ENV_VAR)).get("fp8_matmul") == "pallas_triton"
 
 
 def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
