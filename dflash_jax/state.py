@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.kv import quant as kv_quant
 
 
 def _pytree(cls):
@@ -37,11 +38,14 @@ class KVPages:
         return self.k[0].shape[1]
 
     @classmethod
-    def zeros(cls, cfg: TargetConfig, n_pages: int, page_size: int, dtype=jnp.bfloat16) -> "KVPages":
+    def zeros(cls, cfg: TargetConfig, n_pages: int, page_size: int, dtype=jnp.bfloat16,
+              compute_dtype=None) -> "KVPages":
+        """Pages in ``dtype``; fp8 / int8 give ``kv.quant.QuantizedPages`` read back in ``compute_dtype``."""
         shape = (n_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         n = len(cfg.attn_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(n)))
+        cd = compute_dtype or jnp.bfloat16
+        return cls(k=tuple(kv_quant.zeros(shape, dtype, cd) for _ in range(n)),
+                   v=tuple(kv_quant.zeros(shape, dtype, cd) for _ in range(n)))
 
 
 @_pytree
@@ -77,8 +81,9 @@ class EngineState:
 
     @classmethod
     def zeros(cls, cfg: TargetConfig, *, n_pages: int, page_size: int, n_slots: int,
-              dtype=jnp.bfloat16) -> "EngineState":
-        return cls(kv=KVPages.zeros(cfg, n_pages, page_size, dtype),
+              dtype=jnp.bfloat16, kv_dtype=None) -> "EngineState":
+        """Zero state; K/V pages in ``kv_dtype`` (default ``dtype``; fp8 / int8 quantized, read in ``dtype``)."""
+        return cls(kv=KVPages.zeros(cfg, n_pages, page_size, kv_dtype or dtype, compute_dtype=dtype),
                    rec=RecurrentSlots.zeros(cfg, n_slots, dtype))
 
 
@@ -136,7 +141,8 @@ class DraftKV:
     v: tuple[jax.Array, ...]
 
     @classmethod
-    def zeros(cls, dcfg, n_pages: int, page_size: int, dtype=jnp.bfloat16) -> "DraftKV":
+    def zeros(cls, dcfg, n_pages: int, page_size: int, dtype=jnp.bfloat16, compute_dtype=None) -> "DraftKV":
         shape = (n_pages, page_size, dcfg.num_kv_heads, dcfg.head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(dcfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(dcfg.num_layers)))
+        cd = compute_dtype or jnp.bfloat16
+        return cls(k=tuple(kv_quant.zeros(shape, dtype, cd) for _ in range(dcfg.num_layers)),
+                   v=tuple(kv_quant.zeros(shape, dtype, cd) for _ in range(dcfg.num_layers)))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import TargetConfig, read_generation_eos
-from dflash_jax.models import loader, qwen36
+from dflash_jax.models import loader, quant, qwen36
 from dflash_jax.sharding import Layout, ShardingError
 from dflash_jax.state import KVPages, RecurrentSlots, StepInput
 
@@ -100,17 +100,31 @@ class Target:
 
 
 def load_target(path: str | os.PathLike, dtype="float32", tensor_parallel: int = 1, data_parallel: int = 1,
-                devices: list | None = None) -> Target:
-    """Load a Qwen3.5/3.6 hybrid checkpoint in the Hugging Face layout.
+                devices: list | None = None, quantization: str | None = None) -> Target:
+    """Load a Qwen3.5/3.6 hybrid checkpoint: a Hugging Face directory (bf16/fp32, or FP8 with
+    ``weight_scale_inv`` block scales) or a llama.cpp ``.gguf`` file (``qwen35``; dequantized at load).
 
-    With ``tensor_parallel`` or ``data_parallel`` > 1, each tensor is re-laid out and written straight to its
-    shards of a ``data`` x ``model`` mesh over ``devices`` (default ``jax.devices()``) while streaming.
+    ``dtype`` is the activation dtype; ``quantization="fp8"`` stores every large matmul weight as fp8 with
+    per-output-channel scales (quantized on the device as it loads). With ``tensor_parallel`` or
+    ``data_parallel`` > 1, each tensor is re-laid out and written straight to its shards of a ``data`` x
+    ``model`` mesh over ``devices`` (default ``jax.devices()``) while streaming (unquantized only).
     """
     path = os.fspath(path)
+    quantization = quant.check_quantization(quantization)
+    sharded = tensor_parallel != 1 or data_parallel != 1
+    if quantization is not None and sharded:
+        raise ShardingError("quantized weights cannot be sharded yet: use --quantization with "
+                            "--tensor-parallel 1 --data-parallel 1")
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from dflash_jax.models import gguf_loader
+
+        cfg, params, eos = gguf_loader.load_gguf(path, resolve_dtype(dtype), quantization=quantization)
+        target = Target(config=cfg, params=params, eos_token_ids=eos, path=path)
+        return shard_target(target, tensor_parallel, data_parallel, devices) if sharded else target
     cfg = TargetConfig.from_file(path)
     eos = tuple(dict.fromkeys(read_generation_eos(path) + cfg.eos_token_ids))
-    if tensor_parallel == 1 and data_parallel == 1:
-        params = loader.load_params(path, cfg, resolve_dtype(dtype))
+    if not sharded:
+        params = loader.load_params(path, cfg, resolve_dtype(dtype), quantization=quantization)
         return Target(config=cfg, params=params, eos_token_ids=eos, path=path)
     lay = Layout.build(cfg, tensor_parallel, data_parallel, devices)
     params = loader.load_params(path, cfg, resolve_dtype(dtype), place=lay.place(cfg))

@@ -31,6 +31,7 @@ def _resolve(*argv):
     (("--model", MODEL, "--max-concurrency", "0"), "--max-concurrency"),
     (("--model", MODEL, "--tensor-parallel", "0"), "--tensor-parallel and --data-parallel must be >= 1"),
     (("--model", MODEL, "--tensor-parallel", "2", "--target-device", "cpu:0"), "drop --target-device"),
+    (("--model", os.path.join(FIXTURES, "missing.gguf")), "not a directory (or a .gguf file)"),
     (("--model", MODEL, "--config", os.path.join(ROOT, "configs", "strix_halo.yaml")), "--ddtree needs --drafter"),
 ])
 def test_unsupported_or_inconsistent_flags_are_rejected(argv, needle):
@@ -65,3 +66,12 @@ def test_kvflash_flags_are_accepted():
     assert _resolve("--model", MODEL, "--kvflash", "auto").kvflash == "auto"
     ns = _resolve("--model", MODEL)
     assert ns.kvflash is None and ns.kvflash_scoring == "keys"
+
+
+def test_quantization_flag_and_preset_value_are_checked(tmp_path):
+    assert _resolve("--model", MODEL).quantization == "none"
+    assert _resolve("--model", MODEL, "--quantization", "fp8").quantization == "fp8"
+    preset = tmp_path / "p.yaml"
+    preset.write_text("quantization: int3\n")
+    with pytest.raises(StartupError, match="--quantization must be none or fp8"):
+        _resolve("--model", MODEL, "--config", str(preset))

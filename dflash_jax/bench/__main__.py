@@ -28,6 +28,8 @@ def _ceiling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", metavar="CONFIG", required=True,
                    help="config.json (or checkpoint dir) whose shapes get random weights")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                   help="fp8: matmul weights e4m3 with per-channel scales")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -41,15 +43,15 @@ def _ceiling_run(args: argparse.Namespace, command: str) -> int:
 
     from dflash_jax.bench import ceiling, roofline
     from dflash_jax.config import TargetConfig
-    from dflash_jax.models import qwen36
+    from dflash_jax.models import quant, qwen36
 
     cfg = TargetConfig.from_file(args.random_weights)
     dtype = jnp.dtype(args.dtype)
     peak = args.peak_bw or roofline.H200_HBM_BYTES_PER_S
-    params = qwen36.init_params(cfg, jax.random.key(0), dtype)
+    params = qwen36.init_params(cfg, jax.random.key(0), dtype, quantization=quant.check_quantization(args.quantization))
     jax.block_until_ready(params)
     fn = ceiling.make_weight_stream(cfg)
-    wbytes = roofline.weight_bytes(cfg, dtype.itemsize)
+    wbytes = roofline.weight_bytes(cfg, quant.weight_itemsize(params))
     figures: dict[str, float] = {"weight_bytes": wbytes}
     compile_s = {}
     for b in args.batch:
@@ -63,7 +65,8 @@ def _ceiling_run(args: argparse.Namespace, command: str) -> int:
         compile_s[f"b{b}"] = m["compile_s"]
     results.print_table(figures)
     if not args.no_write:
-        extra = {"config": args.random_weights, "dtype": args.dtype, "batches": args.batch,
+        extra = {"config": args.random_weights, "dtype": args.dtype, "quantization": args.quantization,
+                 "batches": args.batch,
                  "iters": args.iters, "warmup": args.warmup, "peak_bytes_per_s": peak,
                  "weights": "random", "compile_s": compile_s}
         path = results.write_result("ceiling", figures, command, extra, out_dir=args.out_dir)
@@ -90,6 +93,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
                                           "feature matrix"),
     "kernels": _module("kernels", "Pallas kernels vs their references on this device: check, then time "
                                   "(bandwidth, speedup)"),
+    "linear": _module("linear", "one 27B-shaped matmul weight: bf16 vs fp8 (per-channel, 128x128 blocks) at small "
+                                "batch"),
 }
 
 

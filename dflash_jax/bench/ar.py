@@ -9,6 +9,8 @@ ceiling measured in the same run (``ceiling.measure_ceiling``) as denominators.
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import time
 
 import jax
@@ -19,11 +21,12 @@ from dflash_jax.bench import ceiling, results, roofline
 from dflash_jax.bench.sources import add_target_arguments, load_target_source, parallel_options
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.models import quant
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p, model_help="HF checkpoint directory",
-                         random_help="config.json whose shapes get random weights")
+                         random_help="config.json whose shapes get random weights", quantization_variants=True)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     p.add_argument("--prompt-len", type=int, default=4096)
@@ -32,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--prefill-batch", type=int, default=4)
     p.add_argument("--ceiling-iters", type=int, default=20)
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
+                   help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
 
 
 def _peak_bytes() -> int | None:
@@ -95,23 +100,37 @@ def device_step_ms(eng: Engine, c: int, context: int, iters: int = 10) -> float:
     return 1e3 * (time.perf_counter() - t0) / iters
 
 
-def run(args: argparse.Namespace, command: str) -> int:
+_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def variant_label(dtype: str, quantization: str) -> str:
+    """``bf16`` (unquantized bfloat16), ``fp8``, ...: the prefix of a variant's figures."""
+    return _SHORT[dtype] if quant.check_quantization(quantization) is None else quantization
+
+
+def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, float], dict]:
+    """Load (or randomly initialise) the target with ``quantization``, compile, run every concurrency case,
+    the device-only step and the same-run weight-stream ceiling. Returns ``(figures, extra)``."""
     dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
-    target = load_target_source(args)
+    target = load_target_source(args, quantization)
     jax.block_until_ready(target.params)
     cfg = target.config
     load_s = time.perf_counter() - t0
+    w_itemsize = quant.weight_itemsize(target.params)
     cmax = max(args.concurrency)
     max_len = args.prompt_len + args.output_len
     eng = Engine(target, None, EngineOptions(max_batch=cmax, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk,
-                                             prefill_batch=args.prefill_batch, **parallel_options(args)))
-    print(f"model loaded in {load_s:.1f}s; compiling {len(eng.prefill_buckets) + len(eng.decode_buckets)} buckets",
-          flush=True)
+                                             prefill_batch=args.prefill_batch, kv_dtype=args.kv_dtype,
+                                             **parallel_options(args)))
+    kv_itemsize = sum(x.nbytes for x in eng.state.kv.k) / sum(math.prod(x.shape) for x in eng.state.kv.k)
+    print(f"[{quantization}] model loaded in {load_s:.1f}s ({w_itemsize:.3f} bytes/weight); compiling "
+          f"{len(eng.prefill_buckets) + len(eng.decode_buckets)} buckets", flush=True)
     t0 = time.perf_counter()  # compiles run concurrently: per-bucket seconds overlap; startup_compile_s is wall time
     report = eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
-    figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "load_s": load_s}
+    figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "load_s": load_s,
+                                 "weight_bytes_per_element": w_itemsize}
     # warm-up run through the loop: every decode bucket the cases will use, 8 tokens
     for c in args.concurrency:
         _case(eng, c, 16, 8, cfg.vocab_size, 0, measure=False)
@@ -124,29 +143,54 @@ def run(args: argparse.Namespace, command: str) -> int:
         m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
         ctx = args.prompt_len + args.output_len // 2
         # aggregate over the tp x dp devices: each replica streams its share of the weights for c / dp rows
-        roof = tp * dp * roofline.roofline_tok_s(cfg, -(-c // dp), ctx, itemsize=dtype.itemsize)
+        roof = tp * dp * roofline.roofline_tok_s(cfg, -(-c // dp), ctx, itemsize=dtype.itemsize,
+                                                 weight_itemsize=w_itemsize, kv_itemsize=kv_itemsize)
         figures.update({f"c{c}.tok_s": m["tok_s"], f"c{c}.tpot_ms": m["tpot_ms"],
                         f"c{c}.roofline_fraction": m["tok_s"] / roof, f"c{c}.roofline_tok_s": roof,
                         f"c{c}.ttft_max_s": m["ttft_max_s"], f"c{c}.peak_mem_gb": (_peak_bytes() or 0) / 1e9})
-        print(f"c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, {m['tok_s'] / roof:.3f} of roofline",
-              flush=True)
+        print(f"[{quantization}] c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, "
+              f"{m['tok_s'] / roof:.3f} of roofline", flush=True)
     figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
-    for c in args.concurrency if dp == 1 else ():  # the engine's own step on the device alone
+    for c in args.concurrency if dp == 1 else ():  # device-only step: host overhead = tpot - this
         figures[f"c{c}.device_step_ms"] = device_step_ms(eng, c, args.prompt_len + args.output_len // 2)
     for c in args.concurrency if single else ():  # the single-device weight-stream ceiling, after the cases
-        ceil[c] = ceiling.measure_ceiling(cfg, target.params, c, iters=args.ceiling_iters, fn=fn)
+        ceil[c] = ceiling.measure_ceiling(cfg, eng.target.params, c, iters=args.ceiling_iters, fn=fn)
         figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]
         figures[f"c{c}.ceiling_ratio"] = figures[f"c{c}.tok_s"] / ceil[c]["tok_s"]
-    figures["kv_bytes_per_token"] = cfg.kv_bytes_per_token(dtype.itemsize)
+    figures["kv_bytes_per_token"] = cfg.kv_bytes_per_token(kv_itemsize)
     figures["recurrent_bytes_per_seq"] = cfg.recurrent_bytes_per_seq(dtype.itemsize)
+    extra = {"compile_s": report, "kv_pool_pages": eng.pages.n_pages,
+             "sharding": eng.layout.plan.describe() if eng.layout else None,
+             "sharding_notes": list(eng.layout.plan.notes) if eng.layout else []}
+    return figures, extra
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """One variant per ``--quantization`` value, one after the other (each model freed before the next loads).
+    A single unquantized variant keeps the plain figure names (``c1.tok_s``); otherwise every figure is
+    prefixed by its variant (``bf16.c1.tok_s``, ``fp8.c1.tok_s``) and ``fp8_speedup.cN`` = fp8 / unquantized
+    tok/s is added when both ran."""
+    variants = list(dict.fromkeys(args.quantization))
+    plain = variants == ["none"]
+    figures: dict[str, float] = {}
+    extras: dict[str, dict] = {}
+    for q in variants:
+        f, e = run_variant(args, q)
+        label = variant_label(args.dtype, q)
+        figures.update(f if plain else {f"{label}.{k}": v for k, v in f.items()})
+        extras[label] = e
+        gc.collect()  # the variant's engine and weights are unreferenced now; free them before the next loads
+    base = variant_label(args.dtype, "none")
+    if "none" in variants and "fp8" in variants:
+        for c in args.concurrency:
+            figures[f"fp8_speedup.c{c}"] = figures[f"fp8.c{c}.tok_s"] / figures[f"{base}.c{c}.tok_s"]
     results.print_table(figures)
     if not args.no_write:
         extra = {"source": args.model or args.random_weights, "weights": "checkpoint" if args.model else "random",
-                 "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                 "page_size": args.page_size, "prefill_chunk": args.prefill_chunk, "compile_s": report,
-                 "kv_pool_pages": eng.pages.n_pages, "tensor_parallel": tp,
-                 "data_parallel": dp,
-                 "sharding": eng.layout.plan.describe() if eng.layout else None,
-                 "sharding_notes": list(eng.layout.plan.notes) if eng.layout else []}
+                 "dtype": args.dtype, "quantization": variants, "kv_dtype": args.kv_dtype,
+                 "prompt_len": args.prompt_len, "output_len": args.output_len, "page_size": args.page_size,
+                 "prefill_chunk": args.prefill_chunk, "tensor_parallel": args.tensor_parallel,
+                 "data_parallel": args.data_parallel}
+        extra.update(extras[base] if plain else {"variants": extras})
         print("wrote", results.write_result("ar", figures, command, extra, out_dir=args.out_dir))
     return 0

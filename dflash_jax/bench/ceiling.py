@@ -21,6 +21,7 @@ from jax import lax
 
 from dflash_jax.bench import roofline
 from dflash_jax.config import FULL, TargetConfig
+from dflash_jax.models import quant
 from dflash_jax.models.qwen36 import acc_dtype, linear
 
 
@@ -69,8 +70,7 @@ def make_weight_stream(cfg: TargetConfig) -> Callable[[dict, jax.Array], jax.Arr
             else:
                 x = x + _gdn(p["gdn"], cfg, _norm(x))
             x = x + _mlp(p["mlp"], _norm(x))
-        logits = jnp.einsum("bd,vd->bv", _norm(x), params["lm_head"].astype(x.dtype),
-                            preferred_element_type=acc_dtype(x.dtype))
+        logits = linear(_norm(x), params["lm_head"], acc_dtype(x.dtype))
         return x + jnp.max(logits, axis=-1, keepdims=True).astype(x.dtype)
 
     return jax.jit(step)
@@ -107,7 +107,7 @@ def measure_ceiling(cfg: TargetConfig, params: dict[str, Any], batch: int, iters
         jax.block_until_ready(compiled(p, x))
         times.append(time.perf_counter() - t0)
     sec = statistics.median(times)
-    wbytes = roofline.weight_bytes(cfg, jnp.dtype(dtype).itemsize)
+    wbytes = roofline.weight_bytes(cfg, quant.weight_itemsize(params))
     return {
         "ms_per_step": sec * 1e3,
         "ms_min": min(times) * 1e3,

@@ -42,9 +42,10 @@ def weight_elements(cfg: TargetConfig) -> int:
     return n
 
 
-def weight_bytes(cfg: TargetConfig, itemsize: int = 2) -> int:
-    """W = weight_elements(cfg) * itemsize: the bytes one decode step must stream from HBM."""
-    return weight_elements(cfg) * itemsize
+def weight_bytes(cfg: TargetConfig, itemsize: float = 2) -> int:
+    """W = weight_elements(cfg) * itemsize: the bytes one decode step must stream from HBM (``itemsize`` may be
+    fractional: fp8 weights with their scales, ``quant.weight_itemsize(params)``)."""
+    return int(weight_elements(cfg) * itemsize)
 
 
 def kv_bytes_read(cfg: TargetConfig, context_tokens: int, batch: int, itemsize: int = 2) -> int:
@@ -65,18 +66,23 @@ def recurrent_bytes(cfg: TargetConfig, batch: int, conv_itemsize: int = 2) -> in
     return 2 * batch * cfg.recurrent_bytes_per_seq(conv_itemsize)
 
 
-def decode_step_bytes(cfg: TargetConfig, batch: int, context: int, itemsize: int = 2) -> int:
+def decode_step_bytes(cfg: TargetConfig, batch: int, context: int, itemsize: int = 2,
+                      weight_itemsize: float | None = None, kv_itemsize: float | None = None) -> int:
     """HBM bytes of one decode step of ``batch`` sequences attending over ``context`` tokens each.
 
     ``W + B*ctx*kv_per_token + 2*B*R + B*(D*itemsize + kv_per_token)``: weights, KV read, recurrent
-    state read+write, and the small per-token terms (embedding rows read, new K/V written).
+    state read+write, and the small per-token terms (embedding rows read, new K/V written). Weights take
+    ``weight_itemsize`` bytes an element (default ``itemsize``; ~1 for fp8 weights), K/V ``kv_itemsize``
+    (default ``itemsize``; ~1 + 4/head_dim for fp8/int8 pages with their scales).
     """
-    small = batch * (cfg.hidden_size * itemsize + cfg.kv_bytes_per_token(itemsize))
-    return (weight_bytes(cfg, itemsize) + kv_bytes_read(cfg, context, batch, itemsize)
-            + recurrent_bytes(cfg, batch, itemsize) + small)
+    kvi = itemsize if kv_itemsize is None else kv_itemsize
+    small = batch * (cfg.hidden_size * itemsize + cfg.kv_bytes_per_token(kvi))
+    w = weight_bytes(cfg, itemsize if weight_itemsize is None else weight_itemsize)
+    return int(w + kv_bytes_read(cfg, context, batch, kvi) + recurrent_bytes(cfg, batch, itemsize) + small)
 
 
 def roofline_tok_s(cfg: TargetConfig, batch: int, context: int,
-                   hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, itemsize: int = 2) -> float:
+                   hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, itemsize: int = 2,
+                   weight_itemsize: float | None = None, kv_itemsize: float | None = None) -> float:
     """Upper bound on decode throughput: ``B / (decode_step_bytes / hbm_bytes_per_s)`` tokens/s."""
-    return batch * hbm_bytes_per_s / decode_step_bytes(cfg, batch, context, itemsize)
+    return batch * hbm_bytes_per_s / decode_step_bytes(cfg, batch, context, itemsize, weight_itemsize, kv_itemsize)

@@ -9,20 +9,29 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.models import dflash, qwen36
+from dflash_jax.models import dflash, quant, qwen36
 from dflash_jax.sharding import Layout, initialize_distributed
 from dflash_jax.target import Target, load_target
 
 
 def add_target_arguments(p: argparse.ArgumentParser, model_help: str = "HF target checkpoint directory",
-                         random_help: str = "target config.json given random weights") -> None:
-    """``--model CHECKPOINT`` | ``--random-weights CONFIG`` (one required)."""
+                         random_help: str = "target config.json given random weights",
+                         quantization_variants: bool = False) -> None:
+    """``--model CHECKPOINT`` | ``--random-weights CONFIG`` (one required), and ``--quantization none|fp8``
+    (several values, one variant each, when ``quantization_variants``)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=model_help)
     src.add_argument("--random-weights", metavar="CONFIG", help=random_help)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="devices of the mesh's model axis (Megatron tensor parallelism; dflash_jax/sharding.py)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="M", help="devices of the mesh's data axis")
+    if quantization_variants:
+        p.add_argument("--quantization", nargs="+", choices=quant.QUANTIZATIONS, default=["none"],
+                       help="weight formats to measure, one after the other in this run (fp8: matmul weights "
+                            "e4m3 with per-channel scales, quantized on the device as they are made/loaded)")
+    else:
+        p.add_argument("--quantization", choices=quant.QUANTIZATIONS, default="none",
+                       help="fp8: matmul weights of target (and drafter) in e4m3 with per-channel scales")
 
 
 def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,17 +52,22 @@ def parallel_options(args: argparse.Namespace) -> dict[str, int]:
     return {"tensor_parallel": args.tensor_parallel, "data_parallel": args.data_parallel}
 
 
-def load_target_source(args: argparse.Namespace) -> Target:
-    """The target ``--model`` names, or the ``--random-weights`` config with random weights (key 0); with
-    ``--tensor-parallel`` / ``--data-parallel`` > 1, laid out over that mesh (each tensor straight to its shards)."""
+def load_target_source(args: argparse.Namespace, quantization: str | None = None) -> Target:
+    """The target ``--model`` names, or the ``--random-weights`` config with random weights (key 0), with its
+    matmul weights in ``quantization`` (default ``args.quantization``; random weights are quantized as each is
+    generated, so the full-precision model never sits on the device); with ``--tensor-parallel`` /
+    ``--data-parallel`` > 1, laid out over that mesh (each tensor straight to its shards; unquantized only)."""
     dtype = jnp.dtype(args.dtype)
+    q = quant.check_quantization(quantization if quantization is not None else getattr(args, "quantization", None))
     tp, dp = args.tensor_parallel, args.data_parallel
     initialize_distributed()
     if args.model:
-        return load_target(args.model, dtype=args.dtype, tensor_parallel=tp, data_parallel=dp)
+        return load_target(args.model, dtype=args.dtype, tensor_parallel=tp, data_parallel=dp, quantization=q)
     cfg = TargetConfig.from_file(args.random_weights)
     if tp == dp == 1:
-        return Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype), ())
+        return Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype, quantization=q), ())
+    if q is not None:
+        raise SystemExit("--quantization fp8 cannot be combined with --tensor-parallel/--data-parallel > 1 yet")
     lay = Layout.build(cfg, tp, dp)
     params = qwen36.init_params(cfg, jax.random.key(0), dtype, place=lay.reshard(cfg))
     return Target(lay.plan.model_config(cfg), params, (), layout=lay)
@@ -63,9 +77,10 @@ def load_drafter_source(args: argparse.Namespace):
     """``(DrafterConfig, params)`` of ``--drafter``, or of the ``--random-drafter`` config with random weights
     (key 1)."""
     dtype = jnp.dtype(args.dtype)
+    q = quant.check_quantization(getattr(args, "quantization", None))
     if args.drafter:
         from dflash_jax.models.dflash_loader import load_drafter
 
-        return load_drafter(args.drafter, dtype=dtype)
+        return load_drafter(args.drafter, dtype=dtype, quantization=q)
     dcfg = DrafterConfig.from_file(args.random_drafter)
-    return dcfg, dflash.init_params(dcfg, jax.random.key(1), dtype)
+    return dcfg, dflash.init_params(dcfg, jax.random.key(1), dtype, quantization=q)

@@ -28,7 +28,9 @@ from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.kv.kvflash import KVFlashOptions, Plan, Residency, resolve_pool_tokens
+from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
+from dflash_jax.models import quant
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, StepInput
 from dflash_jax.sharding import Layout
@@ -162,7 +164,7 @@ class EngineOptions:
     n_pages: int | None = None  # default: enough for max_batch sequences of max_model_len
     prefill_chunk: int = 64
     prefill_batch: int = 2
-    kv_dtype: str | None = None  # default: the params' dtype
+    kv_dtype: str | None = None  # default: the params' dtype; "fp8" / "int8": quantized pages (per token-head scales)
     spec: SpecConfig | None = None  # DDTree speculative decoding (needs a drafter)
     cohort_yield_min: float = 6.0  # a cohort whose first round emits fewer tokens per request goes AR (0 = never)
     # adaptive cohort-yield: a yielded request probes DDTree again after this many AR tokens (0 = never); a probe
@@ -176,6 +178,7 @@ class EngineOptions:
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
     tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
     data_parallel: int = 1  # replicas over the mesh's data axis; each serves max_batch / data_parallel sequences
+    quantization: str | None = None  # "fp8": matmul weights of target and drafter in fp8 (quant.QuantizedWeight)
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
@@ -218,6 +221,13 @@ class Engine:
         self.layout: Layout | None = target.layout
         if drafter is not None and self.layout is not None:  # the drafter is small: replicated on every device
             drafter = (drafter[0], jax.device_put(drafter[1], self.layout.replicated))
+        if quant.check_quantization(o.quantization) is not None:  # no-op for leaves quantized at load
+            if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
+                raise ValueError("quantized weights cannot be sharded yet: use quantization with tensor_parallel=1 "
+                                 "and data_parallel=1")
+            target = dataclasses.replace(target, params=quant.quantize_params(target.params, o.quantization))
+            if drafter is not None:
+                drafter = (drafter[0], quant.quantize_params(drafter[1], o.quantization))
         self.target, self.cfg, self.tokenizer, self.options = target, target.config, tokenizer, o
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
@@ -228,9 +238,12 @@ class Engine:
         self.dp = dp = o.data_parallel
         per_replica = o.max_batch // dp
         n_pages = (o.n_pages or o.max_batch * self.width + dp) // dp  # pages of one replica
-        dtype = self.target.params["layers"][0]["mlp"]["gate"].dtype
-        kv_dtype = jnp.dtype(o.kv_dtype) if o.kv_dtype else dtype
+        self.dtype = jnp.dtype(self.target.params["layers"][0]["mlp"]["gate"].dtype)
+        self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)
         self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
+        if self.kvflash_pool_tokens is not None and kv_quant.is_quantized_dtype(kv_dtype):
+            raise ValueError(f"KVFlash moves bf16/fp32 pages only: kv_dtype {o.kv_dtype!r} (quantized pages) cannot "
+                             "be combined with kvflash yet; drop one of them")
         if self.kvflash_pool_tokens is not None and (dp > 1 or self.layout is not None):
             raise ValueError("KVFlash bounded residency runs on one device: it cannot be combined with "
                              "tensor_parallel > 1 or data_parallel > 1; drop one of them")
@@ -241,11 +254,11 @@ class Engine:
             n_pages = self.pools[0].n_pages
         self.replica_slots = [list(range(1, per_replica + 1)) for _ in range(dp)]  # free slots of each replica
         self._state_zeros = functools.partial(EngineState.zeros, self.cfg, n_pages=n_pages, page_size=o.page_size,
-                                              n_slots=per_replica + 1, dtype=kv_dtype)
+                                              n_slots=per_replica + 1, dtype=self.dtype, kv_dtype=kv_dtype)
         self.state = self.zero_state()
         self.dkv = None
         if self.dcfg is not None:
-            self.dkv = self._replicas(functools.partial(DraftKV.zeros, self.dcfg, n_pages, o.page_size, kv_dtype),
+            self.dkv = self._replicas(functools.partial(DraftKV.zeros, self.dcfg, n_pages, o.page_size, kv_dtype, self.dtype),
                                       lambda lay, shapes: lay.replica_tree(shapes))
         self.kvf = None
         if self.kvflash_pool_tokens is not None:
@@ -284,7 +297,7 @@ class Engine:
             stats = next(iter(self.target.params["embed"].devices())).memory_stats() or {}
             if "bytes_limit" in stats:  # free memory after the weights, less the recurrent slots still to come
                 rec = jax.eval_shape(lambda: EngineState.zeros(self.cfg, n_pages=1, page_size=1,
-                                                               n_slots=o.max_batch + 1, dtype=kv_dtype).rec)
+                                                               n_slots=o.max_batch + 1, dtype=self.dtype).rec)
                 rec_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(rec))
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - rec_bytes
         return resolve_pool_tokens(o.kvflash, free_bytes=free, bytes_per_token=self._kv_bytes_per_token(kv_dtype),
@@ -471,14 +484,16 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target_path: str, dtype: str = "float32", warmup: bool = True,
                         drafter_path: str | None = None, **options) -> "Engine":
-        """Load a target (and optionally a DFlash drafter) checkpoint; ``options`` are ``EngineOptions`` fields."""
+        """Load a target (and optionally a DFlash drafter) checkpoint; ``options`` are ``EngineOptions`` fields
+        (``quantization="fp8"`` quantizes both as they load)."""
+        q = options.get("quantization")
         target = load_target(target_path, dtype=dtype, tensor_parallel=options.get("tensor_parallel", 1),
-                             data_parallel=options.get("data_parallel", 1))
+                             data_parallel=options.get("data_parallel", 1), quantization=q)
         drafter = None
         if drafter_path is not None:
             from dflash_jax.models.dflash_loader import load_drafter
 
-            drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype)
+            drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype, quantization=q)
         eng = cls(target, Tokenizer.from_dir(target_path), EngineOptions(**options), drafter=drafter)
         if warmup:
             eng.warmup()

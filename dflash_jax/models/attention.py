@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.kv import quant as kv_quant
+
 _NEG = -1e30  # finite, so a fully masked (padding) row gives a finite mean instead of NaN
 
 
@@ -31,14 +33,15 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
     keep = valid & (slot_page >= 0)
     page = jnp.where(keep, slot_page, 0)
     off = jnp.where(keep, positions % ps, 0)
-    k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype))
+    k_pages = kv_quant.set_rows(k_pages, page, off, k)
+    v_pages = kv_quant.set_rows(v_pages, page, off, v)
     return k_pages, v_pages
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D] (non-resident pages read as the null page)."""
-    g = pages[jnp.maximum(page_table, 0)]  # [B, W, ps, Hkv, D]
+    """[n_pages, ps, Hkv, D] x [B, W] -> the logical view [B, W*ps, Hkv, D] (non-resident pages read as the null
+    page; quantized pages dequantized)."""
+    g = kv_quant.take(pages, jnp.maximum(page_table, 0))  # [B, W, ps, Hkv, D]
     b, w, ps = g.shape[:3]
     return g.reshape((b, w * ps) + g.shape[3:])
 
@@ -73,8 +76,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                     q_positions: jax.Array, scale: float) -> jax.Array:
     """:func:`paged_attention_reference`'s contract; a single new token (T = 1) runs the registry's
-    ``"paged_decode"`` op (length = q_position + 1), longer inputs the reference."""
-    if q.shape[1] == 1:
+    ``"paged_decode"`` op (length = q_position + 1), longer inputs and quantized pages the reference."""
+    if q.shape[1] == 1 and not isinstance(k_pages, kv_quant.QuantizedPages):
         from pallas_kernels import registry
 
         impl = registry.resolve("paged_decode")
@@ -113,7 +116,10 @@ def tree_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
 
 def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, start: jax.Array,
                    k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float) -> jax.Array:
-    """:func:`tree_attention_reference`'s contract, run by the registry's ``"tree_attention"`` op."""
+    """:func:`tree_attention_reference`'s contract, run by the registry's ``"tree_attention"`` op (quantized
+    pages: the reference, which dequantizes them as it gathers)."""
+    if isinstance(k_pages, kv_quant.QuantizedPages):
+        return tree_attention_reference(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)
     from pallas_kernels import registry
 
     return registry.get("tree_attention")(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)

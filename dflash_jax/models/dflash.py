@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig
+from dflash_jax.models import quant
 from dflash_jax.models.qwen3_layers import qwen3_layer_shapes, random_params
 from dflash_jax.models.qwen36 import acc_dtype, linear, mlp, rms_norm, rope
 
@@ -49,12 +50,14 @@ def param_shapes(cfg: DrafterConfig, dtype=jnp.bfloat16) -> Params:
     return {"fc": S((d, cfg.fc_in), dtype), "hidden_norm": S((d,), vec), "norm": S((d,), vec), "layers": layers}
 
 
-def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.bfloat16, norm_noise: float = 0.0) -> Params:
-    """Random weights: matrices ``normal * fan_in**-0.5``, norm weights 1 (+ ``norm_noise * normal``).
+def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.bfloat16, norm_noise: float = 0.0,
+                quantization: str | None = None) -> Params:
+    """Random weights: matrices ``normal * fan_in**-0.5``, norm weights 1 (+ ``norm_noise * normal``); with
+    ``quantization="fp8"`` the matmul weights are then quantized (per output channel).
 
     A non-zero ``norm_noise`` makes every norm weight matter (useful in tests).
     """
-    return random_params(param_shapes(cfg, dtype), key, norm_noise)
+    return quant.quantize_params(random_params(param_shapes(cfg, dtype), key, norm_noise), quantization)
 
 
 def model_dtype(params: Params) -> jnp.dtype:
@@ -181,7 +184,7 @@ def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array
 
 
 def _logits(h: jax.Array, lm_head: jax.Array) -> jax.Array:
-    return jnp.einsum("...d,vd->...v", h, lm_head.astype(h.dtype), preferred_element_type=acc_dtype(h.dtype))
+    return linear(h, lm_head, acc_dtype(h.dtype))
 
 
 def make_blocks(cfg: DrafterConfig, anchor_tokens: jax.Array) -> jax.Array:

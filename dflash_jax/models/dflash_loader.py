@@ -39,20 +39,23 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def load_drafter_params(path: str, cfg: DrafterConfig, dtype=jnp.bfloat16, place: Placer | None = None) -> Params:
+def load_drafter_params(path: str, cfg: DrafterConfig, dtype=jnp.bfloat16, place: Placer | None = None,
+                        quantization: str | None = None) -> Params:
     """Stream a drafter checkpoint into a parameter pytree (one tensor on the host at a time).
 
-    ``place(path, host_array)`` puts one tensor on its device(s) (default ``jax.device_put``).
+    ``place(path, host_array)`` puts one tensor on its device(s) (default ``jax.device_put``);
+    ``quantization="fp8"`` quantizes the matmul weights as they arrive (``loader.stream_params``).
     """
     return stream_params(path, param_shapes(cfg, dtype), hf_name_map(cfg), _strip, place,
                          skip=lambda name: name in SHARED_NAMES, where="drafter checkpoint",
-                         config="the drafter's config.json")
+                         config="the drafter's config.json", quantization=quantization)
 
 
-def load_drafter(path: str | os.PathLike, dtype=jnp.bfloat16, place: Placer | None = None
-                 ) -> tuple[DrafterConfig, Params]:
+def load_drafter(path: str | os.PathLike, dtype=jnp.bfloat16, place: Placer | None = None,
+                 quantization: str | None = None) -> tuple[DrafterConfig, Params]:
     """A drafter checkpoint directory -> ``(DrafterConfig, params)``."""
-    return load_checkpoint(path, DrafterConfig.from_file, load_drafter_params, dtype, place)
+    return load_checkpoint(path, DrafterConfig.from_file, load_drafter_params, dtype, place,
+                           quantization=quantization)
 
 
 def save_drafter(path: str | os.PathLike, cfg: DrafterConfig, params: Params) -> None:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Callable, Iterator
+import struct
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from dflash_jax.config import FULL, TargetConfig
+from dflash_jax.models import quant
 from dflash_jax.models.qwen36 import Params, param_shapes
 
 SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -100,12 +103,32 @@ def checkpoint_files(path: str) -> list[str]:
     return out
 
 
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _raw_entries(fn: str) -> tuple[int, dict[str, Any]]:
+    """(data offset, header entries) of a safetensors file."""
+    with open(fn, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
 def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, host array) for every tensor, one at a time."""
+    """(name, host array) for every tensor, one at a time. FP8 tensors (which the ``safetensors`` NumPy reader
+    cannot return) are read from the file directly as ``ml_dtypes`` float8 arrays."""
     for fn in checkpoint_files(path):
+        base, entries = _raw_entries(fn)
         with safe_open(fn, framework="numpy") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                e = entries.get(name, {})
+                if e.get("dtype") in _RAW_DTYPES:
+                    lo, hi = e["data_offsets"]
+                    raw = np.fromfile(fn, dtype=np.uint8, count=hi - lo, offset=base + lo)
+                    yield name, raw.view(_RAW_DTYPES[e["dtype"]]).reshape(e["shape"])
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def _set(tree: Params, path: tuple[Any, ...], value: Any) -> None:
@@ -127,7 +150,8 @@ Placer = Callable[[tuple[Any, ...], np.ndarray], jax.Array]
 def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
                   strip: Callable[[str], str | None], place: Placer | None = None,
                   skip: Callable[[str], bool] | None = None, where: str = "checkpoint",
-                  config: str = "config.json") -> Params:
+                  config: str = "config.json", quantization: str | None = None,
+                  tensors: Iterable[tuple[str, np.ndarray]] | None = None) -> Params:
     """Stream the tensors of the checkpoint at ``path`` into a pytree shaped like ``shapes``.
 
     Each tensor name goes through ``strip`` (None: ignore the tensor), then ``skip`` (True: ignore it), then
@@ -136,15 +160,54 @@ def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
     depthwise conv weight stored as (C, 1, K) is taken as (C, K). Unknown, duplicated, misshapen and missing
     tensors raise ``CheckpointError`` naming the tensor; ``where`` names the checkpoint and ``config`` the
     config it was checked against in those messages. ``shapes["layers"]`` is a sequence with one entry a layer.
+
+    FP8 checkpoints (``quantization_config.quant_method = "fp8"``, Qwen / DeepSeek layout): a ``float8_e4m3fn``
+    ``X.weight`` and its ``X.weight_scale_inv`` (block scales per ``weight_block_size``, or per channel) become
+    one ``quant.QuantizedWeight`` (put with ``jax.device_put``); ``*activation_scale`` / ``*input_scale`` tensors
+    are ignored. With ``quantization="fp8"`` every other matmul weight (``quant.MATMUL_NAMES``) is quantized
+    per output channel on the device right after it is placed. ``tensors`` replaces the safetensors files of
+    ``path`` as the source of ``(name, host array)`` pairs (the GGUF loader's dequantized stream).
     """
+    fp8_block = quant.read_fp8_block(path) if os.path.isdir(path) else None
+    qleaf = quant.leaf_quantizer(quantization)
+    pending: dict[str, dict[str, np.ndarray]] = {}  # fp8 weight name -> {"data", "scale"} until both are read
     tree: Params = jax.tree_util.tree_map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     tree["layers"] = list(tree["layers"])
     n_layers = len(shapes["layers"])
     place = place or (lambda _p, a: jax.device_put(a))
     seen: set[str] = set()
-    for full_name, arr in iter_tensors(path):
+    for full_name, arr in (iter_tensors(path) if tensors is None else tensors):
         name = strip(full_name)
         if name is None or skip is not None and skip(name):
+            continue
+        if name.endswith(("activation_scale", ".input_scale")):
+            continue
+        if name.endswith(".weight_scale_inv") or arr.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+            wname = name.removesuffix("_scale_inv")
+            if wname not in names:
+                raise CheckpointError(f"unexpected tensor {full_name!r} (shape {list(arr.shape)}) in {where} "
+                                      f"{path!r} for this config")
+            if arr.dtype == ml_dtypes.float8_e5m2:
+                raise CheckpointError(f"tensor {full_name!r}: float8_e5m2 weights are not supported (only e4m3)")
+            part = "scale" if name.endswith("_scale_inv") else "data"
+            entry = pending.setdefault(wname, {})
+            if part in entry or wname in seen:
+                raise CheckpointError(f"tensor {full_name!r} appears twice in the checkpoint")
+            entry[part] = arr
+            if len(entry) < 2:
+                continue
+            del pending[wname]
+            seen.add(wname)
+            p = names[wname]
+            want = _get(shapes, p)
+            if tuple(entry["data"].shape) != tuple(want.shape):
+                raise CheckpointError(f"tensor {wname!r}: checkpoint shape {list(entry['data'].shape)} != expected "
+                                      f"{list(want.shape)} from {config}")
+            try:
+                qw = quant.fp8_from_checkpoint(entry["data"], entry["scale"], fp8_block, want.dtype, wname)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from e
+            _set(tree, p, qw)
             continue
         if name not in names:
             m = re.match(r"layers\.(\d+)\.", name)
@@ -164,8 +227,11 @@ def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
             raise CheckpointError(f"tensor {full_name!r}: checkpoint shape {list(arr.shape)} != expected "
                                   f"{list(want.shape)} from {config}")
         host = np.asarray(arr).astype(want.dtype, copy=False)
-        _set(tree, p, place(p, host))
+        _set(tree, p, qleaf(p, place(p, host)))
         del arr, host
+    for wname, entry in pending.items():
+        has, lacks = ("weight_scale_inv", "float8 weight") if "scale" in entry else ("float8 weight", "weight_scale_inv")
+        raise CheckpointError(f"tensor {wname!r}: the {where} has its {has} but no {lacks}")
     missing = sorted(n for n in names if n not in seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -174,28 +240,30 @@ def stream_params(path: str, shapes: Params, names: dict[str, tuple[Any, ...]],
     return tree
 
 
-def load_params(path: str, cfg: TargetConfig, dtype=jnp.bfloat16, place: Placer | None = None) -> Params:
+def load_params(path: str, cfg: TargetConfig, dtype=jnp.bfloat16, place: Placer | None = None,
+                quantization: str | None = None) -> Params:
     """Stream a checkpoint into a parameter pytree on the device.
 
     ``place(path, host_array)`` puts one tensor on its device(s) (default: ``jax.device_put``); it is the
-    hook for sharded placement.
+    hook for sharded placement. ``quantization="fp8"`` quantizes the matmul weights as they arrive (see
+    ``stream_params``); an FP8 checkpoint's weights stay FP8 either way.
     """
     tied = cfg.tie_word_embeddings
     tree = stream_params(path, param_shapes(cfg, dtype), hf_name_map(cfg), _strip, place,
-                         skip=lambda name: tied and name == "lm_head.weight")
+                         skip=lambda name: tied and name == "lm_head.weight", quantization=quantization)
     if tied:
         tree["lm_head"] = tree["embed"]
     return tree
 
 
 def load_checkpoint(path: str | os.PathLike, from_file: Callable[[str], Any],
-                    load: Callable[..., Params], dtype=jnp.bfloat16, place: Placer | None = None
-                    ) -> tuple[Any, Params]:
+                    load: Callable[..., Params], dtype=jnp.bfloat16, place: Placer | None = None,
+                    **load_kwargs: Any) -> tuple[Any, Params]:
     """A checkpoint directory -> ``(config, params)``: ``from_file(path)`` reads its config, then
-    ``load(path, config, dtype, place)`` streams its tensors."""
+    ``load(path, config, dtype, place, **load_kwargs)`` streams its tensors."""
     p = os.fspath(path)
     cfg = from_file(p)
-    return cfg, load(p, cfg, dtype, place)
+    return cfg, load(p, cfg, dtype, place, **load_kwargs)
 
 
 def save_checkpoint(path: str | os.PathLike, names: dict[str, tuple[Any, ...]], params: Params, shapes: Params,

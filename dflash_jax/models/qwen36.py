@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.config import FULL, TargetConfig
-from dflash_jax.models import attention, gdn, tree_ops
+from dflash_jax.models import attention, gdn, quant, tree_ops
 from dflash_jax.state import KVPages, RecurrentSlots, StepInput, TreeInput
 
 Params = dict[str, Any]
@@ -64,12 +64,19 @@ def param_shapes(cfg: TargetConfig, dtype=jnp.bfloat16) -> Params:
             "final_norm": S((d,), F32), "layers": tuple(layers)}
 
 
-def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=None) -> Params:
+def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=None,
+                quantization: str | None = None) -> Params:
     """Random weights of the real shapes (for speed measurements without a checkpoint).
 
     Generated leaf by leaf on the default device, so a 27B tree never needs a host copy; ``place(path, leaf)``
-    (e.g. ``sharding.Layout.reshard``) moves each leaf to its final placement before the next is made.
+    (e.g. ``sharding.Layout.reshard``) moves each leaf to its final placement before the next is made. With
+    ``quantization="fp8"`` each matmul weight is quantized as soon as it is generated (per output channel),
+    so the full-precision model never exists on the device (not combined with ``place``).
     """
+    if quantization is not None and place is not None:
+        raise ValueError("quantized weights cannot be sharded yet: use quantization with tensor_parallel=1 and "
+                         "data_parallel=1")
+    qleaf = quant.leaf_quantizer(quantization)
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
@@ -89,7 +96,10 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=Non
         name = jax.tree_util.keystr(path)
         kind = ("A_log" if "A_log" in name else "norm1" if name.endswith("['gdn']['norm']")
                 else "vec" if len(s.shape) == 1 else "mat")
-        leaf = make(k, s.shape, s.dtype, kind)
+        if cfg.tie_word_embeddings and name == "['lm_head']":
+            out.append(None)  # tied: the embedding (set below), never quantized
+            continue
+        leaf = qleaf(path, make(k, s.shape, s.dtype, kind))
         out.append(place(path, leaf) if place is not None else leaf)
     params = jax.tree_util.tree_unflatten(treedef, out)
     if cfg.tie_word_embeddings:
@@ -100,9 +110,14 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=Non
 # ---------------------------------------------------------------------------------------------
 # building blocks
 # ---------------------------------------------------------------------------------------------
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w[out, in]^T -> [..., out]."""
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+def linear(x: jax.Array, w: jax.Array | quant.QuantizedWeight, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w[out, in]^T -> [..., out] in ``out_dtype`` (default x.dtype). ``w`` may be an fp8
+    ``QuantizedWeight`` (converted inside the matmul, float32 accumulation)."""
+    if isinstance(w, quant.QuantizedWeight):
+        return quant.qmatmul(x, w, out_dtype)
+    if out_dtype is None:
+        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=out_dtype)
 
 
 def acc_dtype(dtype) -> jnp.dtype:
@@ -381,5 +396,4 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
 
 def lm_logits(params: Params, h: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32 logits."""
-    return jnp.einsum("...d,vd->...v", h, params["lm_head"].astype(h.dtype),
-                      preferred_element_type=acc_dtype(h.dtype))
+    return linear(h, params["lm_head"], acc_dtype(h.dtype))

@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
+                    help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
+    ap.add_argument("--quantization", choices=("none", "fp8"), default=None,
+                    help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales, quantized "
+                         "as they load (an FP8 checkpoint stays FP8 either way)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
                     help="server default for chat_template_kwargs.enable_thinking")
     ap.add_argument("--host", default=None)
@@ -78,10 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
-            "prefill_chunk": 256, "dtype": None, "enable_thinking": "true", "ddtree_budget": 22,
-            "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys", "cohort_yield_min": 6.0,
-            "cohort_reprobe_tokens": 0,
-            "tensor_parallel": 1, "data_parallel": 1}
+            "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
+            "ddtree_budget": 22, "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys",
+            "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -143,8 +147,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.draft_device and ns.target_device and _platform(ns.draft_device) != _platform(ns.target_device):
         raise StartupError(f"--target-device {ns.target_device} and --draft-device {ns.draft_device}: "
                            "mixed-device target/draft placement is not supported; use one device")
-    if not os.path.isdir(ns.model):
-        raise StartupError(f"--model {ns.model}: not a directory")
+    if not (os.path.isdir(ns.model) or ns.model.endswith(".gguf") and os.path.isfile(ns.model)):
+        raise StartupError(f"--model {ns.model}: not a directory (or a .gguf file)")
+    if ns.kv_dtype not in (None, "bf16", "fp8", "int8"):
+        raise StartupError(f"--kv-dtype must be bf16, fp8 or int8, got {ns.kv_dtype!r}")
+    if ns.quantization not in ("none", "fp8"):
+        raise StartupError(f"--quantization must be none or fp8, got {ns.quantization!r}")
     if ns.max_concurrency < 1:
         raise StartupError("--max-concurrency must be >= 1")
     if int(ns.tensor_parallel) < 1 or int(ns.data_parallel) < 1:
@@ -218,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     t0 = time.perf_counter()
     with jax.default_device(device):
+        q = None if args.quantization == "none" else args.quantization
         try:
-            target = load_target(args.model, dtype=dtype, tensor_parallel=tp, data_parallel=dp)
+            target = load_target(args.model, dtype=dtype, tensor_parallel=tp, data_parallel=dp, quantization=q)
         except ShardingError as e:
             raise StartupError(str(e)) from e
         if target.layout is not None:
@@ -227,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             for note in target.layout.plan.notes:
                 print(f"sharding: {note}", flush=True)
-        drafter = load_drafter(args.drafter, dtype=target.params["embed"].dtype) if args.ddtree else None
+        drafter = (load_drafter(args.drafter, dtype=target.params["embed"].dtype, quantization=q)
+                   if args.ddtree else None)
         spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback)) if args.ddtree
                 else None)
         try:
@@ -236,14 +246,16 @@ def main(argv: list[str] | None = None) -> int:
                                        max_model_len=min(args.max_model_len, target.config.max_position_embeddings),
                                        prefill_chunk=args.prefill_chunk, prefill_batch=min(2, args.max_concurrency),
                                        spec=spec, cohort_yield_min=float(args.cohort_yield_min),
-                                       cohort_reprobe_tokens=int(args.cohort_reprobe_tokens), kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
-                                       tensor_parallel=tp, data_parallel=dp),
+                                       cohort_reprobe_tokens=int(args.cohort_reprobe_tokens),
+                                       kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
+                                       kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp),
                          drafter=drafter)
         except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
             raise StartupError(str(e)) from e
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
         where = device if target.layout is None else f"{dp} x {tp} devices (data x tensor parallel)"
-        print(f"model {args.model} ({dtype}) loaded on {where} in {time.perf_counter() - t0:.1f}s; "
+        print(f"model {args.model} ({dtype}{', fp8 weights' if q else ''}) loaded on {where} in "
+              f"{time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
         done = [0]
 

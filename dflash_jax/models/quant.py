@@ -1,0 +1,273 @@
+"""FP8 (e4m3) weights: the ``QuantizedWeight`` pytree, quantize / dequantize, and the quantized matmul.
+
+A quantized matrix keeps the checkpoint's ``[out, in]`` layout in ``float8_e4m3fn`` with float32 scales,
+``w ~= data * scale``:
+
+* per output channel: ``scale [out]`` (what on-the-fly quantization produces; the scale multiplies the matmul
+  *output*, so the GEMM/GEMV only reads fp8 bytes and converts them in registers);
+* per block: ``scale [ceil(out/bo), ceil(in/bi)]`` (the layout of Qwen's published FP8 checkpoints, 128x128,
+  ``*.weight_scale_inv``). The matmul then reduces each ``bi``-wide input block separately and scales the
+  per-(out, block) partial sums (small token counts), or dequantizes the weight in the fused operand (large).
+
+Activations stay in the model dtype (bf16) and accumulate in float32. ``QuantizedWeight.dtype`` is the
+activation dtype, so code that reads a weight's ``.dtype`` to pick the activation dtype works unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = jnp.float32
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+QUANTIZATIONS = ("none", "fp8")
+
+# Parameter names (the last key of a pytree path) of the large matmul weights, target and drafter alike.
+# Not quantized: the embedding (a row gather), norms, conv taps, A_log/dt_bias and the tiny GDN b/a gates.
+MATMUL_NAMES = frozenset({"q", "k", "v", "o", "qkv", "z", "out", "gate", "up", "down", "fc", "lm_head"})
+
+# Token counts up to which a block-scaled matmul reduces per input block (reading fp8 only); above it the
+# weight is dequantized as the matmul operand (prefill: compute-bound, the extra elementwise pass is cheap).
+BLOCKED_MAX_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """``w [out, in] ~= data * scale``. data: ``float8_e4m3fn [out, in]``; scale: ``float32 [out]`` (``block`` None)
+    or ``[ceil(out/bo), ceil(in/bi)]`` (``block = (bo, bi)``). ``dtype`` is the activation (dequantized) dtype."""
+
+    data: jax.Array
+    scale: jax.Array
+    block: tuple[int, int] | None = None
+    dtype: Any = jnp.bfloat16
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.scale.nbytes)
+
+
+jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["data", "scale"], meta_fields=["block", "dtype"])
+
+
+def is_quantized(x: Any) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def check_quantization(q: str | None) -> str | None:
+    """``None``/``"none"`` -> None; ``"fp8"`` -> ``"fp8"``; anything else raises naming the choices."""
+    if q is None or q == "none":
+        return None
+    if q not in QUANTIZATIONS:
+        raise ValueError(f"quantization {q!r} not supported; use one of {list(QUANTIZATIONS)}")
+    return q
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------------------------
+def _to_fp8(x: jax.Array) -> jax.Array:
+    # e4m3fn has no infinity: an out-of-range value would become NaN, so clip first (only rounding can exceed)
+    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def _amax_scale(amax: jax.Array) -> jax.Array:
+    return jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(F32)
+
+
+def block_scale_full(scale: jax.Array, block: tuple[int, int], shape: tuple[int, int]) -> jax.Array:
+    """Block scales ``[ceil(out/bo), ceil(in/bi)]`` -> one scale per element ``[out, in]``."""
+    bo, bi = block
+    full = jnp.repeat(jnp.repeat(scale, bo, axis=0), bi, axis=1)
+    return full[: shape[0], : shape[1]]
+
+
+@jax.jit(static_argnames=("block", "dtype"))
+def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None, dtype=None) -> QuantizedWeight:
+    """``w [out, in]`` -> ``QuantizedWeight`` with per-output-channel (``block`` None) or ``(bo, bi)`` block scales
+    chosen so each channel / block's largest magnitude maps to 448. ``dtype`` (default ``w.dtype``) is the
+    activation dtype recorded in the result."""
+    dtype = jnp.dtype(dtype or w.dtype)
+    wf = w.astype(F32)
+    if block is None:
+        scale = _amax_scale(jnp.max(jnp.abs(wf), axis=1))
+        return QuantizedWeight(_to_fp8(wf / scale[:, None]), scale, None, dtype)
+    bo, bi = block
+    out, inn = wf.shape
+    no, ni = -(-out // bo), -(-inn // bi)
+    padded = jnp.pad(jnp.abs(wf), ((0, no * bo - out), (0, ni * bi - inn)))
+    scale = _amax_scale(jnp.max(padded.reshape(no, bo, ni, bi), axis=(1, 3)))
+    return QuantizedWeight(_to_fp8(wf / block_scale_full(scale, block, (out, inn))), scale, tuple(block), dtype)
+
+
+def dequantize(w: QuantizedWeight, dtype=F32) -> jax.Array:
+    """``data * scale`` as a dense ``[out, in]`` array in ``dtype``."""
+    d = w.data.astype(F32)
+    s = w.scale[:, None] if w.block is None else block_scale_full(w.scale, w.block, w.shape)
+    return (d * s).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the matmul
+# ---------------------------------------------------------------------------------------------
+def _pallas_chosen() -> bool:
+    """``DFLASH_KERNELS=fp8_matmul=pallas_triton`` (read at trace time) routes per-channel fp8 matmuls through
+    the Pallas kernel of ``pallas_kernels.fp8_matmul``; by default XLA's fused convert + dot is used."""
+    from pallas_kernels.registry import ENV_VAR, parse_overrides
+
+    return parse_overrides(os.environ.get(ENV_VAR)).get("fp8_matmul") == "pallas_triton"
+
+
+def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
+    """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 weights converted to ``x.dtype`` inside the matmul,
+    float32 accumulation, result in ``out_dtype`` (default ``x.dtype``)."""
+    out_dtype = out_dtype or x.dtype
+    acc = jnp.promote_types(x.dtype, F32)
+    if w.block is None:
+        if _pallas_chosen() and acc == F32:
+            from pallas_kernels import fp8_matmul
+
+            if fp8_matmul.supports(*w.shape):
+                y = fp8_matmul.fp8_matmul_pallas(x.reshape(-1, x.shape[-1]), w.data, w.scale)
+                return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
+        y = jnp.einsum("...i,oi->...o", x, w.data.astype(x.dtype), preferred_element_type=acc)
+        return (y * w.scale.astype(acc)).astype(out_dtype)
+    bo, bi = w.block
+    out, inn = w.shape
+    tokens = math.prod(x.shape[:-1])
+    if tokens > BLOCKED_MAX_TOKENS or inn % bi:
+        wd = w.data.astype(x.dtype) * block_scale_full(w.scale, w.block, w.shape).astype(x.dtype)
+        return jnp.einsum("...i,oi->...o", x, wd, preferred_element_type=acc).astype(out_dtype)
+    nb = inn // bi
+    xb = x.reshape(*x.shape[:-1], nb, bi)
+    part = jnp.einsum("...bi,obi->...ob", xb, w.data.reshape(out, nb, bi).astype(x.dtype),
+                      preferred_element_type=acc)  # [..., out, nb]
+    s = jnp.repeat(w.scale, bo, axis=0)[:out]  # [out, nb]
+    return jnp.sum(part * s.astype(acc), axis=-1).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole parameter trees
+# ---------------------------------------------------------------------------------------------
+def path_name(path: tuple[Any, ...]) -> str:
+    """The last string key of a pytree path (``('layers', 3, 'mlp', 'gate')`` -> ``'gate'``)."""
+    for k in reversed(path):
+        k = getattr(k, "key", k)
+        if isinstance(k, str):
+            return k
+    return ""
+
+
+def quantizable(path: tuple[Any, ...], leaf: Any) -> bool:
+    """A 2-D float matmul weight named in ``MATMUL_NAMES`` that is not already quantized."""
+    return (not is_quantized(leaf) and getattr(leaf, "ndim", 0) == 2 and path_name(path) in MATMUL_NAMES
+            and jnp.issubdtype(leaf.dtype, jnp.floating))
+
+
+LeafQuantizer = Callable[[tuple[Any, ...], Any], Any]
+
+
+def leaf_quantizer(quantization: str | None, block: tuple[int, int] | None = None) -> LeafQuantizer:
+    """``f(path, leaf)``: the fp8 version of a quantizable leaf (per channel, or ``block`` scales), else the leaf."""
+    q = check_quantization(quantization)
+
+    def f(path, leaf):
+        if q is None or not quantizable(path, leaf):
+            return leaf
+        return quantize_fp8(leaf, block)
+
+    return f
+
+
+def quantize_params(params: Any, quantization: str | None, block: tuple[int, int] | None = None) -> Any:
+    """Quantize every quantizable leaf of a parameter tree, one leaf at a time (each full-precision leaf can be
+    freed as soon as its quantized copy exists). Tied leaves (the same array object, e.g. a tied LM head and
+    embedding) keep the embedding's full precision."""
+    if check_quantization(quantization) is None:
+        return params
+    f = leaf_quantizer(quantization, block)
+    embed = params.get("embed") if isinstance(params, dict) else None
+    is_leaf = is_quantized
+
+    def g(path, leaf):
+        if embed is not None and leaf is embed:
+            return leaf
+        return f(path, leaf)
+
+    return jax.tree_util.tree_map_with_path(g, params, is_leaf=is_leaf)
+
+
+def weight_itemsize(params: Any) -> float:
+    """Average bytes per element of the matmul weights (2 for bf16, ~1 for fp8 + scales)."""
+    n = b = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)[0]:
+        if path_name(path) in MATMUL_NAMES and (is_quantized(leaf) or getattr(leaf, "ndim", 0) == 2):
+            n += math.prod(leaf.shape)
+            b += leaf.nbytes if is_quantized(leaf) else math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+    return b / n if n else 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 checkpoints (Qwen / DeepSeek layout)
+# ---------------------------------------------------------------------------------------------
+def read_fp8_block(path: str) -> tuple[int, int] | None:
+    """The ``weight_block_size`` of an FP8 checkpoint's ``quantization_config`` (top level or ``text_config``);
+    None if the checkpoint is not FP8. Other quantization methods raise naming the method."""
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        raw = json.load(f)
+    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"{p}: quantization_config.quant_method {method!r} is not supported (only 'fp8')")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"{p}: quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+    bs = qc.get("weight_block_size")
+    if bs is None:
+        return None
+    if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(v, int) and v > 0 for v in bs)):
+        raise ValueError(f"{p}: quantization_config.weight_block_size must be two positive ints, got {bs!r}")
+    return (bs[0], bs[1])
+
+
+def fp8_from_checkpoint(data: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] | None,
+                        dtype, name: str) -> QuantizedWeight:
+    """A checkpoint's ``float8_e4m3fn`` weight and its ``weight_scale_inv`` (the dequantization multiplier,
+    ``w = data * scale_inv``) -> a ``QuantizedWeight`` on the device. Scale shapes: ``[ceil(out/bo),
+    ceil(in/bi)]`` with ``block``, ``[out]``/``[out, 1]`` per channel, ``[]``/``[1]`` per tensor."""
+    out, inn = data.shape
+    s = np.asarray(scale_inv, np.float32)
+    want = None if block is None else (-(-out // block[0]), -(-inn // block[1]))
+    if want is not None and s.ndim == 2 and (s.shape == want or s.size > 1):
+        if s.shape != want:
+            raise ValueError(f"tensor {name!r}: weight_scale_inv shape {list(s.shape)} != {list(want)} for a "
+                             f"{[out, inn]} weight with weight_block_size {list(block)}")
+        return QuantizedWeight(jax.device_put(data), jax.device_put(s), tuple(block), jnp.dtype(dtype))
+    if s.size == 1:
+        s = np.full((out,), s.reshape(()), np.float32)
+    elif s.reshape(-1).shape == (out,):
+        s = s.reshape(out)
+    else:
+        raise ValueError(f"tensor {name!r}: weight_scale_inv shape {list(s.shape)} fits neither per-channel "
+                         f"[{out}] nor the block layout of a {[out, inn]} weight")
+    return QuantizedWeight(jax.device_put(data), jax.device_put(s), None, jnp.dtype(dtype))

@@ -1,0 +1,311 @@
+"""FP8 weights: quantize/dequantize error bounds, the quantized matmul, on-the-fly quantization of a checkpoint,
+FP8 checkpoints in Qwen's published layout (``weight_scale_inv`` block scales), and the FP8 engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import struct
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dflash_jax as dj
+from conftest import FIXTURES
+from dflash_jax.config import TargetConfig
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.models import dflash, loader, quant, qwen36
+from dflash_jax.models.loader import CheckpointError
+
+pytestmark = pytest.mark.xdist_group("quant")
+A = os.path.join(FIXTURES, "qwen36_tiny_a")
+
+
+def _bound(w: np.ndarray, scale_full: np.ndarray) -> np.ndarray:
+    """e4m3 round-to-nearest: half an ulp = 2^-4 relative for normals, 2^-10 (times the scale) for subnormals."""
+    return np.maximum(np.abs(w) * 2.0 ** -4, scale_full * 2.0 ** -10) * (1 + 1e-5) + 1e-30
+
+
+shapes = st.tuples(st.integers(1, 40), st.integers(1, 40))
+blocks = st.one_of(st.none(), st.tuples(st.integers(1, 16), st.integers(1, 16)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, block=blocks, seed=st.integers(0, 2 ** 31 - 1), log_range=st.floats(0.0, 6.0))
+def test_round_trip_within_e4m3_bound(shape, block, seed, log_range):
+    rng = np.random.default_rng(seed)
+    # magnitudes spread over 10^log_range (exercises subnormals within a channel / block), random signs, some zeros
+    w = rng.standard_normal(shape) * 10.0 ** rng.uniform(-log_range, 0, shape)
+    w[rng.random(shape) < 0.1] = 0.0
+    w = w.astype(np.float32)
+    q = quant.quantize_fp8(jnp.asarray(w), block)
+    assert q.data.dtype == jnp.float8_e4m3fn and q.scale.dtype == jnp.float32
+    if block is None:
+        chex.assert_shape(q.scale, (shape[0],))
+        sfull = np.broadcast_to(np.asarray(q.scale)[:, None], shape)
+    else:
+        chex.assert_shape(q.scale, (-(-shape[0] // block[0]), -(-shape[1] // block[1])))
+        sfull = np.asarray(quant.block_scale_full(q.scale, block, shape))
+    d = np.asarray(quant.dequantize(q))
+    assert np.all(np.abs(d - w) <= _bound(w, sfull))
+    assert np.all(np.isfinite(d))
+    # the largest magnitude of each channel / block is represented (exactly 448 * scale before rounding)
+    assert np.abs(d).max() == pytest.approx(np.abs(w).max(), rel=2 ** -4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(out=st.integers(1, 48), inn=st.sampled_from([8, 16, 24, 40]), tokens=st.integers(1, 5),
+       block=st.one_of(st.none(), st.sampled_from([(8, 8), (4, 8), (16, 8), (3, 5)])), seed=st.integers(0, 999),
+       many=st.booleans())
+def test_qmatmul_equals_matmul_with_dequantized_weight(out, inn, tokens, block, seed, many):
+    """Both block-scaled paths (per-block partial sums for few tokens, dequantized operand for many) and the
+    per-channel path equal x @ dequant(w)^T in float32."""
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal((out, inn)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, tokens * (40 if many else 1), inn)), jnp.float32)
+    q = quant.quantize_fp8(w, block)
+    got = qwen36.linear(x, q)
+    want = x @ quant.dequantize(q).T
+    chex.assert_shape(got, x.shape[:-1] + (out,))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_activations_accumulate_in_fp32():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 512)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.float32)
+    for block in (None, (32, 128)):
+        q = quant.quantize_fp8(w.astype(jnp.bfloat16), block)
+        assert q.dtype == jnp.bfloat16
+        y = qwen36.linear(x.astype(jnp.bfloat16), q)
+        assert y.dtype == jnp.bfloat16
+        ref = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32) @ quant.dequantize(q).T)
+        np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2 ** -7, atol=0.05)
+        assert qwen36.linear(x.astype(jnp.bfloat16), q, jnp.float32).dtype == jnp.float32
+
+
+def test_quantized_weight_is_a_pytree_and_jits():
+    q = quant.quantize_fp8(jnp.ones((8, 16), jnp.bfloat16), (4, 8))
+    leaves, treedef = jax.tree_util.tree_flatten(q)
+    assert len(leaves) == 2
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert back.block == (4, 8) and back.dtype == jnp.bfloat16 and back.shape == (8, 16)
+    y = jax.jit(qwen36.linear)(jnp.ones((1, 16), jnp.bfloat16), q)
+    np.testing.assert_allclose(np.asarray(y, np.float32), 16.0, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _target(dtype="float32", quantization=None) -> dj.Target:
+    return dj.load_target(A, dtype=dtype, quantization=quantization)
+
+
+def _dequantized(params):
+    return jax.tree_util.tree_map(lambda w: quant.dequantize(w) if quant.is_quantized(w) else w, params,
+                                  is_leaf=quant.is_quantized)
+
+
+def _kl(p_logits, q_logits) -> float:
+    lp, lq = jax.nn.log_softmax(p_logits, -1), jax.nn.log_softmax(q_logits, -1)
+    return float(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - lq), -1)))
+
+
+IDS = [int(i) for i in np.random.default_rng(0).integers(0, 256, 100)]
+
+
+def test_fp8_load_quantizes_every_matmul_and_nothing_else():
+    t = _target(quantization="fp8")
+    flat = jax.tree_util.tree_flatten_with_path(t.params, is_leaf=quant.is_quantized)[0]
+    for path, leaf in flat:
+        name = quant.path_name(path)
+        if name in quant.MATMUL_NAMES:
+            assert quant.is_quantized(leaf) and leaf.block is None, jax.tree_util.keystr(path)
+        else:
+            assert not quant.is_quantized(leaf), jax.tree_util.keystr(path)
+    assert quant.weight_itemsize(t.params) < 1.1
+    assert quant.weight_itemsize(_target().params) == 4.0
+
+
+def test_fp8_forward_equals_fp32_forward_of_the_dequantized_weights_and_stays_close():
+    t, q = _target(), _target(quantization="fp8")
+    ref = dj.Target(t.config, _dequantized(q.params))
+    got = q.logits(IDS)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref.logits(IDS)), rtol=1e-4, atol=1e-4)
+    full = t.logits(IDS)
+    # e4m3 rounds each weight by up to 2^-4 (~2.5 % rms); through the 4 layers of this random-weight model
+    # the next-token distribution moves by a small KL
+    assert _kl(full, got) < 0.03
+    assert float(jnp.linalg.norm(full - got) / jnp.linalg.norm(full)) < 0.25
+
+
+def test_fp8_engine_greedy_equals_the_fp8_reference():
+    q = _target(quantization="fp8")
+    eng = Engine(q, None, EngineOptions(max_batch=1, max_model_len=64, prefill_chunk=16))
+    prompts = [IDS[:20]]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == q.greedy(p, 6)
+
+
+def test_engine_option_quantizes_a_full_precision_target():
+    t = _target()
+    eng = Engine(t, None, EngineOptions(max_batch=1, max_model_len=64, prefill_chunk=16, quantization="fp8"))
+    assert quant.is_quantized(eng.target.params["layers"][0]["mlp"]["gate"])
+    assert not quant.is_quantized(t.params["layers"][0]["mlp"]["gate"])  # the caller's target is untouched
+    [o] = eng.generate([IDS[:10]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert o.token_ids == _target(quantization="fp8").greedy(IDS[:10], 4)
+
+
+def test_random_init_quantized_on_the_fly_and_drafter():
+    cfg = _target().config
+    p = qwen36.init_params(cfg, jax.random.key(0), jnp.bfloat16, quantization="fp8")
+    g = p["layers"][0]["mlp"]["gate"]
+    assert quant.is_quantized(g) and g.dtype == jnp.bfloat16 and g.block is None
+    w = np.asarray(quant.dequantize(g))  # normal * fan_in^-0.5, as without quantization
+    assert w.shape == (cfg.intermediate_size, cfg.hidden_size)
+    assert abs(w.std() * cfg.hidden_size ** 0.5 - 1) < 0.1 and abs(w.mean()) < 0.02
+    assert not quant.is_quantized(p["embed"]) and quant.is_quantized(p["lm_head"])
+    assert not quant.is_quantized(p["layers"][0]["gdn"]["b"])
+    from dflash_jax.config import DrafterConfig
+
+    dcfg = DrafterConfig(hidden_size=64, intermediate_size=96, num_layers=1, layer_types=("full_attention",),
+                         num_heads=2, num_kv_heads=1, head_dim=32, rope_theta=1e4, block_size=4, mask_token_id=3,
+                         target_layer_ids=(1, 2))
+    dp = dflash.init_params(dcfg, jax.random.key(1), jnp.float32, quantization="fp8")
+    assert quant.is_quantized(dp["fc"]) and quant.is_quantized(dp["layers"][0]["attn"]["q"])
+    assert dflash.model_dtype(dp) == jnp.float32
+
+
+def test_unknown_quantization_is_rejected():
+    with pytest.raises(ValueError, match="int3"):
+        dj.load_target(A, quantization="int3")
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 checkpoints in the published layout
+# ---------------------------------------------------------------------------------------------
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+              np.dtype(ml_dtypes.bfloat16): "BF16"}
+
+
+def _write_safetensors(fn: str, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file holding float8 tensors (which ``safetensors.numpy`` cannot write)."""
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(fn, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def _fp8_checkpoint(dst, block=(128, 128), drop: str | None = None) -> tuple[str, dict]:
+    """tiny_a re-saved the way Qwen publishes FP8: every matmul weight e4m3 + ``weight_scale_inv`` block scales."""
+    raw = dict(loader.iter_tensors(A))
+    out, deq = {}, {}
+    for name, a in raw.items():
+        if a.ndim == 2 and any(name.endswith(s) for s in ("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+                                                           "lm_head.weight")) and "in_proj_a" not in name \
+                and "in_proj_b" not in name:
+            q = quant.quantize_fp8(jnp.asarray(a), block)
+            out[name] = np.asarray(q.data)
+            out[name + "_scale_inv"] = np.asarray(q.scale)
+            deq[name] = np.asarray(quant.dequantize(q))
+        else:
+            out[name] = a
+    if drop:
+        del out[drop]
+    os.makedirs(dst, exist_ok=True)
+    cfg = json.load(open(os.path.join(A, "config.json")))
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": list(block)}
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    shutil.copy(os.path.join(A, "generation_config.json"), dst)
+    _write_safetensors(os.path.join(dst, "model.safetensors"), out)
+    return str(dst), deq
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+def test_fp8_checkpoint_loads_block_scales_and_matches_its_dequantized_weights(tmp_path, block):
+    path, deq = _fp8_checkpoint(tmp_path / "fp8", block)
+    t = dj.load_target(path, dtype="float32")
+    g = t.params["layers"][0]["mlp"]["gate"]
+    assert quant.is_quantized(g) and g.block == block
+    assert not quant.is_quantized(t.params["layers"][0]["gdn"]["b"])  # stored full precision, kept so
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(g)), deq[f"{loader.TEXT_PREFIXES[0]}layers.0.mlp.gate_proj.weight"])
+    ref = dj.Target(t.config, _dequantized(t.params))
+    np.testing.assert_allclose(np.asarray(t.logits(IDS)), np.asarray(ref.logits(IDS)), rtol=1e-4, atol=1e-4)
+    assert _kl(_target().logits(IDS), t.logits(IDS)) < 0.05
+
+
+def test_fp8_checkpoint_missing_scale_is_named(tmp_path):
+    name = f"{loader.TEXT_PREFIXES[0]}layers.1.mlp.up_proj.weight_scale_inv"
+    path, _ = _fp8_checkpoint(tmp_path / "fp8", drop=name)
+    with pytest.raises(CheckpointError, match="layers.1.mlp.up_proj.weight.*no weight_scale_inv"):
+        dj.load_target(path)
+
+
+def test_fp8_checkpoint_with_other_quant_method_is_rejected(tmp_path):
+    path, _ = _fp8_checkpoint(tmp_path / "fp8")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"]["quant_method"] = "gptq"
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="gptq"):
+        dj.load_target(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the Pallas kernel (interpret mode here) and the benchmark
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 3, 16, 20])
+def test_pallas_fp8_matmul_equals_reference(m):
+    from pallas_kernels.fp8_matmul import fp8_matmul_pallas, fp8_matmul_reference
+
+    rng = np.random.default_rng(m)
+    q = quant.quantize_fp8(jnp.asarray(rng.standard_normal((128, 512)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((m, 512)), jnp.bfloat16)
+    got = fp8_matmul_pallas(x, q.data, q.scale, block_n=64, block_k=256)
+    chex.assert_shape(got, (m, 128))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(fp8_matmul_reference(x, q.data, q.scale)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_choice_routes_linear_through_pallas(monkeypatch):
+    import pallas_kernels.fp8_matmul as k
+
+    rng = np.random.default_rng(0)
+    q = quant.quantize_fp8(jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((2, 1, 256)), jnp.bfloat16)
+    want = qwen36.linear(x, q)
+    calls = []
+    real = k.fp8_matmul_pallas
+    monkeypatch.setattr(k, "fp8_matmul_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("DFLASH_KERNELS", "fp8_matmul=pallas_triton")
+    got = qwen36.linear(x, q)
+    assert calls and got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_bench_linear_smoke(tmp_path):
+    from dflash_jax.bench.__main__ import main
+
+    assert main(["linear", "--shapes", "tiny", "--batch", "1", "--copies", "2", "--iters", "1",
+                 "--out-dir", str(tmp_path)]) == 0
+    [f] = list(tmp_path.iterdir())
+    figs = json.load(open(f))["figures"]
+    for v in ("bf16", "fp8", "fp8_block128", "fp8_pallas"):
+        assert figs[f"{v}.tiny.b1.us"] > 0
+    assert figs["fp8_speedup.tiny.b1"] > 0
