@@ -470,3 +470,13 @@ def test_closing_a_stream_early_aborts_its_request(eng):
     assert len(first.token_ids) == 1 and eng.running
     it.close()
     assert not eng.running and not eng.waiting  # the autouse check also verifies pages and slots came back
+
+
+def test_batch_buckets_are_checked_and_default_to_powers_of_two():
+    from dflash_jax.engine.loop import _buckets
+
+    assert _buckets(12) == (1, 2, 4, 8, 12)
+    assert _buckets(16, (16, 1, 1)) == (1, 16)
+    for bad in ((1, 8), (), (0, 16)):
+        with pytest.raises(ValueError, match="must be positive and end at"):
+            _buckets(16, bad)

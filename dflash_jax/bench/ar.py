@@ -35,8 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--prefill-batch", type=int, default=4)
     p.add_argument("--ceiling-iters", type=int, default=20)
+    p.add_argument("--all-buckets", action="store_true",
+                   help="compile every serving bucket (powers of two up to the largest concurrency), as the server "
+                        "does, so startup_compile_s is the server's start-up figure; default: only the measured "
+                        "concurrencies")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
+
+
+def _measured_buckets(concurrency: list[int], dp: int) -> tuple[int, ...]:
+    """Per-replica batch buckets that the measured concurrencies run in."""
+    return tuple(sorted({-(-c // dp) for c in concurrency}))
 
 
 def _peak_bytes() -> int | None:
@@ -123,6 +132,8 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     eng = Engine(target, None, EngineOptions(max_batch=cmax, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk,
                                              prefill_batch=args.prefill_batch, kv_dtype=args.kv_dtype,
+                                             batch_buckets=None if args.all_buckets else
+                                             _measured_buckets(args.concurrency, args.data_parallel),
                                              **parallel_options(args)))
     kv_itemsize = sum(x.nbytes for x in eng.state.kv.k) / sum(math.prod(x.shape) for x in eng.state.kv.k)
     print(f"[{quantization}] model loaded in {load_s:.1f}s ({w_itemsize:.3f} bytes/weight); compiling "
@@ -130,6 +141,8 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     t0 = time.perf_counter()  # compiles run concurrently: per-bucket seconds overlap; startup_compile_s is wall time
     report = eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
     figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "load_s": load_s,
+                                 "startup_lower_s": report.get("lower_s", 0.0),
+                                 "startup_buckets": len(eng.prefill_buckets) + len(eng.decode_buckets),
                                  "weight_bytes_per_element": w_itemsize}
     # warm-up run through the loop: every decode bucket the cases will use, 8 tokens
     for c in args.concurrency:

@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvflash", type=int, default=None, metavar="N",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests")
     p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys")
+    p.add_argument("--all-buckets", action="store_true",
+                   help="compile every serving batch bucket per case (default: only the case's concurrency, which "
+                        "every batch of the case runs in)")
     p.add_argument("--kvflash-compare", action="store_true",
                    help="with --kvflash: also run an unbounded AR case per concurrency (mode ar_unbounded)")
     p.add_argument("--require-reproducible", action="store_true",
@@ -219,7 +222,9 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
-                         kvflash_scoring=args.kvflash_scoring, **parallel_options(args))
+                         kvflash_scoring=args.kvflash_scoring,
+                         batch_buckets=None if args.all_buckets else (-(-c // args.data_parallel),),
+                         **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
     t0 = time.perf_counter()
     eng.warmup()

@@ -178,12 +178,21 @@ class EngineOptions:
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
     tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
     data_parallel: int = 1  # replicas over the mesh's data axis; each serves max_batch / data_parallel sequences
+    # decode/spec batch sizes compiled per replica (a batch runs in the smallest bucket that holds it); default:
+    # the powers of two below max_batch / data_parallel, and it; the largest given must be max_batch / data_parallel
+    batch_buckets: tuple[int, ...] | None = None
     quantization: str | None = None  # "fp8": matmul weights of target and drafter in fp8 (quant.QuantizedWeight)
 
 
-def _buckets(limit: int) -> tuple[int, ...]:
-    out = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < limit]
-    return tuple(out) + (limit,)
+def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Batch buckets up to ``limit``: ``given`` (checked), or the powers of two below it and ``limit``."""
+    if given is None:
+        return tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < limit) + (limit,)
+    out = tuple(sorted({int(b) for b in given}))
+    if not out or out[0] < 1 or out[-1] != limit:
+        raise ValueError(f"batch_buckets {tuple(given)} must be positive and end at max_batch / data_parallel = "
+                         f"{limit} (the largest batch a step can run)")
+    return out
 
 
 class Engine:
@@ -271,8 +280,10 @@ class Engine:
         # KVFlash telemetry of the last 256 device calls: step, rows, deferred, pages_in/out, bytes_in/out, wait_s,
         # resident_pages, occupancy, sequences_changed (empty when residency is unbounded)
         self.kvflash_steps: collections.deque[dict] = collections.deque(maxlen=256)
-        self.decode_buckets = _buckets(per_replica)
-        self.prefill_buckets = _buckets(min(o.prefill_batch, per_replica))
+        self.decode_buckets = _buckets(per_replica, o.batch_buckets)
+        pb = min(o.prefill_batch, per_replica)
+        self.prefill_buckets = (_buckets(pb) if o.batch_buckets is None
+                                else tuple(b for b in self.decode_buckets if b < pb) + (pb,))
         self._jit = self.compile_step(functools.partial(step, self.cfg, self.dcfg))
         self._spec_jit = (self.compile_step(functools.partial(spec_step, self.cfg, self.dcfg, o.spec))
                           if o.spec is not None else None)
@@ -531,7 +542,9 @@ class Engine:
         todo = [(kind, b) for kind, buckets in self._kinds() for b in buckets if (kind, b) not in self._exec]
         if not todo:
             return dict(self.warmup_report)
+        t0 = time.perf_counter()
         lowered = {key: self._lower(*key) for key in todo}
+        self.warmup_report["lower_s"] = self.warmup_report.get("lower_s", 0.0) + time.perf_counter() - t0
 
         def build(key):
             t0 = time.perf_counter()
