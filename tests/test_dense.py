@@ -182,6 +182,22 @@ def test_causal_attention_xla_blocks_equal_naive(dtype, tol, block):
         dense_scoring.causal_attention(q, k, v, "flash", 16)
 
 
+def test_cudnn_attention_lowers_to_causal_flash_attention(monkeypatch):
+    """Off GPU the cuDNN path cannot run, but it lowers for CUDA: one fused flash-attention call with the causal mask
+    over the whole prompt, GQA heads passed as they are (the version/capability checks are stubbed)."""
+    fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda _: True)
+    t = 4096
+    q = jax.ShapeDtypeStruct((t, 16, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((t, 8, 128), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: dense_scoring.causal_attention(q, k, v, "cudnn", 512))
+    txt = f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text().replace("\\22", '"')
+    assert txt.count("custom_call @__cudnn$fmha") == 1
+    assert '"is_flash_attention": true' in txt and '"mask_type": "CAUSAL"' in txt
+    assert "tensor<1x4096x8x128xbf16>" in txt
+
+
 def test_tail_max_attention_equals_max_of_tail_attention(params, ids):
     att = dense.tail_attention(params, CFG, ids, n_query=8, n_layers=2, chunk=8, nope=True)
     run, t = dense_scoring.tail_max_attention(params, CFG, ids, n_query=8, n_layers=2, nope=True, block=16)

@@ -16,7 +16,8 @@ Norm weights are float32 (float64 for a float64 model); matrices use the model d
 Long prompts run through ``prefill_chunked``: fixed-size chunks against a contiguous (non-paged) K/V cache
 ``[L, capacity, Hkv, hd]`` with blockwise online-softmax attention, so memory is O(capacity) for the cache plus
 O(chunk^2) per layer for scores — never T x T. ``tail_attention`` returns the attention probabilities of the last
-``n_query`` prompt positions over all positions ``<=`` theirs, computed from the cached K at the end.
+``n_query`` prompt positions over all positions ``<=`` theirs, computed from the cached K at the end (the
+reference for the PFlash scorer; the fast scoring pass is ``models.dense_scoring``, layer-major without a cache).
 HF checkpoints (``model.*`` names, ``lm_head.weight`` unless tied) load with ``load_dense``; ``save_dense`` writes one.
 """
 

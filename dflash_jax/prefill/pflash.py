@@ -3,10 +3,12 @@ prompt tokens pay them; only the best 32-token chunks (plus forced head/tail/pro
 
 Pipeline (``compress``):
 
-1. ``scorer(ids, options) -> [T]`` token importance. ``DenseScorer`` prefills the prompt with a Qwen3 dense model
-   (``models.dense``), takes the queries of the last ``n_query`` prompt tokens at the last ``n_layers`` layers, and
-   reduces their attention ``[L, H, nq, T]`` by max over (layer, head), mean over queries, then an average-pool
-   smoothing of ``pool_kernel`` tokens (``score_tokens`` is the same reduction on a materialised tensor).
+1. ``scorer(ids, options) -> [T]`` token importance. ``DenseScorer`` runs the prompt through a Qwen3 dense model
+   (``models.dense``; the fast pass is ``models.dense_scoring``: one dispatch per layer over the whole prompt, cuDNN
+   flash attention on a GPU), takes the queries of the last ``n_query`` prompt tokens at the last ``n_layers``
+   layers, and reduces their attention ``[L, H, nq, T]`` by max over (layer, head), mean over queries, then an
+   average-pool smoothing of ``pool_kernel`` tokens (``score_tokens`` is the same reduction on a materialised
+   tensor).
 2. ``select_chunks``: split into ``chunk``-token chunks scored by their mean; always keep the best chunk, the head
    and tail chunks and every chunk holding a ``must_keep`` token (chat structure, tool calls/responses, the system
    turn: see ``protected_mask``), then add chunks by score until ``ceil(keep_ratio * T)`` tokens are kept.
