@@ -81,7 +81,7 @@ def resolve_attention(name: str, cfg: dense.DenseConfig, dtype) -> tuple[str, st
         return "xla", "requested"
     dt = jnp.dtype(dtype)
     if name == "auto":
-        if jax.default_backend() != "gpu":
+        if jax.default_backend() not in ("gpu", "cuda"):
             return "xla", f"backend {jax.default_backend()!r} has no cuDNN"
         if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             return "xla", f"cuDNN flash attention needs bfloat16/float16, the scorer is {dt.name}"
