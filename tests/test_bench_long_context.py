@@ -33,6 +33,13 @@ def test_pflash_ttft_bench_random_scorer(tmp_path):
     assert f["pflash.512.full_ttft_s"] > 0 and f["pflash.512.ttft_s"] > f["pflash.512.scoring_s"] > 0
     assert 0 < f["pflash.512.kept_fraction"] < 1
     assert f["pflash.512.ttft_ratio"] == pytest.approx(f["pflash.512.ttft_s"] / f["pflash.512.full_ttft_s"])
+    # the split: scoring + the effective prompt's TTFT, one scorer dispatch per layer plus the embedding, warm runs
+    assert f["pflash.512.ttft_s"] == pytest.approx(f["pflash.512.scoring_s"] + f["pflash.512.effective_ttft_s"])
+    assert f["pflash.512.effective_tokens"] == pytest.approx(512 * f["pflash.512.kept_fraction"])
+    assert f["pflash.512.scorer_dispatches"] == 3
+    assert 0 < f["pflash.512.scorer_step_mean_s"] <= f["pflash.512.scorer_step_max_s"]
+    assert f["pflash.512.compiles_timed"] == 0
+    assert rec["extra"]["scorer_attention"] == "xla" and rec["extra"]["scorer_attention_why"]
 
 
 def test_needle_bench_shipped_set(tmp_path):

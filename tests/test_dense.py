@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.config import ConfigError
-from dflash_jax.models import dense
+from dflash_jax.models import dense, dense_scoring
 from dflash_jax.models.loader import CheckpointError
 from dflash_jax.models.qwen36 import rms_norm
 
@@ -154,6 +154,58 @@ def test_tail_attention_short_prompt_and_errors(params, ids):
         dense.tail_attention(params, CFG, ids, n_layers=CFG.num_layers + 1)
     with pytest.raises(ValueError, match="n_query"):
         dense.tail_attention(params, CFG, ids, n_query=0)
+
+
+# ---- the scoring pass's causal attention ---------------------------------------------------------------------------
+def _naive_causal(q, k, v):
+    t, h, d = q.shape
+    k, v = (jnp.repeat(a.astype(jnp.float32), h // a.shape[1], axis=1) for a in (k, v))
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * d ** -0.5
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("block", [8, 16, 48])
+def test_causal_attention_xla_blocks_equal_naive(dtype, tol, block):
+    kq, kk, kv = jax.random.split(jax.random.key(4), 3)
+    t = 48
+    q = jax.random.normal(kq, (t, 4, 8)).astype(dtype)
+    k = jax.random.normal(kk, (t, 2, 8)).astype(dtype)
+    v = jax.random.normal(kv, (t, 2, 8)).astype(dtype)
+    o = jax.jit(dense_scoring.causal_attention, static_argnums=(3, 4))(q, k, v, "xla", block)
+    assert o.dtype == dtype and o.shape == q.shape
+    np.testing.assert_allclose(np.asarray(o, np.float32), _naive_causal(q, k, v), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="multiple"):
+        dense_scoring.causal_attention(q[:40], k[:40], v[:40], "xla", 16)
+    with pytest.raises(ValueError, match="cudnn"):
+        dense_scoring.causal_attention(q, k, v, "flash", 16)
+
+
+def test_cudnn_attention_lowers_to_causal_flash_attention(monkeypatch):
+    """Off GPU the cuDNN path cannot run, but it lowers for CUDA: one fused flash-attention call with the causal mask
+    over the whole prompt, GQA heads passed as they are (the version/capability checks are stubbed)."""
+    fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda _: True)
+    t = 4096
+    q = jax.ShapeDtypeStruct((t, 16, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((t, 8, 128), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: dense_scoring.causal_attention(q, k, v, "cudnn", 512))
+    txt = f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text().replace("\\22", '"')
+    assert txt.count("custom_call @__cudnn$fmha") == 1
+    assert '"is_flash_attention": true' in txt and '"mask_type": "CAUSAL"' in txt
+    assert "tensor<1x4096x8x128xbf16>" in txt
+
+
+def test_tail_max_attention_equals_max_of_tail_attention(params, ids):
+    att = dense.tail_attention(params, CFG, ids, n_query=8, n_layers=2, chunk=8, nope=True)
+    run, t = dense_scoring.tail_max_attention(params, CFG, ids, n_query=8, n_layers=2, nope=True, block=16)
+    assert t == T and run.shape == (8, dense.capacity_for(T, 16))
+    np.testing.assert_allclose(run[:, :T], att.max(axis=(0, 1)), rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(run[:, T:]).max()) == 0.0  # padding rows are never attended
+    with pytest.raises(ValueError, match="resolve"):
+        dense_scoring.tail_max_attention(params, CFG, ids, attention="auto")
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------------

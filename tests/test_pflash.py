@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_jax.models import dense
+from dflash_jax.engine.compile import CompileWatch
+from dflash_jax.models import dense, dense_scoring
 from dflash_jax.prefill import pflash
 from dflash_jax.prefill.pflash import PFlashError, PFlashOptions
 
@@ -156,6 +157,13 @@ def test_smooth_and_score_tokens():
     np.testing.assert_allclose(pflash.smooth(x, 1), x, rtol=1e-6)
     np.testing.assert_allclose(pflash.smooth(np.full(20, 3.0), 13), 3.0, rtol=1e-6)  # no padding damping at edges
     np.testing.assert_allclose(pflash.smooth(x, 5)[10], x[8:13].mean(), rtol=1e-6)
+    # the padded form used on device: entries past the valid length never enter the averages
+    pad = np.concatenate([x, np.full(7, 1e6, np.float32)])
+    for k in (1, 5, 13):
+        ref = [x[max(0, i - k // 2):i + k // 2 + 1].mean() for i in range(len(x))]
+        np.testing.assert_allclose(pflash.smooth(x, k), ref, rtol=1e-5)
+        np.testing.assert_allclose(pflash._smooth_valid(jnp.asarray(pad), jnp.int32(len(x)), k)[:len(x)], ref,
+                                   rtol=1e-5)
     att = np.random.default_rng(3).random((3, 4, 8, 50))
     np.testing.assert_allclose(pflash.score_tokens(att, 5), pflash.smooth(att.max(axis=(0, 1)).mean(0), 5),
                                rtol=1e-6)
@@ -178,12 +186,47 @@ def test_needle_chunk_is_kept():
     assert len(kept) < 0.05 * t + 32
 
 
-def test_dense_scorer_matches_score_tokens_of_tail_attention(scorer):
-    ids = np.random.default_rng(5).integers(0, SCFG.vocab_size, 300)
+@pytest.mark.parametrize("t,n_layers", [(300, 2), (300, 1), (256, None), (5, 1)])
+def test_dense_scorer_matches_score_tokens_of_tail_attention(scorer, t, n_layers):
+    """The layer-major scoring pass equals the reference (chunked prefill into a cache, then the tail attention of
+    the last layers, reduced by score_tokens): prompts shorter than, equal to and not a multiple of the bucket,
+    and shorter than n_query."""
+    ids = np.random.default_rng(5).integers(0, SCFG.vocab_size, t)
     for nope in (False, True):
-        o = PFlashOptions(n_query=8, pool_kernel=13, nope=nope, n_layers=2)
-        att = dense.tail_attention(scorer.params, SCFG, ids, n_query=8, n_layers=2, chunk=256, nope=nope)
-        np.testing.assert_allclose(scorer(ids, o), pflash.score_tokens(att, 13), rtol=1e-5, atol=1e-8)
+        o = PFlashOptions(n_query=8, pool_kernel=13, nope=nope, n_layers=n_layers)
+        att = dense.tail_attention(scorer.params, SCFG, ids, n_query=8, n_layers=n_layers, chunk=64, nope=nope)
+        got = scorer(ids, o)
+        assert got.shape == (t,)
+        np.testing.assert_allclose(got, pflash.score_tokens(att, 13), rtol=1e-5, atol=1e-8)
+
+
+def test_dense_scorer_long_prompt_compiles_few_executables():
+    """Scoring a long prompt is a handful of executables (embedding, scored middle layer, scored last layer,
+    final reduction), not one per chunk or per prompt length: another length in the same bucket compiles nothing.
+    One dispatch per layer plus the embedding."""
+    cfg = dense.DenseConfig(vocab_size=101, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
+                            num_kv_heads=1, head_dim=8, rope_theta=1e4)  # shapes of this test only: a cold cache
+    sc = pflash.DenseScorer(dense.init_params(cfg, jax.random.key(3), jnp.float32), cfg, prefill_chunk=128)
+    rng = np.random.default_rng(7)
+    o = PFlashOptions()
+    with CompileWatch() as first:
+        a = sc(rng.integers(0, cfg.vocab_size, 4000), o)
+    assert 1 <= first.count <= 4 and a.shape == (4000,) and np.isfinite(a).all()
+    steps: list[float] = []
+    with CompileWatch() as second:
+        b = sc(rng.integers(0, cfg.vocab_size, 3900), o, step_times=steps)  # same 4096-row bucket
+    assert second.count == 0 and b.shape == (3900,)
+    assert len(steps) == cfg.num_layers + 1 and min(steps) > 0
+    assert sc.attention_impl == "xla"
+
+
+def test_dense_scorer_attention_option():
+    with pytest.raises(PFlashError, match="attention"):
+        pflash.DenseScorer({}, SCFG, attention="flash")
+    sc = pflash.DenseScorer({"embed": jnp.zeros((SCFG.vocab_size, 32), jnp.bfloat16)}, SCFG, attention="auto")
+    assert sc.resolve() == "xla" and "cpu" in sc.attention_why  # no cuDNN off GPU
+    with pytest.raises(ValueError, match="cudnn"):
+        dense_scoring.resolve_attention("cudnn", SCFG, jnp.bfloat16)
 
 
 def test_compress_end_to_end_2k(scorer):

@@ -7,6 +7,13 @@ For each context length, one request at concurrency 1 through a fresh-state engi
   and the first token sampled (``pflash.<ctx>.ttft_s`` = scoring + effective TTFT);
 * ``pflash.<ctx>.ttft_ratio`` = PFlash TTFT / full TTFT (lower is better), with the kept fraction.
 
+The split: ``scoring_s`` (the scorer over the raw prompt), ``effective_ttft_s`` (the target's prefill of the effective
+prompt and its first token), and from one extra profiled scoring run that waits for every dispatch,
+``scorer_dispatches`` / ``scorer_step_max_s`` / ``scorer_step_mean_s`` (one dispatch per scorer layer: the longest
+is the most a decode step can wait behind scoring). ``compiles_timed`` counts XLA compilations inside the timed
+runs (0 when warm-up covered every shape). The scorer's attention implementation (``--scorer-attention``) and why it
+was chosen are in the JSON's ``extra``.
+
 Each path runs once untimed first (compiles), then ``--repeats`` times; medians are reported. With random weights
 (``--random-weights`` / ``--random-scorer``) the prompt is random tokens: the timing does not depend on the text.
 Context labels: ``32k`` = 32768 tokens.
@@ -24,6 +31,7 @@ import numpy as np
 
 from dflash_jax.bench import results
 from dflash_jax.bench.sources import add_target_arguments, load_target_source
+from dflash_jax.engine.compile import CompileWatch
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.models import dense
 from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions, compress
@@ -41,7 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-tokens", type=int, default=PFlashOptions.head_tokens, help="always-kept head")
     p.add_argument("--tail-tokens", type=int, default=PFlashOptions.tail_tokens, help="always-kept tail")
     p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--scorer-chunk", type=int, default=2048)
+    p.add_argument("--scorer-chunk", type=int, default=2048, help="scorer prompt padding granularity and XLA "
+                   "attention block")
+    p.add_argument("--scorer-attention", default="auto", choices=("auto", "cudnn", "xla"),
+                   help="the scorer's causal attention (auto: cuDNN flash attention on a GPU when it runs, else XLA)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
 
@@ -53,14 +64,16 @@ def label(ctx: int) -> str:
 def _scorer(args: argparse.Namespace, vocab: int) -> DenseScorer:
     dtype = jnp.dtype(args.dtype)
     if args.scorer:
-        return DenseScorer.from_pretrained(args.scorer, dtype=dtype, prefill_chunk=args.scorer_chunk)
+        return DenseScorer.from_pretrained(args.scorer, dtype=dtype, prefill_chunk=args.scorer_chunk,
+                                           attention=args.scorer_attention)
     import json
 
     with open(args.random_scorer) as fh:
         raw = json.load(fh)
     raw["vocab_size"] = max(int(raw["vocab_size"]), vocab)
     cfg = dense.DenseConfig.from_hf_dict(raw)
-    return DenseScorer(dense.init_params(cfg, jax.random.key(2), dtype), cfg, prefill_chunk=args.scorer_chunk)
+    return DenseScorer(dense.init_params(cfg, jax.random.key(2), dtype), cfg, prefill_chunk=args.scorer_chunk,
+                       attention=args.scorer_attention)
 
 
 def _ttft(eng: Engine, ids: list[int]) -> float:
@@ -78,32 +91,44 @@ def run(args: argparse.Namespace, command: str) -> int:
     eng = Engine(target, None, EngineOptions(max_batch=1, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1))
     eng.warmup()
+    scorer.resolve()
+    print(f"scorer attention: {scorer.attention_impl} ({scorer.attention_why})", flush=True)
     rng = np.random.default_rng(0)
     figures: dict[str, float] = {"keep_ratio": args.keep_ratio}
     for ctx in args.context:
         ids = rng.integers(0, min(target.config.vocab_size, scorer.cfg.vocab_size), ctx).astype(np.int32)
 
-        def pflash_once() -> tuple[float, float, float]:
+        def pflash_once() -> tuple[float, float, float, int]:
+            """(scoring s, effective-prompt TTFT s, kept fraction, effective tokens)"""
             t0 = time.perf_counter()
             c = compress(ids, scorer, opts)
             t_score = time.perf_counter() - t0
-            return t_score + _ttft(eng, c.effective_ids.tolist()), t_score, c.ratio
+            return t_score, _ttft(eng, c.effective_ids.tolist()), c.ratio, c.effective_tokens
 
         _ttft(eng, ids.tolist())  # compiles / warms the full path
         pflash_once()
-        full = [_ttft(eng, ids.tolist()) for _ in range(args.repeats)]
-        runs = [pflash_once() for _ in range(args.repeats)]
+        with CompileWatch() as w:
+            full = [_ttft(eng, ids.tolist()) for _ in range(args.repeats)]
+            runs = [pflash_once() for _ in range(args.repeats)]
+        steps: list[float] = []
+        scorer(ids, opts, step_times=steps)
         k = f"pflash.{label(ctx)}"
-        f_med, p_med = statistics.median(full), statistics.median(r[0] for r in runs)
+        f_med = statistics.median(full)
+        p_med = statistics.median(r[0] + r[1] for r in runs)
         figures.update({f"{k}.full_ttft_s": f_med, f"{k}.ttft_s": p_med, f"{k}.ttft_ratio": p_med / f_med,
-                        f"{k}.scoring_s": statistics.median(r[1] for r in runs),
-                        f"{k}.kept_fraction": runs[0][2]})
+                        f"{k}.scoring_s": statistics.median(r[0] for r in runs),
+                        f"{k}.effective_ttft_s": statistics.median(r[1] for r in runs),
+                        f"{k}.kept_fraction": runs[0][2], f"{k}.effective_tokens": runs[0][3],
+                        f"{k}.scorer_dispatches": len(steps), f"{k}.scorer_step_max_s": max(steps),
+                        f"{k}.scorer_step_mean_s": statistics.fmean(steps), f"{k}.compiles_timed": w.count})
         print(f"{label(ctx)}: full {f_med:.3f} s, PFlash {p_med:.3f} s (ratio {p_med / f_med:.3f}, kept "
-              f"{runs[0][2]:.3f})", flush=True)
+              f"{runs[0][2]:.3f}; scoring {figures[f'{k}.scoring_s']:.3f} s in {len(steps)} dispatches of <= "
+              f"{max(steps):.3f} s, effective prefill {figures[f'{k}.effective_ttft_s']:.3f} s)", flush=True)
     results.print_table(figures)
     if not args.no_write:
         extra = {"target": args.model or args.random_weights, "scorer": args.scorer or args.random_scorer,
                  "weights": "checkpoint" if args.model else "random", "dtype": args.dtype,
-                 "repeats": args.repeats, "prefill_chunk": args.prefill_chunk}
+                 "repeats": args.repeats, "prefill_chunk": args.prefill_chunk, "scorer_chunk": args.scorer_chunk,
+                 "scorer_attention": scorer.attention_impl, "scorer_attention_why": scorer.attention_why}
         print("wrote", results.write_result("pflash", figures, command, extra, out_dir=args.out_dir))
     return 0

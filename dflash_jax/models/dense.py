@@ -16,7 +16,8 @@ Norm weights are float32 (float64 for a float64 model); matrices use the model d
 Long prompts run through ``prefill_chunked``: fixed-size chunks against a contiguous (non-paged) K/V cache
 ``[L, capacity, Hkv, hd]`` with blockwise online-softmax attention, so memory is O(capacity) for the cache plus
 O(chunk^2) per layer for scores — never T x T. ``tail_attention`` returns the attention probabilities of the last
-``n_query`` prompt positions over all positions ``<=`` theirs, computed from the cached K at the end.
+``n_query`` prompt positions over all positions ``<=`` theirs, computed from the cached K at the end (the
+reference for the PFlash scorer; the fast scoring pass is ``models.dense_scoring``, layer-major without a cache).
 HF checkpoints (``model.*`` names, ``lm_head.weight`` unless tied) load with ``load_dense``; ``save_dense`` writes one.
 """
 
@@ -193,24 +194,28 @@ def _block_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, q_pos: ja
 
     ``cap`` must be a multiple of ``key_block`` and ``n_keys <= cap``; key j is visible to query i iff
     ``j <= q_pos[i]``. Key 0 is visible to every query, so every row has a finite maximum after block 0.
+    Both matmuls take operands in the model dtype (bf16 runs on tensor cores) and accumulate in float32; the
+    softmax statistics are float32.
     """
     c, h, hd = q.shape
     hkv = k_all.shape[1]
     a = acc_dtype(q.dtype)
-    qg = (q.astype(a) * hd ** -0.5).reshape(c, hkv, h // hkv, hd)
+    qg = q.reshape(c, hkv, h // hkv, hd)
+    scale = hd ** -0.5
 
     def body(j, carry):
         m, l, acc = carry  # [Hkv, G, C], [Hkv, G, C], [Hkv, G, C, hd]
-        kj = lax.dynamic_slice_in_dim(k_all, j * key_block, key_block, 0)
-        vj = lax.dynamic_slice_in_dim(v_all, j * key_block, key_block, 0)
-        s = jnp.einsum("ckgd,nkd->kgcn", qg, kj.astype(a))
+        kj = lax.dynamic_slice_in_dim(k_all, j * key_block, key_block, 0).astype(q.dtype)
+        vj = lax.dynamic_slice_in_dim(v_all, j * key_block, key_block, 0).astype(q.dtype)
+        s = jnp.einsum("ckgd,nkd->kgcn", qg, kj, preferred_element_type=a) * scale
         kpos = j * key_block + jnp.arange(key_block)
         s = jnp.where(kpos[None, :] <= q_pos[:, None], s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         pr = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         l = l * corr + pr.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("kgcn,nkd->kgcd", pr, vj.astype(a))
+        acc = acc * corr[..., None] + jnp.einsum("kgcn,nkd->kgcd", pr.astype(q.dtype), vj,
+                                                 preferred_element_type=a)
         return m_new, l, acc
 
     g = h // hkv

@@ -3,10 +3,12 @@ prompt tokens pay them; only the best 32-token chunks (plus forced head/tail/pro
 
 Pipeline (``compress``):
 
-1. ``scorer(ids, options) -> [T]`` token importance. ``DenseScorer`` prefills the prompt with a Qwen3 dense model
-   (``models.dense``), takes the queries of the last ``n_query`` prompt tokens at the last ``n_layers`` layers, and
-   reduces their attention ``[L, H, nq, T]`` by max over (layer, head), mean over queries, then an average-pool
-   smoothing of ``pool_kernel`` tokens (``score_tokens`` is the same reduction on a materialised tensor).
+1. ``scorer(ids, options) -> [T]`` token importance. ``DenseScorer`` runs the prompt through a Qwen3 dense model
+   (``models.dense``; the fast pass is ``models.dense_scoring``: one dispatch per layer over the whole prompt, cuDNN
+   flash attention on a GPU), takes the queries of the last ``n_query`` prompt tokens at the last ``n_layers``
+   layers, and reduces their attention ``[L, H, nq, T]`` by max over (layer, head), mean over queries, then an
+   average-pool smoothing of ``pool_kernel`` tokens (``score_tokens`` is the same reduction on a materialised
+   tensor).
 2. ``select_chunks``: split into ``chunk``-token chunks scored by their mean; always keep the best chunk, the head
    and tail chunks and every chunk holding a ``must_keep`` token (chat structure, tool calls/responses, the system
    turn: see ``protected_mask``), then add chunks by score until ``ceil(keep_ratio * T)`` tokens are kept.
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models import dense
+from dflash_jax.models import dense, dense_scoring
 
 MODES = ("off", "auto", "always")
 
@@ -95,19 +97,30 @@ class PFlashOptions:
 # ---------------------------------------------------------------------------------------------
 # scores
 # ---------------------------------------------------------------------------------------------
+def _check_kernel(kernel: Any) -> None:
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise PFlashError(f"pflash option 'pool_kernel' must be an odd int >= 1, got {kernel!r}")
+
+
+def _smooth_valid(x: jax.Array, n: jax.Array, kernel: int) -> jax.Array:
+    """``smooth`` of the first ``n`` (traced) entries of x [Tp] float32; entries from ``n`` on are meaningless."""
+    if kernel == 1:
+        return x
+    t, r = x.shape[0], kernel // 2
+    c = jnp.concatenate([jnp.zeros((1,), x.dtype), jnp.cumsum(x)])
+    i = jnp.arange(t)
+    lo, hi = jnp.maximum(i - r, 0), jnp.minimum(i + r + 1, jnp.maximum(n, i + 1))
+    return (c[hi] - c[lo]) / (hi - lo).astype(x.dtype)
+
+
 def smooth(x: Any, kernel: int) -> jax.Array:
     """Centred moving average of a 1-D array over ``kernel`` (odd) entries, averaging only entries inside the array
     (AvgPool1D with same padding and ``count_include_pad=False``)."""
-    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-        raise PFlashError(f"pflash option 'pool_kernel' must be an odd int >= 1, got {kernel!r}")
+    _check_kernel(kernel)
     x = jnp.asarray(x, jnp.float32)
-    if kernel == 1 or x.shape[0] == 0:
+    if x.shape[0] == 0:
         return x
-    t, r = x.shape[0], kernel // 2
-    c = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(x)])
-    i = jnp.arange(t)
-    lo, hi = jnp.maximum(i - r, 0), jnp.minimum(i + r + 1, t)
-    return (c[hi] - c[lo]) / (hi - lo).astype(jnp.float32)
+    return _smooth_valid(x, jnp.int32(x.shape[0]), kernel)
 
 
 def score_tokens(attn: Any, pool_kernel: int = 13) -> jax.Array:
@@ -250,42 +263,56 @@ Scorer = Callable[[np.ndarray, PFlashOptions], Any]
 """``scorer(ids [T] int32, options) -> importance [T]`` (any array-like; higher = keep)."""
 
 
-@functools.partial(jax.jit, static_argnames=("layers", "theta", "nope"))
-def _tail_max(qs: jax.Array, k: jax.Array, q_start: jax.Array, layers: tuple[int, ...], theta: float,
-              nope: bool) -> jax.Array:
-    """``[nq, cap]``: max over layers and heads of the tail attention, one layer's ``[H, nq, cap]`` at a time."""
-    out = None
-    for j, li in enumerate(layers):
-        p = dense.tail_probs(qs[j], k[li], q_start, theta, nope).max(axis=0)
-        out = p if out is None else jnp.maximum(out, p)
-    return out
+@functools.partial(jax.jit, static_argnames=("kernel",))
+def _finish(run: jax.Array, n: jax.Array, kernel: int) -> jax.Array:
+    """run [nq, Tp] (max over layers and heads) -> smoothed mean over the queries [Tp]; valid for the first n."""
+    return _smooth_valid(run.astype(jnp.float32).mean(axis=0), n, kernel)
 
 
 class DenseScorer:
     """A Qwen3 dense model (``models.dense``) as a PFlash scorer.
 
-    Equals ``score_tokens(dense.tail_attention(...), pool_kernel)`` but reduces over heads and layers as it goes,
-    so only one layer's ``[H, n_query, T]`` probabilities exist at a time. ``prefill_chunk`` is the prefill chunk
-    (and attention key block) of the scoring pass; the token ids must be in the scorer's vocabulary (a scorer from
-    another tokenizer family needs the detokenise/retokenise path of reference §5.2).
+    Equals ``score_tokens(dense.tail_attention(...), pool_kernel)``, computed by ``dense_scoring.tail_max_attention``
+    (layer-major over the whole prompt, no K/V cache, heads and layers reduced as it goes). ``prefill_chunk``: the
+    prompt is padded to a bucketed multiple of it (``dense.capacity_for``), so prompt lengths share compiled shapes,
+    and it is the query/key block of the XLA attention. ``attention``: "auto" | "cudnn" | "xla"
+    (``dense_scoring.resolve_attention``, resolved on first use; ``attention_impl`` / ``attention_why`` then say
+    what runs). The token ids must be in the scorer's vocabulary (a scorer from another tokenizer family needs the
+    detokenise/retokenise path of reference §5.2).
     """
 
-    def __init__(self, params: dense.Params, cfg: dense.DenseConfig, *, prefill_chunk: int = 512) -> None:
+    def __init__(self, params: dense.Params, cfg: dense.DenseConfig, *, prefill_chunk: int = 512,
+                 attention: str = "auto") -> None:
         _int_opt("prefill_chunk", prefill_chunk, 1)
-        self.params, self.cfg, self.prefill_chunk = params, cfg, prefill_chunk
+        if attention not in dense_scoring.ATTENTION:
+            raise PFlashError(f"scorer attention must be one of {dense_scoring.ATTENTION}, got {attention!r}")
+        self.params, self.cfg, self.prefill_chunk, self.attention = params, cfg, prefill_chunk, attention
+        self.attention_impl: str | None = None
+        self.attention_why = ""
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=jnp.bfloat16, prefill_chunk: int = 512) -> "DenseScorer":
+    def from_pretrained(cls, path: str, dtype=jnp.bfloat16, prefill_chunk: int = 512,
+                        attention: str = "auto") -> "DenseScorer":
         cfg, params = dense.load_dense(path, dtype)
-        return cls(params, cfg, prefill_chunk=prefill_chunk)
+        return cls(params, cfg, prefill_chunk=prefill_chunk, attention=attention)
 
-    def __call__(self, ids: np.ndarray, options: PFlashOptions) -> np.ndarray:
-        qs, cache, q_start = dense.tail_queries(self.params, self.cfg, ids, n_query=options.n_query,
-                                                n_layers=options.n_layers, chunk=self.prefill_chunk)
-        layers = dense._layer_ids(self.cfg, options.n_layers)
-        per_q = _tail_max(qs, cache.k, jnp.int32(q_start), layers, self.cfg.rope_theta, options.nope)
-        s = smooth(per_q[:, :cache.length].mean(axis=0), options.pool_kernel)
-        return np.asarray(jax.block_until_ready(s))
+    def resolve(self) -> str:
+        """The attention implementation this scorer runs (probing cuDNN once for "auto" / "cudnn")."""
+        if self.attention_impl is None:
+            self.attention_impl, self.attention_why = dense_scoring.resolve_attention(
+                self.attention, self.cfg, dense.model_dtype(self.params))
+        return self.attention_impl
+
+    def __call__(self, ids: np.ndarray, options: PFlashOptions,
+                 step_times: list[float] | None = None) -> np.ndarray:
+        """Importance ``[T]`` of the tokens ``ids [T]``. ``step_times``: a list to receive each dispatch's seconds
+        (every dispatch is then waited for: profiling only)."""
+        run, t = dense_scoring.tail_max_attention(self.params, self.cfg, ids, n_query=options.n_query,
+                                                  n_layers=options.n_layers, nope=options.nope,
+                                                  attention=self.resolve(), block=self.prefill_chunk,
+                                                  step_times=step_times)
+        s = _finish(run, np.int32(t), options.pool_kernel)
+        return np.asarray(jax.block_until_ready(s))[:t]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""The dense scorer's fast scoring pass: layer-major tail attention over a whole prompt (reference §5.6).
+
+``tail_max_attention`` runs the (bucket-padded) prompt through the model one layer per dispatch: hidden ``[Tp, D]``
+in, hidden out (donated). Each layer's causal self-attention covers the whole prompt in one call, so the work is
+exactly causal (no attention over unused cache rows) and no K/V cache exists at all: a scored layer (one of the last
+``n_layers``) takes its last ``nq`` queries against all its keys, ``[H, nq, Tp]`` probabilities, and folds their max
+over heads into a running ``[nq, Tp]`` buffer. The last layer stops after that (its output feeds nothing).
+
+Causal attention implementations (``ATTENTION``):
+
+* ``"cudnn"``: ``jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")``, cuDNN flash attention
+  (NVIDIA GPU, bf16/fp16). Queries and keys are the same ``Tp`` rows, so the causal mask's diagonal alignment
+  (top-left vs bottom-right) cannot matter.
+* ``"xla"``: ``dense._block_attention`` per query block of ``block`` rows, each walking only the key blocks up to its
+  own (online softmax, bf16 operands with float32 accumulation), memory O(block^2) per head.
+* ``"auto"`` (``resolve_attention``): cuDNN on a GPU when a probe compiles and runs, else XLA.
+
+Compiled executables per prompt bucket ``Tp``: the embedding, a middle layer, a scored middle layer (only when
+``n_layers`` < all), the scored last layer; layers share one executable because their parameters are arguments.
+One dispatch per layer also bounds how long scoring holds the device at a time (decode steps interleave between).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dflash_jax.models import dense
+from dflash_jax.models.qwen36 import acc_dtype, linear, mlp, rms_norm
+
+ATTENTION = ("auto", "cudnn", "xla")
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str, block: int) -> jax.Array:
+    """Causal GQA self-attention of one sequence: q [T, H, hd], k, v [T, Hkv, hd] -> [T, H, hd] in q's dtype.
+
+    ``impl`` "cudnn" or "xla"; for "xla" T must be a multiple of ``block``.
+    """
+    t = q.shape[0]
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
+    if impl != "xla":
+        raise ValueError(f"attention implementation must be 'cudnn' or 'xla', got {impl!r}")
+    if t % block:
+        raise ValueError(f"sequence length {t} must be a multiple of the attention block {block}")
+    nb = t // block
+
+    def one(args):
+        qb, b = args  # [block, H, hd], block index
+        pos = b * block + jnp.arange(block, dtype=jnp.int32)
+        return dense._block_attention(qb, k, v, pos, (b + 1) * block, block)
+
+    o = lax.map(one, (q.reshape(nb, block, *q.shape[1:]), jnp.arange(nb, dtype=jnp.int32)))
+    return o.reshape(q.shape)
+
+
+def _probe_cudnn(cfg: dense.DenseConfig, dtype) -> None:
+    """Compile and run cuDNN flash attention at the scorer's head shapes (raises if it cannot)."""
+    n = 256
+    q = jnp.zeros((n, cfg.num_heads, cfg.head_dim), dtype)
+    kv = jnp.zeros((n, cfg.num_kv_heads, cfg.head_dim), dtype)
+    f = jax.jit(lambda q, k, v: causal_attention(q, k, v, "cudnn", n))
+    jax.block_until_ready(f(q, kv, kv))
+
+
+def resolve_attention(name: str, cfg: dense.DenseConfig, dtype) -> tuple[str, str]:
+    """``(implementation, why)`` for a requested ``name`` in ``ATTENTION``.
+
+    "cudnn" is checked by a probe and raises ValueError when cuDNN flash attention cannot run here; "auto" picks
+    cuDNN on a GPU with a bf16/fp16 model when the probe passes, otherwise "xla" (``why`` says which and why).
+    """
+    if name not in ATTENTION:
+        raise ValueError(f"scorer attention must be one of {ATTENTION}, got {name!r}")
+    if name == "xla":
+        return "xla", "requested"
+    dt = jnp.dtype(dtype)
+    if name == "auto":
+        if jax.default_backend() not in ("gpu", "cuda"):
+            return "xla", f"backend {jax.default_backend()!r} has no cuDNN"
+        if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return "xla", f"cuDNN flash attention needs bfloat16/float16, the scorer is {dt.name}"
+    try:
+        _probe_cudnn(cfg, dt)
+    except Exception as e:  # cuDNN missing, unsupported shape/dtype, or a failed graph build
+        if name == "cudnn":
+            raise ValueError(f"scorer attention 'cudnn' cannot run here ({type(e).__name__}: {e}); "
+                             "use 'xla' or 'auto'") from e
+        return "xla", f"cuDNN probe failed ({type(e).__name__}: {str(e)[:200]})"
+    return "cudnn", "requested" if name == "cudnn" else "GPU, cuDNN probe passed"
+
+
+@functools.partial(jax.jit, static_argnames=("n_query",))
+def _start(embed: jax.Array, ids: jax.Array, n_query: int) -> tuple[jax.Array, jax.Array]:
+    """ids [Tp] -> (hidden [Tp, D], zero running max [nq, Tp])."""
+    return jnp.take(embed, ids, axis=0), jnp.zeros((n_query, ids.shape[0]), acc_dtype(embed.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "block", "score", "last", "nope"),
+                   donate_argnames=("h", "run"))
+def _layer(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, run: jax.Array, q_start: jax.Array, *,
+           impl: str, block: int, score: bool, last: bool, nope: bool) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer over the whole padded prompt h [Tp, D]; a scored layer folds the max over heads of its tail
+    queries' probabilities into run [nq, Tp]; the ``last`` layer returns h unchanged (nothing reads it)."""
+    t = h.shape[0]
+    pos = jnp.arange(t, dtype=jnp.int32)
+    eps = cfg.rms_norm_eps
+    q, k, v = dense._qkv(p["attn"], cfg, rms_norm(h, p["input_norm"], eps), pos)
+    if score:
+        qt = lax.dynamic_slice_in_dim(q, q_start, run.shape[0], 0)
+        run = jnp.maximum(run, dense.tail_probs(qt, k, q_start, cfg.rope_theta, nope).max(axis=0))
+    if last:
+        return h, run
+    o = causal_attention(q, k, v, impl, block)
+    h = h + linear(o.reshape(t, -1), p["attn"]["o"])
+    h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps))
+    return h, run
+
+
+def tail_max_attention(params: dense.Params, cfg: dense.DenseConfig, ids: Any, *, n_query: int = 8,
+                       n_layers: int | None = None, nope: bool = False, attention: str = "xla", block: int = 512,
+                       step_times: list[float] | None = None) -> tuple[jax.Array, int]:
+    """Max over the last ``n_layers`` layers and all heads of the attention probabilities of the last ``n_query``
+    prompt tokens: ``(run [nq, Tp] float32, T)`` with ``nq = min(n_query, T)`` and ``Tp = capacity_for(T, block)``.
+
+    ``run[i, j]`` for ``j < T`` equals ``dense.tail_attention(...)[:, :, i, j].max()`` over layers and heads (zero for
+    keys after query i, and for the padding rows ``j >= T``). ``attention`` is "cudnn" or "xla" (see
+    ``resolve_attention``). With ``step_times`` a list, every dispatch is waited for and its seconds appended (for
+    profiling; the normal path never blocks).
+    """
+    dense._check_chunk(block)
+    if isinstance(n_query, bool) or not isinstance(n_query, int) or n_query <= 0:
+        raise ValueError(f"n_query must be a positive int, got {n_query!r}")
+    if attention not in ("cudnn", "xla"):
+        raise ValueError(f"attention must be 'cudnn' or 'xla' (resolve 'auto' with resolve_attention), "
+                         f"got {attention!r}")
+    scored = set(dense._layer_ids(cfg, n_layers))
+    arr = dense._check_ids(cfg, ids)
+    t = arr.shape[0]
+    nq = min(n_query, t)
+    tp = dense.capacity_for(t, block)
+    padded = np.zeros(tp, np.int32)
+    padded[:t] = arr
+    q_start = np.int32(t - nq)
+
+    def timed(f, *a, **kw):
+        if step_times is None:
+            return f(*a, **kw)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(f(*a, **kw))
+        step_times.append(time.perf_counter() - t0)
+        return out
+
+    h, run = timed(_start, params["embed"], padded, nq)
+    n = cfg.num_layers
+    for i, p in enumerate(params["layers"]):
+        h, run = timed(_layer, p, cfg, h, run, q_start, impl=attention, block=block, score=i in scored,
+                       last=i == n - 1, nope=nope)
+    return run, t
