@@ -144,19 +144,24 @@ N_SM_TARGET = 132  # H200 SMs; the split heuristics aim at a couple of programs 
 
 
 def auto_partitions(batch: int, n_kv_heads: int, n_blocks: int, *, target_programs: int = 2 * N_SM_TARGET) -> int:
-    """Flash-decoding split: enough partitions for ~``target_programs`` programs (2 per SM on a
-    132-SM H200), never more than the key blocks of the widest sequence."""
-    return int(max(1, min(n_blocks, -(-target_programs // max(1, batch * n_kv_heads)))))
+    """Flash-decoding split: the most partitions that keep the grid within ``target_programs`` programs (the
+    programs resident at once: 2 per SM on a 132-SM H200), never more than the key blocks of the widest
+    sequence, and 1 when (sequence, KV head) pairs alone fill the target.
+
+    Rounding down is deliberate: a memory-bound grid slightly over the resident capacity runs a second, mostly
+    empty wave (e.g. 512 programs on 396 slots take ~2 waves' time for 1.3 waves of work)."""
+    return int(max(1, min(n_blocks, target_programs // max(1, batch * n_kv_heads))))
 
 
 def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None = None) -> dict:
     """Tuning defaults by backend and shape: pages_per_block, num_warps, num_stages, prefetch, target_programs.
 
-    64 keys per block for 256-dim bf16 heads: a K and a V tile of 32 KiB each per stage, so one program keeps
-    64 KiB (2 stages: 128 KiB) of loads in flight, what a memory-bound SM needs to cover HBM latency."""
+    32 keys per block for 256-dim bf16 heads: K and V tiles of 16 KiB each per stage, ~73 KiB of shared memory
+    with 2 stages, so 3 programs fit an SM's 228 KiB and the default grid (2 programs per SM) is resident in
+    one wave, each program with 64 KiB of loads in flight."""
     b = backend or current_backend()
     itemsize = jnp.dtype(dtype).itemsize
-    target_k = 64 if head_dim * itemsize <= 512 else 32
+    target_k = 64 if head_dim * itemsize <= 256 else 32
     if b == "rocm":
         target_k = min(target_k, 32)
     ppb = _next_pow2(max(1, target_k // page_size, -(-MIN_DOT // page_size)))  # block_k >= 16 for the PV dot

@@ -99,8 +99,9 @@ def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None 
 
 
 def auto_partitions(programs: int, n_blocks: int, *, target_programs: int = 2 * N_SM_TARGET) -> int:
-    """Prefix partitions so that ``programs`` (row tiles x B x Hkv) reach ~``target_programs``."""
-    return int(max(1, min(n_blocks, -(-target_programs // max(1, programs)))))
+    """Prefix partitions: the most that keep ``programs`` (row tiles x B x Hkv) x partitions within
+    ``target_programs`` (rounded down, as in :func:`pallas_kernels.paged_decode.kernel.auto_partitions`)."""
+    return int(max(1, min(n_blocks, target_programs // max(1, programs))))
 
 
 def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_dim: int, page_size: int,
