@@ -356,23 +356,19 @@ def _configs(base: dict, *variants: dict) -> list[dict]:
 
 
 _DECODE_BASE = dict(pages_per_block=2, num_warps=8, num_stages=2, prefetch=False)
-_DECODE_B1 = _configs(_DECODE_BASE,
-                      *[dict(pages_per_block=ppb, num_stages=st, prefetch=pf)
-                        for ppb, st in ((1, 2), (2, 3), (4, 1), (4, 2)) for pf in (False, True)],
-                      dict(prefetch=True), dict(num_warps=4), dict(target_programs=132), dict(target_programs=528),
-                      dict(target_programs=1056))
-_DECODE_B64 = _configs(_DECODE_BASE, dict(pages_per_block=1), dict(pages_per_block=4), dict(num_stages=3),
-                       dict(pages_per_block=4, num_stages=1, prefetch=True), dict(prefetch=True), dict(num_warps=4),
-                       dict(target_programs=528), dict(num_partitions=2))
-_TREE = _configs(dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, prefetch=False),
-                 *[dict(block_m=bm, pages_per_block=ppb) for bm in (64, 128) for ppb in (1, 2)],
-                 dict(pages_per_block=4, num_stages=1), dict(pages_per_block=4, num_stages=1, prefetch=True),
+_DECODE_B1 = _configs(_DECODE_BASE, dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
+                      dict(num_stages=3), dict(prefetch=True), dict(pages_per_block=4, num_stages=1, prefetch=True),
+                      dict(num_warps=4), dict(target_programs=132), dict(target_programs=528))
+_DECODE_B64 = _configs(_DECODE_BASE, dict(pages_per_block=4), dict(num_stages=3), dict(prefetch=True),
+                       dict(pages_per_block=4, num_stages=1, prefetch=True), dict(num_warps=4),
+                       dict(num_partitions=2))
+_TREE_BASE = dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, prefetch=False)
+_TREE = _configs(_TREE_BASE, dict(block_m=64), dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
                  dict(num_stages=3), dict(prefetch=True), dict(num_warps=16), dict(num_warps=4, block_m=64),
                  dict(target_programs=132), dict(target_programs=528))
 SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, to tune default_config from
-    "tree_attention": [((16, 16, 4096), _TREE), ((64, 32, 4096), _configs(
-        dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, prefetch=False),
-        dict(block_m=64), dict(prefetch=True), dict(num_stages=3), dict(num_warps=16)))],
+    "tree_attention": [((16, 16, 4096), _TREE),
+                       ((64, 32, 4096), _configs(_TREE_BASE, dict(block_m=64), dict(prefetch=True)))],
     "paged_decode": [((1, None, 8192), _DECODE_B1), ((64, None, 8192), _DECODE_B64)],
     "gdn_chunked": [((4, None, 2048), [dict(chunk=c, block_v=bv, num_warps=w)
                                       for c in (16, 32, 64) for bv in (16, 32, 64) for w in (4,)])],
