@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from dflash_jax.models import attention
 from pallas_kernels import registry
-from pallas_kernels.paged_decode import block_plan, default_config, paged_decode, paged_decode_reference
+from pallas_kernels.paged_decode import (auto_partitions, block_plan, default_config, paged_decode,
+                                         paged_decode_reference)
 
 # Interpret-mode kernels are big scans: compiling them without LLVM's expensive passes halves test time.
 pytestmark = pytest.mark.xdist_group("pallas")
@@ -245,3 +246,12 @@ def test_default_configs_fit_targets():
                           num_stages=cfg["num_stages"], smem_budget=budget)
         assert plan["gp"] == 16 and plan["smem_bytes"] <= budget
         assert plan["n_partitions"] * plan["pages_per_partition"] >= 260
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 128), st.integers(1, 8), st.integers(1, 4096), st.sampled_from([132, 264, 528]))
+def test_auto_partitions_fill_but_never_exceed_the_resident_grid(b, hkv, n_blocks, target):
+    s = auto_partitions(b, hkv, n_blocks, target_programs=target)
+    assert 1 <= s <= n_blocks
+    assert b * hkv * s <= max(target, b * hkv)  # never a second, mostly empty wave
+    assert s == n_blocks or b * hkv * (s + 1) > target  # and no room for another partition per (sequence, head)
