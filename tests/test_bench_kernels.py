@@ -67,3 +67,29 @@ def test_summary_figures():
     assert f["paged_decode.bandwidth_fraction"] == pytest.approx(0.8)
     assert f["paged_decode.bandwidth_fraction_min"] == pytest.approx(0.7)
     assert f["tree_attention.b16.speedup"] == pytest.approx(2.5)
+
+
+def test_sweep_names_configs_and_reports_the_best(tmp_path, monkeypatch):
+    monkeypatch.setitem(kernels.SWEEP, "paged_decode", [((2, None, 48), [
+        dict(pages_per_block=1, num_warps=4), dict(pages_per_block=2, num_stages=3, prefetch=True)])])
+    out = tmp_path / "k.json"
+    tiny = [x for x in TINY if x != "--no-sweep"]
+    rc = bench_main.main(["kernels", "--out", str(out), "--ops", "paged_decode", "--batches", "2", "--prefixes", "48",
+                          "--page-size", "16", *tiny])
+    assert rc == 0
+    f = json.loads(out.read_text())["figures"]
+    for name in ("ppb1.w4", "ppb2.st3.pf1"):
+        assert f[f"paged_decode.sweep.b2.p48.{name}.kernel_us"] > 0
+        assert f[f"paged_decode.sweep.b2.p48.{name}.rel_err"] <= kernels.TOL["bfloat16"]
+    assert f["paged_decode.sweep.b2.p48.best_us"] == min(
+        f[f"paged_decode.sweep.b2.p48.{n}.kernel_us"] for n in ("ppb1.w4", "ppb2.st3.pf1"))
+    assert "paged_decode.bandwidth_fraction" not in f  # sweep figures are not grid cases
+
+
+def test_configs_and_names():
+    cs = kernels._configs(dict(block_m=64, prefetch=False), dict(block_m=64), dict(prefetch=True))
+    assert cs == [dict(block_m=64, prefetch=False), dict(block_m=64, prefetch=True)]
+    assert kernels.config_name(cs[1]) == "bm64.pf1"
+    for op, cases in kernels.SWEEP.items():
+        for _, configs in cases:
+            assert all(set(c) <= set(kernels.SHORT) for c in configs), op

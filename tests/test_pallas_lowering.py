@@ -40,25 +40,26 @@ def attention_args(b, n, dtype, n_pages=4096, width=512):
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("b,n,parts", [(16, 23, None), (1, 64, None), (64, 16, 1)])
-def test_tree_attention_lowers(platform, dtype, b, n, parts):
+@pytest.mark.parametrize("b,n,parts,prefetch", [(16, 23, None, False), (1, 64, None, False), (64, 16, 1, False),
+                                                 (16, 16, None, True)])
+def test_tree_attention_lowers(platform, dtype, b, n, parts, prefetch):
     q, kp, vp, pt, start, kt, anc = attention_args(b, n, dtype)
     cfg = tree_attention.default_config(CFG.head_dim, 16, dtype, backend=platform)
     fn = lambda *a: tree_attention.tree_attention(  # noqa: E731
         *a, CFG.head_dim ** -0.5, block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"],
-        num_partitions=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_partitions=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=prefetch)
     assert "__gpu$xla.gpu.triton" in lower(platform, fn, q, kp, vp, pt, start, kt, kt, anc)
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("b,parts", [(1, None), (64, 1)])
-def test_paged_decode_lowers(platform, dtype, b, parts):
+@pytest.mark.parametrize("b,parts,prefetch", [(1, None, False), (64, 1, False), (1, None, True)])
+def test_paged_decode_lowers(platform, dtype, b, parts, prefetch):
     q, kp, vp, pt, lens, _, _ = attention_args(b, 0, dtype)
     cfg = paged_decode.default_config(CFG.head_dim, 16, dtype, backend=platform)
     fn = lambda *a: paged_decode.paged_decode(  # noqa: E731
         *a, CFG.head_dim ** -0.5, pages_per_block=cfg["pages_per_block"], num_partitions=parts,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=prefetch)
     assert "__gpu$xla.gpu.triton" in lower(platform, fn, q, kp, vp, pt, lens)
 
 

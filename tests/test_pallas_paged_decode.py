@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from dflash_jax.models import attention
 from pallas_kernels import registry
-from pallas_kernels.paged_decode import block_plan, default_config, paged_decode, paged_decode_reference
+from pallas_kernels.paged_decode import (auto_partitions, block_plan, default_config, paged_decode,
+                                         paged_decode_reference)
 
 # Interpret-mode kernels are big scans: compiling them without LLVM's expensive passes halves test time.
 pytestmark = pytest.mark.xdist_group("pallas")
@@ -62,11 +63,13 @@ def decode_cases(draw):
     lengths = draw(st.lists(length, min_size=b, max_size=b))
     ppb = draw(st.sampled_from([p for p in (1, 2, 4) if p * page_size >= 16]))
     parts = draw(st.sampled_from([1, 2, 3, None]))
+    prefetch = draw(st.booleans())
     null_tail = draw(st.booleans())
     non_resident = draw(st.lists(st.tuples(st.integers(0, b - 1), st.integers(0, width - 1)), max_size=3))
     seed = draw(st.integers(0, 2**31 - 1))
     return dict(seed=seed, b=b, hkv=hkv, g=g, d=d, page_size=page_size, width=width, lengths=lengths,
-                null_tail=null_tail, non_resident=non_resident), dict(pages_per_block=ppb, num_partitions=parts)
+                null_tail=null_tail, non_resident=non_resident), dict(pages_per_block=ppb, num_partitions=parts,
+                                                                                   prefetch=prefetch)
 
 
 def has_visible_key(pt, lens, page_size):
@@ -98,7 +101,7 @@ SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCh
 # A non-resident page inside the last row's context, and the first row's only page non-resident.
 EDGE = (dict(seed=1, b=4, hkv=2, g=6, d=64, page_size=16, width=4, lengths=[16, 17, 1, 64], null_tail=True,
              non_resident=[(3, 1), (0, 0)]),
-        dict(pages_per_block=2, num_partitions=2))
+        dict(pages_per_block=2, num_partitions=2, prefetch=True))
 
 
 @settings(max_examples=8, **SETTINGS)
@@ -223,7 +226,7 @@ def test_check_block_shapes_errors():
 
 def test_paged_decode_rejects_bad_blocks_before_lowering():
     q, k, v, pt, lens = make_case(0, 1, 1, 2, 16, 8, 4, [5], True, jnp.float32)
-    with pytest.raises(ValueError, match=r"block 'k' has shape \(3, 8, 16\)"):
+    with pytest.raises(ValueError, match=r"block 'k' has shape \(24, 16\)"):
         paged_decode(q, k, v, pt, lens, 0.25, pages_per_block=3, interpret=True)
     with pytest.raises(ValueError, match=r"dot 'qk' has N=8"):  # 1 page of 8 tokens: too small a dot
         paged_decode(q, k, v, pt, lens, 0.25, pages_per_block=1, interpret=True)
@@ -242,4 +245,13 @@ def test_default_configs_fit_targets():
                           dtype=jnp.bfloat16, pages_per_block=cfg["pages_per_block"], num_partitions=None,
                           num_stages=cfg["num_stages"], smem_budget=budget)
         assert plan["gp"] == 16 and plan["smem_bytes"] <= budget
-        assert plan["padded_width"] >= 260 and plan["padded_width"] % plan["pages_per_partition"] == 0
+        assert plan["n_partitions"] * plan["pages_per_partition"] >= 260
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 128), st.integers(1, 8), st.integers(1, 4096), st.sampled_from([132, 264, 528]))
+def test_auto_partitions_fill_but_never_exceed_the_resident_grid(b, hkv, n_blocks, target):
+    s = auto_partitions(b, hkv, n_blocks, target_programs=target)
+    assert 1 <= s <= n_blocks
+    assert b * hkv * s <= max(target, b * hkv)  # never a second, mostly empty wave
+    assert s == n_blocks or b * hkv * (s + 1) > target  # and no room for another partition per (sequence, head)

@@ -19,8 +19,9 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
 3. Summaries for the targets: ``paged_decode.bandwidth_fraction`` (median over prefixes >= 8K),
    ``tree_attention.b{B}.speedup`` (minimum over trees 16-32 and prefixes 2K-16K at that batch).
 
-4. **Sweep** (``<op>.sweep.<config>.{kernel_us,bandwidth_fraction,rel_err}``): block configs of each kernel at
-   one representative case, to tune the per-device ``default_config`` from.
+4. **Sweep** (``<op>.sweep.<case>.<config>.{kernel_us,bandwidth_fraction,rel_err}``, ``<op>.sweep.<case>.best_us``):
+   launch configs of each kernel (block sizes, warps, pipeline stages, hand prefetch, programs per launch) at
+   the target cases (``SWEEP``), to tune the per-device ``default_config`` from; the best is printed.
 
 A kernel that fails to lower or run is recorded (``<op>.ok = 0``, the error text under ``extra.errors``) and
 the others continue. Order: all checks, then the grids (tree attention first), then the sweeps; no new timing
@@ -299,10 +300,17 @@ def measure_copy_bandwidth(nbytes: int, repeats: int = 10) -> tuple[float, float
     return out[0], out[1]
 
 
+TIMING_UNROLL = 8
+
+
 def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
     """Median seconds per call: ``steps`` calls in one jitted scan cycling over the page-table sets, with
-    ``args[perturb]`` shifted by ``0 * carry`` (not folded for floats) so no call is loop-invariant."""
-    steps = int(np.clip(2e9 // max(prob.nbytes, 1), 8, 128))
+    ``args[perturb]`` shifted by ``0 * carry`` (not folded for floats) so no call is loop-invariant. The scan is
+    unrolled ``TIMING_UNROLL`` times: a GPU while loop syncs with the host every iteration (~10+ us), which
+    would otherwise be charged to every call of a microsecond-scale kernel (on CPU, where the kernels run in
+    interpret mode, it is not unrolled: compile time)."""
+    unroll = TIMING_UNROLL if jax.default_backend() != "cpu" else 1
+    steps = TIMING_UNROLL * int(np.clip(2e9 // max(prob.nbytes, 1) // TIMING_UNROLL, 1, 128 // TIMING_UNROLL))
     arrays = [i for i, x in enumerate(prob.args) if isinstance(x, jax.Array)]
     tables = prob.tables
 
@@ -318,7 +326,7 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
             out = fn(*a)
             return acc + sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(out)), None
 
-        acc, _ = lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(steps))
+        acc, _ = lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(steps), unroll=unroll)
         return acc
 
     dyn = tuple(prob.args[j] for j in arrays)
@@ -337,14 +345,42 @@ GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' re
     "gdn_chunked": (([1, 4, 16], [1024, 4096], [None]), ([1, 4], [2048], [None])),
     "gdn_step": (([1, 16, 64], [1], [None]), ([16, 64], [1], [None])),  # "prefix" 1 = one token
 }
-SWEEP = {  # kernel configs timed at one representative case (B, tree, prefix), after the grid
-    "paged_decode": ((16, None, 8192), [dict(pages_per_block=ppb, num_warps=w) for ppb in (1, 2, 4, 8) for w in (4, 8)]),
-    "tree_attention": ((16, 32, 8192), [dict(block_m=bm, pages_per_block=ppb, num_warps=w)
-                                        for bm in (32, 64, 128) for ppb in (1, 2, 4) for w in (4, 8)]),
-    "gdn_chunked": ((4, None, 2048), [dict(chunk=c, block_v=bv, num_warps=w)
-                                     for c in (16, 32, 64) for bv in (16, 32, 64) for w in (4,)]),
-    "gdn_step": ((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)]),
+def _configs(base: dict, *variants: dict) -> list[dict]:
+    """``base`` first, then ``base`` updated by each variant (duplicates dropped, order kept)."""
+    out: list[dict] = []
+    for v in ({}, *variants):
+        c = {**base, **v}
+        if c not in out:
+            out.append(c)
+    return out
+
+
+_DECODE_BASE = dict(pages_per_block=2, num_warps=8, num_stages=2, prefetch=False)
+_DECODE_B1 = _configs(_DECODE_BASE, dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
+                      dict(num_stages=3), dict(prefetch=True), dict(pages_per_block=4, num_stages=1, prefetch=True),
+                      dict(num_warps=4), dict(target_programs=132), dict(target_programs=528))
+_DECODE_B64 = _configs(_DECODE_BASE, dict(pages_per_block=4), dict(num_stages=3), dict(prefetch=True),
+                       dict(pages_per_block=4, num_stages=1, prefetch=True), dict(num_warps=4),
+                       dict(num_partitions=2))
+_TREE_BASE = dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, prefetch=False)
+_TREE = _configs(_TREE_BASE, dict(block_m=64), dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
+                 dict(num_stages=3), dict(prefetch=True), dict(num_warps=16), dict(num_warps=4, block_m=64),
+                 dict(target_programs=132), dict(target_programs=528))
+SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, to tune default_config from
+    "tree_attention": [((16, 16, 4096), _TREE),
+                       ((64, 32, 4096), _configs(_TREE_BASE, dict(block_m=64), dict(prefetch=True)))],
+    "paged_decode": [((1, None, 8192), _DECODE_B1), ((64, None, 8192), _DECODE_B64)],
+    "gdn_chunked": [((4, None, 2048), [dict(chunk=c, block_v=bv, num_warps=w)
+                                      for c in (16, 32, 64) for bv in (16, 32, 64) for w in (4,)])],
+    "gdn_step": [((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)])],
 }
+SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
+         "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c"}
+
+
+def config_name(cfg: dict) -> str:
+    """``{"block_m": 64, "prefetch": True}`` -> ``"bm64.pf1"`` (the sweep's figure names)."""
+    return ".".join(f"{SHORT[k]}{int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
 
 
 def grid(op: str, a: argparse.Namespace) -> list[tuple]:
@@ -372,37 +408,58 @@ def _tag(op, b, n, p):
     return f"{op}.b{b}" + (f".t{n}" if n else "") + f".p{p}"
 
 
-def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict, skipped: list,
-              deadline: float) -> None:
-    """Time kernel configs at one case (``<op>.sweep.<config>.kernel_us`` / ``.bandwidth_fraction`` / ``.rel_err``
-    against the reference on the same inputs): data to pick the per-device defaults from."""
-    _, ref_fn, explicit = implementations(op)
-    (b, n, p), configs = SWEEP[op]
+def sweep_cases(op: str, a: argparse.Namespace) -> list[tuple]:
+    """[((B, tree, prefix), configs)] of ``op``; ``--batches/--prefixes/--trees`` replace the cases by one."""
+    cases = SWEEP[op]
+    if not (a.batches or a.prefixes or a.trees):
+        return cases
+    (b, n, p), configs = cases[0]
     b, p = (a.batches or [b])[0], (a.prefixes or [p])[0] if op != "gdn_step" else 1
     n = (a.trees or [n])[0] if n else None
+    return [((b, n, p), configs)]
+
+
+def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict, skipped: list,
+              deadline: float) -> None:
+    """Time kernel configs at a few cases (``<op>.sweep.<case>.<config>.kernel_us`` / ``.bandwidth_fraction`` /
+    ``.rel_err`` against the reference on the same inputs, and ``<op>.sweep.<case>.best_us`` with the best config
+    printed): data to pick the per-device defaults from."""
+    _, ref_fn, explicit = implementations(op)
     dtype = jnp.dtype(a.dtype)
-    prob = _problem(op, a, b, n, p, dtype, np.random.default_rng(2))
-    ref = jax.block_until_ready(ref_fn(*prob.args))
-    for cfg in configs:
-        short = {"pages_per_block": "ppb", "num_warps": "w", "block_m": "bm", "block_v": "bv", "chunk": "c"}
-        name = ".".join(f"{short[k]}{v}" for k, v in cfg.items())
-        tag = f"{op}.sweep.{name}"
+    for (b, n, p), configs in sweep_cases(op, a):
+        case = _tag(op, b, n, p)[len(op) + 1:]
         if time.perf_counter() > deadline:
-            skipped.append(tag)
+            skipped.extend(f"{op}.sweep.{case}.{config_name(c)}" for c in configs)
             continue
-        fn = lambda *args, cfg=cfg: explicit(*args, **cfg)  # noqa: E731
-        try:
-            out = jax.tree.leaves(fn(*prob.args))
-            figures[f"{tag}.rel_err"] = _finite(max(_rel_err(o, r) for o, r in zip(out, jax.tree.leaves(ref))))
-            t = time_call(fn, prob, a.repeats)
-        except Exception as e:
-            errors.setdefault(op, []).append(f"{tag}: {type(e).__name__}: {str(e)[:1000]}")
-            print(f"ERROR {tag}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        figures[f"{tag}.kernel_us"] = t * 1e6
-        figures[f"{tag}.bandwidth_fraction"] = prob.nbytes / t / copy_bw
-        print(f"sweep {_tag(op, b, n, p)} {name}: {t * 1e6:.1f} us, {prob.nbytes / t / copy_bw:.3f} of copy bw",
-              flush=True)
+        prob = _problem(op, a, b, n, p, dtype, np.random.default_rng(2))
+        ref = jax.block_until_ready(ref_fn(*prob.args))
+        best = None
+        for cfg in configs:
+            name = config_name(cfg)
+            tag = f"{op}.sweep.{case}.{name}"
+            if time.perf_counter() > deadline:
+                skipped.append(tag)
+                continue
+            fn = lambda *args, cfg=cfg: explicit(*args, **cfg)  # noqa: E731
+            try:
+                out = jax.tree.leaves(fn(*prob.args))
+                err = max(_rel_err(o, r) for o, r in zip(out, jax.tree.leaves(ref)))
+                figures[f"{tag}.rel_err"] = _finite(err)
+                t = time_call(fn, prob, a.repeats)
+            except Exception as e:
+                errors.setdefault(op, []).append(f"{tag}: {type(e).__name__}: {str(e)[:1000]}")
+                print(f"ERROR {tag}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            figures[f"{tag}.kernel_us"] = t * 1e6
+            figures[f"{tag}.bandwidth_fraction"] = prob.nbytes / t / copy_bw
+            if np.isfinite(err) and err <= TOL[a.dtype] and (best is None or t < best[0]):
+                best = (t, name)
+            print(f"sweep {op}.{case} {name}: {t * 1e6:.1f} us, {prob.nbytes / t / copy_bw:.3f} of copy bw",
+                  flush=True)
+        if best is not None:
+            figures[f"{op}.sweep.{case}.best_us"] = best[0] * 1e6
+            print(f"sweep {op}.{case} best: {best[1]} ({best[0] * 1e6:.1f} us)", flush=True)
+        del prob
 
 
 def _finite(x: float) -> float | None:

@@ -137,13 +137,13 @@ def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: ja
 
 # ---------------------------------------------------------------------------------------------- single step
 
-def _step_kernel(q_ref, k_ref, v_ref, bg_ref, s_ref, o_ref, s_out_ref):
-    # q_ref, k_ref [dk]; v_ref [BV]; bg_ref [2] = (beta, g); s_ref [dk, BV]
+def _step_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, s_ref, o_ref, s_out_ref):
+    # q_ref, k_ref [dk]; v_ref [BV]; beta_ref, g_ref [1]; s_ref [dk, BV]
     q = q_ref[...].astype(jnp.float32)
     k = k_ref[...].astype(jnp.float32)
     v = v_ref[...].astype(jnp.float32)
-    beta = bg_ref[0].astype(jnp.float32)
-    g = bg_ref[1].astype(jnp.float32)
+    beta = beta_ref[0].astype(jnp.float32)
+    g = g_ref[0].astype(jnp.float32)
     s = s_ref[...].astype(jnp.float32) * jnp.exp(g)
     read = jnp.sum(s * k[:, None], axis=0)                       # S^T k  [BV]
     s = s + k[:, None] * (beta * (v - read))[None, :]
@@ -174,7 +174,6 @@ def gdn_step(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
         raise ValueError(f"gdn_step: q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, g {g.shape}, "
                          f"state {state.shape} disagree")
     plan = step_block_plan(dk=dk, dv=dv, block_v=block_v)
-    bg = jnp.stack([beta, g], axis=-1).astype(jnp.float32)  # [B, H, 2]
     o, s = pl.pallas_call(
         _step_kernel,
         grid=(b, h, plan["n_v_blocks"]),
@@ -182,7 +181,8 @@ def gdn_step(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
             pl.BlockSpec((None, None, dk), lambda i, j, c: (i, j, 0)),
             pl.BlockSpec((None, None, dk), lambda i, j, c: (i, j, 0)),
             pl.BlockSpec((None, None, block_v), lambda i, j, c: (i, j, c)),
-            pl.BlockSpec((None, None, 2), lambda i, j, c: (i, j, 0)),
+            pl.BlockSpec((None, None, 1), lambda i, j, c: (i, j, 0)),
+            pl.BlockSpec((None, None, 1), lambda i, j, c: (i, j, 0)),
             pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c)),
         ],
         out_specs=[pl.BlockSpec((None, None, block_v), lambda i, j, c: (i, j, c)),
@@ -191,5 +191,5 @@ def gdn_step(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"gdn_step_dk{dk}_bv{block_v}",
-    )(q, k, v, bg, state)
+    )(q, k, v, beta[..., None], g[..., None], state)  # gates as free [B, H, 1] views: no stacking op
     return o, s

@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import registry
-from pallas_kernels.paged_decode.kernel import auto_partitions, block_plan, default_config, paged_decode
+from pallas_kernels.paged_decode.kernel import (auto_partitions, block_plan, default_config, merge_partitions,
+                                                paged_decode)
 from pallas_kernels.paged_decode.reference import paged_decode_reference
 
 
@@ -25,18 +26,19 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
     try:
         block_plan(batch=q.shape[0], n_heads=q.shape[1], n_kv_heads=k_pages.shape[2], head_dim=q.shape[-1],
                    page_size=k_pages.shape[1], width=page_table.shape[1], dtype=k_pages.dtype,
-                   pages_per_block=cfg["pages_per_block"], num_partitions=None, num_stages=cfg["num_stages"])
+                   pages_per_block=cfg["pages_per_block"], num_partitions=None, num_stages=cfg["num_stages"],
+                   target_programs=cfg["target_programs"])
     except ValueError as e:
         registry.warn_fallback("paged_decode", e)
         return paged_decode_reference(q, k_pages, v_pages, page_table, lengths, scale)
     return paged_decode(q, k_pages, v_pages, page_table, lengths, float(scale),
                         pages_per_block=cfg["pages_per_block"], num_partitions=None,
-                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                        interpret=backend not in registry.GPU_BACKENDS)
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=cfg["prefetch"],
+                        target_programs=cfg["target_programs"], interpret=backend not in registry.GPU_BACKENDS)
 
 
 registry.register("paged_decode", "reference", paged_decode_reference, backends=("any",))
 registry.register("paged_decode", "pallas_triton", paged_decode_pallas, backends=("gpu",))
 
-__all__ = ["auto_partitions", "block_plan", "default_config", "paged_decode", "paged_decode_pallas",
+__all__ = ["auto_partitions", "block_plan", "default_config", "merge_partitions", "paged_decode", "paged_decode_pallas",
            "paged_decode_reference"]

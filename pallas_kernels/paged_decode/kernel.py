@@ -5,19 +5,23 @@ interleaved), ``page_table [B, W]`` with page 0 the null page, ``lengths [B]`` v
 
 Grid ``(B, Hkv, S)``: one program per (sequence, KV head, KV partition). A program holds the
 G = H / Hkv query heads of its group as the rows of one ``[Gp, D]`` tile (G padded to a power of two
->= 16, since ``tl.dot`` needs M >= 16), so each KV head's pages are read once for the whole group.
-It walks its partition's pages ``pages_per_block`` at a time (gathering them by page index from the
-page table, which is an ordinary input: the Triton lowering has no scalar prefetch), stopping at
-the sequence's last page, with an online softmax in base 2 (bf16 or f32 in, f32 accumulate).
+>= 16, since ``tl.dot`` needs M >= 16; the padding rows repeat the group's last head, so q is read
+unpadded and the output is written without a slice), so each KV head's pages are read once for the
+whole group. The pages are viewed as token rows ``[n_pages * page_size, D]`` of one KV head, and a
+program walks its partition ``block_k = pages_per_block * page_size`` tokens at a time: it gathers the
+block's page ids from the page table (an ordinary input: the Triton lowering has no scalar prefetch)
+and loads K and V as one ``[block_k, D]`` row gather each (no reshape between the load and the dot,
+so Triton's pipeliner can stage the loads; ``prefetch=True`` instead issues the next block's loads
+before the current block's dots, by hand). Online softmax in base 2, bf16 or f32 in, f32 accumulate.
 
-With S = 1 the program normalises and writes the output. With S > 1 (flash-decoding, for long
-contexts and small batches) each program writes unnormalised partial ``(o, m, l)`` in f32 and a
-small jnp step merges the partitions; partitions past a sequence's end do no work.
+With S = 1 the program normalises and writes the output. With S > 1 (flash-decoding: long contexts,
+small batches) each program writes its normalised partial output (in q's dtype, G rows only) and its
+log2-sum-exp in f32, and one small jnp step merges the partitions; partitions past a sequence's end
+do no work. The default S gives ~2 programs per SM (:func:`auto_partitions`).
 
 Facts taken from jax's (deprecated) ``pallas/ops/gpu/paged_attention.py`` and ``decode_attention.py``:
 a whole-array BlockSpec for the pages (Triton refs are HBM pointers, a big block costs nothing),
-vector-index gathers ``ref[page_ids]`` reshaped to ``[block_k, D]``, a finite mask value, split-K
-merged outside the kernel.
+vector-index gathers, a finite mask value, split-K merged outside the kernel.
 """
 
 from __future__ import annotations
@@ -48,73 +52,126 @@ def padded_group(g: int) -> int:
     return max(MIN_DOT, _next_pow2(g))
 
 
-def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, *out_refs, page_size: int, pages_per_block: int,
-            pages_per_partition: int, scale_log2: float, split: bool, precision):
-    # q_ref [Gp, D]; k_ref, v_ref [n_pages, page_size, D] (this KV head); pt_ref [Wp]; len_ref [1]
+def group_rows(g: int) -> jax.Array:
+    """[Gp] row index of each q-tile row into the G real rows: padding rows repeat row G - 1 (same inputs, same
+    outputs, so storing them again writes the same values)."""
+    return jnp.minimum(jnp.arange(padded_group(g), dtype=jnp.int32), g - 1)
+
+
+def kv_block_rows(pt_ref, blk, length, *, block_k: int, page_size: int):
+    """Token rows (into pages viewed as ``[n_pages * page_size, D]``) of key block ``blk`` and their visibility.
+
+    pt_ref [W] page-table row; a key is visible iff it lies before ``length`` on a resident page (entry >= 0).
+    Invisible keys (past the end, or non-resident) read the null page 0, so every load stays in bounds."""
+    width = pt_ref.shape[0]
+    tok = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    page = pt_ref[jnp.minimum(tok // page_size, width - 1)]
+    visible = (tok < length) & (page >= 0)
+    return jnp.where(visible, page, 0) * page_size + tok % page_size, visible
+
+
+def online_update(carry, s, visible, v, precision):
+    """One online-softmax step: s [M, K] logits in log2 units, visible [M, K] or [1, K], v [K, D]."""
+    o, m, l = carry
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # a block with no visible key adds nothing
+    l = alpha * l + p.sum(axis=-1)
+    o = alpha[:, None] * o + plt.dot(p.astype(v.dtype), v, precision=precision)
+    return o, m_new, l
+
+
+def paged_prefix_loop(q, k_ref, v_ref, pt_ref, length, carry, first_blk, n_iter, *, block_k: int, page_size: int,
+                      scale_log2: float, prefetch: bool, precision):
+    """Online softmax of the q tile [M, D] over key blocks ``first_blk .. first_blk + n_iter - 1`` of one sequence's
+    paged KV (k_ref, v_ref [n_pages * page_size, D] of one KV head). ``prefetch`` loads block i + 1 before the
+    dots of block i (a register double buffer), for when Triton's pipeliner does not stage the gathers."""
+
+    def load(blk):
+        rows, visible = kv_block_rows(pt_ref, blk, length, block_k=block_k, page_size=page_size)
+        return k_ref[rows], v_ref[rows], visible
+
+    def step(carry, k, v, visible):
+        s = plt.dot(q, k, trans_b=True, precision=precision) * scale_log2  # [M, block_k] f32, log2 units
+        return online_update(carry, s, visible[None, :], v, precision)
+
+    if not prefetch:
+        return lax.fori_loop(0, n_iter, lambda i, c: step(c, *load(first_blk + i)), carry)
+
+    def body(i, c):
+        *c, k, v, visible = c
+        nxt = load(first_blk + i + 1)  # past the last block: the null page, never used
+        return (*step(tuple(c), k, v, visible), *nxt)
+
+    out = lax.fori_loop(0, n_iter, body, (*carry, *load(first_blk)))
+    return tuple(out[:3])
+
+
+def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, *out_refs, page_size: int, block_k: int,
+            blocks_per_partition: int, scale_log2: float, split: bool, prefetch: bool, precision):
+    # q_ref [G, D]; k_ref, v_ref [n_pages * page_size, D] (this KV head); pt_ref [W]; len_ref [1]
     part = pl.program_id(2)
-    gp, d = q_ref.shape
-    block_k = pages_per_block * page_size
-    length = len_ref[0]
-    n_pages_seq = (length + page_size - 1) // page_size
-    start = part * pages_per_partition
-    end = jnp.minimum(start + pages_per_partition, n_pages_seq)
-    n_iter = jnp.maximum((end - start + pages_per_block - 1) // pages_per_block, 0)
-    q = q_ref[...]
-
-    def body(i, carry):
-        o, m, l = carry
-        first = start + i * pages_per_block
-        pages = pt_ref[pl.ds(first, pages_per_block)]
-        # Pages past the sequence's end (inside its last block) and non-resident pages (entry < 0)
-        # read the null page, whatever the table holds there: their keys are masked, and the load
-        # stays in bounds.
-        pages = jnp.where((first + jnp.arange(pages_per_block) < n_pages_seq) & (pages >= 0), pages, 0)
-        k = k_ref[pages].reshape(block_k, d)
-        v = v_ref[pages].reshape(block_k, d)
-        s = plt.dot(q, k, trans_b=True, precision=precision) * scale_log2  # [Gp, block_k] f32, log2 units
-        tok = first * page_size + jnp.arange(block_k)
-        tok_page = pt_ref[first + jnp.arange(block_k) // page_size]  # each key's table entry
-        visible = ((tok < length) & (tok_page >= 0))[None, :]
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # a block with no visible key adds nothing
-        l = alpha * l + p.sum(axis=-1)
-        o = alpha[:, None] * o + plt.dot(p.astype(v.dtype), v, precision=precision)
-        return o, m_new, l
-
+    g, d = q_ref.shape
+    rows = group_rows(g)
+    length = jnp.clip(len_ref[0], 0, pt_ref.shape[0] * page_size)
+    n_blocks_seq = (length + block_k - 1) // block_k
+    start = part * blocks_per_partition
+    n_iter = jnp.maximum(jnp.minimum(start + blocks_per_partition, n_blocks_seq) - start, 0)
+    q = q_ref[rows]  # [Gp, D]
+    gp = q.shape[0]
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    o, m, l = lax.fori_loop(0, n_iter, body, init)
+    o, m, l = paged_prefix_loop(q, k_ref, v_ref, pt_ref, length, init, start, n_iter, block_k=block_k,
+                                page_size=page_size, scale_log2=scale_log2, prefetch=prefetch, precision=precision)
+    has = l > 0
+    o = o / jnp.where(has, l, 1.0)[:, None]
     if split:
-        o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = o
-        m_ref[...] = m
-        l_ref[...] = l
+        o_ref, lse_ref = out_refs
+        lse_ref[rows] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), MASK_VALUE)
     else:
         (o_ref,) = out_refs
-        o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    o_ref[rows] = o.astype(o_ref.dtype)
 
 
-def auto_partitions(batch: int, n_kv_heads: int, n_blocks: int, *, target_programs: int = 264) -> int:
-    """Flash-decoding split: enough partitions for ~``target_programs`` programs (2 per SM on a
-    132-SM H200), never more than the page blocks of the widest sequence."""
-    return int(max(1, min(n_blocks, -(-target_programs // max(1, batch * n_kv_heads)))))
+def merge_partitions(o: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
+    """Flash-decoding merge: o [..., S, ..., D] normalised partial outputs, lse [..., S, ...] their log2-sum-exp
+    (MASK_VALUE for an empty partition) along ``axis``; returns the f32 merged output (zeros if all are empty)."""
+    w = jnp.exp2(lse - lse.max(axis=axis, keepdims=True))
+    return (w[..., None] * o.astype(jnp.float32)).sum(axis=axis) / w.sum(axis=axis)[..., None]
+
+
+N_SM_TARGET = 132  # H200 SMs; the split heuristics aim at a couple of programs per SM
+
+
+def auto_partitions(batch: int, n_kv_heads: int, n_blocks: int, *, target_programs: int = 2 * N_SM_TARGET) -> int:
+    """Flash-decoding split: the most partitions that keep the grid within ``target_programs`` programs (the
+    programs resident at once: 2 per SM on a 132-SM H200), never more than the key blocks of the widest
+    sequence, and 1 when (sequence, KV head) pairs alone fill the target.
+
+    Rounding down is deliberate: a memory-bound grid slightly over the resident capacity runs a second, mostly
+    empty wave (e.g. 512 programs on 396 slots take ~2 waves' time for 1.3 waves of work)."""
+    return int(max(1, min(n_blocks, target_programs // max(1, batch * n_kv_heads))))
 
 
 def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None = None) -> dict:
-    """Tuning defaults by backend and shape: pages_per_block, num_warps, num_stages."""
+    """Tuning defaults by backend and shape: pages_per_block, num_warps, num_stages, prefetch, target_programs.
+
+    32 keys per block for 256-dim bf16 heads: K and V tiles of 16 KiB each per stage, ~73 KiB of shared memory
+    with 2 stages, so 3 programs fit an SM's 228 KiB and the default grid (2 programs per SM) is resident in
+    one wave, each program with 64 KiB of loads in flight."""
     b = backend or current_backend()
     itemsize = jnp.dtype(dtype).itemsize
-    target_k = 64 if head_dim * itemsize <= 256 else 32  # tokens per block: K+V tiles of ~32 KiB per stage
+    target_k = 64 if head_dim * itemsize <= 256 else 32
     if b == "rocm":
         target_k = min(target_k, 32)
     ppb = _next_pow2(max(1, target_k // page_size, -(-MIN_DOT // page_size)))  # block_k >= 16 for the PV dot
-    return dict(pages_per_block=ppb, num_warps=4 if head_dim <= 64 else 8,
-                num_stages=1 if b == "rocm" else 2)
+    return dict(pages_per_block=ppb, num_warps=4 if head_dim <= 64 else 8, num_stages=1 if b == "rocm" else 2,
+                prefetch=False, target_programs=2 * N_SM_TARGET)
 
 
 def block_plan(*, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, page_size: int, width: int,
                dtype, pages_per_block: int, num_partitions: int | None, num_stages: int,
+               target_programs: int = 2 * N_SM_TARGET, prefetch: bool = False,
                smem_budget: int | None = None, backend: str | None = None) -> dict:
     """Static shapes of a launch, checked with :func:`check_block_shapes` (raises ValueError)."""
     if n_heads % n_kv_heads:
@@ -125,34 +182,38 @@ def block_plan(*, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, page
     gp = padded_group(g)
     block_k = pages_per_block * page_size
     isz = jnp.dtype(dtype).itemsize
-    n_blocks = -(-width // pages_per_block)
-    s = auto_partitions(batch, n_kv_heads, n_blocks) if num_partitions is None else int(num_partitions)
+    n_blocks = max(1, -(-width * page_size // block_k))
+    s = (auto_partitions(batch, n_kv_heads, n_blocks, target_programs=target_programs) if num_partitions is None
+         else int(num_partitions))
     if s < 1:
         raise ValueError(f"paged_decode: num_partitions={num_partitions} must be >= 1")
     s = min(s, n_blocks)
     blocks_per_part = -(-n_blocks // s)
     s = -(-n_blocks // blocks_per_part)  # drop partitions that would be empty for every sequence
+    kv_tile = block_k * head_dim * isz
     smem = {
-        "k": num_stages * block_k * head_dim * isz,
-        "v": num_stages * block_k * head_dim * isz,
+        "k": num_stages * kv_tile,
+        "v": num_stages * kv_tile,
         "q": gp * head_dim * isz,
         "p": gp * block_k * isz,  # the probabilities go through shared memory as the PV dot's A operand
     }
     total = check_block_shapes(
         "paged_decode",
-        {"q": (gp, head_dim), "k": (pages_per_block, page_size, head_dim), "v": (pages_per_block, page_size, head_dim),
-         "page_ids": (pages_per_block,), "scores": (gp, block_k), "o": (gp, head_dim)},
+        {"q": (gp, head_dim), "k": (block_k, head_dim), "v": (block_k, head_dim), "key_rows": (block_k,),
+         "scores": (gp, block_k), "o": (gp, head_dim)},
         dots={"qk": (gp, block_k, head_dim), "pv": (gp, head_dim, block_k)},
         smem=smem, smem_budget=smem_budget, backend=backend)
-    return dict(g=g, gp=gp, block_k=block_k, n_partitions=s, pages_per_partition=blocks_per_part * pages_per_block,
-                padded_width=s * blocks_per_part * pages_per_block, smem_bytes=total)
+    return dict(g=g, gp=gp, block_k=block_k, n_partitions=s, blocks_per_partition=blocks_per_part,
+                pages_per_partition=blocks_per_part * pages_per_block, smem_bytes=total,
+                kv_bytes_per_block=2 * kv_tile, programs=batch * n_kv_heads * s)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "num_partitions", "num_warps",
-                                             "num_stages", "interpret", "smem_budget"))
+                                             "num_stages", "prefetch", "target_programs", "interpret", "smem_budget"))
 def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                  lengths: jax.Array, scale: float, *, pages_per_block: int, num_partitions: int | None = 1,
-                 num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+                 num_warps: int | None = None, num_stages: int | None = None, prefetch: bool = False,
+                 target_programs: int = 2 * N_SM_TARGET, interpret: bool = False,
                  smem_budget: int | None = None) -> jax.Array:
     """Single-token paged GQA decode attention.
 
@@ -163,7 +224,8 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
 
     pages_per_block: pages gathered per inner step (block_k = pages_per_block * page_size tokens, a
     power of two >= 16). num_partitions: KV partitions per sequence (flash-decoding); None picks
-    one by batch size. Raises ValueError (before lowering) for shapes Triton cannot take.
+    one by grid size (~target_programs programs). prefetch: hand-written double buffering of the K/V
+    gathers. Raises ValueError (before lowering) for shapes Triton cannot take.
     """
     b, h, d = q.shape
     n_pages, page_size, hkv, dk = k_pages.shape
@@ -178,40 +240,38 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     width = page_table.shape[1]
     plan = block_plan(batch=b, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size, width=width,
                       dtype=k_pages.dtype, pages_per_block=pages_per_block, num_partitions=num_partitions,
-                      num_stages=num_stages, smem_budget=smem_budget, backend=backend)
-    g, gp, s = plan["g"], plan["gp"], plan["n_partitions"]
-    ppp, wp = plan["pages_per_partition"], plan["padded_width"]
+                      num_stages=num_stages, target_programs=target_programs, prefetch=prefetch,
+                      smem_budget=smem_budget, backend=backend)
+    g, s = plan["g"], plan["n_partitions"]
 
+    # Free views (no copies): q rows of a group, pages as token rows, lengths as [B, 1].
     qg = q.reshape(b, hkv, g, d)
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    kr = k_pages.reshape(n_pages * page_size, hkv, d)
+    vr = v_pages.reshape(n_pages * page_size, hkv, d)
     pt = page_table.astype(jnp.int32)
-    if wp != width:
-        pt = jnp.pad(pt, ((0, 0), (0, wp - width)))  # null page
-    lens = jnp.clip(lengths.astype(jnp.int32), 0, width * page_size)[:, None]  # [B, 1]
+    lens = lengths.astype(jnp.int32)[:, None]
 
     split = s > 1
     precision = lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
-                               pages_per_partition=ppp, scale_log2=float(scale) * LOG2E, split=split,
-                               precision=precision)
+    kernel = functools.partial(_kernel, page_size=page_size, block_k=plan["block_k"],
+                               blocks_per_partition=plan["blocks_per_partition"], scale_log2=float(scale) * LOG2E,
+                               split=split, prefetch=prefetch, precision=precision)
+    rows = n_pages * page_size
     in_specs = [
-        pl.BlockSpec((None, None, gp, d), lambda i, j, p: (i, j, 0, 0)),                  # q
-        pl.BlockSpec((n_pages, page_size, None, d), lambda i, j, p: (0, 0, j, 0)),       # k_pages (head j)
-        pl.BlockSpec((n_pages, page_size, None, d), lambda i, j, p: (0, 0, j, 0)),       # v_pages (head j)
-        pl.BlockSpec((None, wp), lambda i, j, p: (i, 0)),                                # page table row
+        pl.BlockSpec((None, None, g, d), lambda i, j, p: (i, j, 0, 0)),                   # q rows of group j
+        pl.BlockSpec((rows, None, d), lambda i, j, p: (0, j, 0)),                        # k token rows (head j)
+        pl.BlockSpec((rows, None, d), lambda i, j, p: (0, j, 0)),                        # v token rows (head j)
+        pl.BlockSpec((None, width), lambda i, j, p: (i, 0)),                             # page table row
         pl.BlockSpec((None, 1), lambda i, j, p: (i, 0)),                                 # length
     ]
-    if split:
-        out_shape = [jax.ShapeDtypeStruct((b, hkv, s, gp, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),
-                     jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, gp, d), lambda i, j, p: (i, j, p, 0, 0)),
-                     pl.BlockSpec((None, None, None, gp), lambda i, j, p: (i, j, p, 0)),
-                     pl.BlockSpec((None, None, None, gp), lambda i, j, p: (i, j, p, 0))]
+    if split:  # normalised partials in q's dtype (f32 for f32 inputs) and their f32 log2-sum-exp
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, s, g, d), q.dtype),
+                     jax.ShapeDtypeStruct((b, hkv, s, g), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, g, d), lambda i, j, p: (i, j, p, 0, 0)),
+                     pl.BlockSpec((None, None, None, g), lambda i, j, p: (i, j, p, 0))]
     else:
-        out_shape = [jax.ShapeDtypeStruct((b, hkv, gp, d), q.dtype)]
-        out_specs = [pl.BlockSpec((None, None, gp, d), lambda i, j, p: (i, j, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype)]
+        out_specs = [pl.BlockSpec((None, None, g, d), lambda i, j, p: (i, j, 0, 0))]
 
     outs = pl.pallas_call(
         kernel,
@@ -221,15 +281,8 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_decode_gp{gp}_d{d}_bk{plan['block_k']}_s{s}",
-    )(qg, k_pages, v_pages, pt, lens)
+        name=f"paged_decode_gp{plan['gp']}_d{d}_bk{plan['block_k']}_s{s}{'_pf' if prefetch else ''}",
+    )(qg, kr, vr, pt, lens)
 
-    if split:
-        o, m, l = outs
-        m_max = m.max(axis=2, keepdims=True)
-        a = jnp.exp2(m - m_max)                                   # [B, Hkv, S, Gp]; 0 for empty partitions
-        l_tot = (a * l).sum(axis=2)                               # [B, Hkv, Gp]
-        o = (a[..., None] * o).sum(axis=2) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-    else:
-        (o,) = outs
-    return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
+    o = merge_partitions(*outs, axis=2) if split else outs[0]
+    return o.reshape(b, h, d).astype(q.dtype)

@@ -28,14 +28,14 @@ def tree_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
         block_plan(batch=q.shape[0], n_tree=q.shape[1], n_heads=q.shape[2], n_kv_heads=k_pages.shape[2],
                    head_dim=q.shape[-1], page_size=k_pages.shape[1], width=page_table.shape[1], dtype=k_pages.dtype,
                    block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"], num_partitions=None,
-                   num_stages=cfg["num_stages"])
+                   num_stages=cfg["num_stages"], target_programs=cfg["target_programs"])
     except ValueError as e:
         registry.warn_fallback("tree_attention", e)
         return tree_attention_reference(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)
     return tree_attention(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, float(scale),
                           block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"], num_partitions=None,
-                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                          interpret=backend not in registry.GPU_BACKENDS)
+                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=cfg["prefetch"],
+                          target_programs=cfg["target_programs"], interpret=backend not in registry.GPU_BACKENDS)
 
 
 registry.register("tree_attention", "reference", tree_attention_reference, backends=("any",))

@@ -7,16 +7,21 @@ K/V under the ancestor mask, in one softmax. Layout is the engine's: ``k_pages, 
 
 The rows of a program are (tree token, q head of the group) pairs, ``r = i * G + g``, so every row of
 a tile belongs to one KV head and the pages it reads serve all G query heads of the group. The
-N * G rows are cut into tiles of ``block_m`` (a power of two >= 16, padded). Grid
-``(row_tiles, S, B * Hkv)``: the row tiles of one (sequence, KV head) are neighbours in launch order,
-so when there is more than one the pages are re-read from L2, not HBM.
+N * G rows are cut into tiles of ``block_m`` rows (a power of two >= 16; the tile shrinks to the
+rows there are, so a 16-node tree of the 27B, 96 rows, is one 128-row tile and every prefix page is read
+once per KV head). Rows are gathered straight from q ``[B, N, H, D]`` and written straight to the output
+(padding rows repeat the last real row: same inputs, same values), so there is no transpose or pad of q,
+the output, the tree K/V or the ancestor mask around the kernel. Grid ``(row_tiles, S, B * Hkv)``: the
+programs of one (sequence, KV head) are neighbours in launch order, so a second row tile re-reads the
+pages from L2, not HBM.
 
-A program walks its partition of the prefix ``pages_per_block`` pages at a time (gathering them by
-page index; the Triton lowering has no scalar prefetch), then, in the last partition only, the tree
+A program walks its partition of the prefix ``block_k = pages_per_block * page_size`` tokens at a time
+(:func:`pallas_kernels.paged_decode.kernel.paged_prefix_loop`: K/V as one ``[block_k, D]`` row gather each,
+page ids from the page table, optional hand-written prefetch), then, in the last partition only, the tree
 keys in chunks of ``block_t`` under the ancestor mask. Online softmax in base 2 with a finite mask
 value; probabilities of invisible keys are zeroed, so a row with no visible key returns zeros.
-With S > 1 (small batch, long prefix) each partition writes unnormalised f32 ``(o, m, l)`` and a
-small jnp step merges them, as in flash-decoding.
+With S > 1 (small batch, long prefix) each partition writes its normalised partial output (q's dtype) and
+f32 log2-sum-exp, and a small jnp step merges them, as in flash-decoding.
 """
 
 from __future__ import annotations
@@ -29,110 +34,98 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, MIN_DOT, _next_pow2
+from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, MIN_DOT, N_SM_TARGET, _next_pow2,
+                                                merge_partitions, online_update, paged_prefix_loop)
 from pallas_kernels.registry import check_block_shapes, current_backend
 
 
-def _online_update(carry, s, visible, v, precision):
-    """One online-softmax step: s [M, K] logits in log2 units, visible [M, K] or [1, K], v [K, D]."""
-    o, m, l = carry
-    s = jnp.where(visible, s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
-    l = alpha * l + p.sum(axis=-1)
-    o = alpha[:, None] * o + plt.dot(p.astype(v.dtype), v, precision=precision)
-    return o, m_new, l
+def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, pt_ref, len_ref, anc_ref, *out_refs, n_tree: int, group: int,
+            n_kv_heads: int, block_m: int, page_size: int, block_k: int, blocks_per_partition: int, n_splits: int,
+            block_t: int, n_tree_tiles: int, scale_log2: float, prefetch: bool, precision):
+    # q_ref [N*H, D] (sequence b, rows i*H + h); k_ref, v_ref [n_pages*page_size, D] (KV head j); kt_ref, vt_ref
+    # [N, D] (sequence b, KV head j); pt_ref [W]; len_ref [1]; anc_ref [N*N] int32 (1 = key j visible to node i)
+    tile, split, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_head = c % n_kv_heads
+    d = q_ref.shape[-1]
+    rr = jnp.minimum(tile * block_m + jnp.arange(block_m, dtype=jnp.int32), n_tree * group - 1)
+    node = rr // group
+    q_rows = node * (n_kv_heads * group) + kv_head * group + rr % group  # rows of q / out viewed [N*H, D]
+    q = q_ref[q_rows]  # [BM, D]
 
-
-def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, pt_ref, len_ref, mask_ref, *out_refs, page_size: int,
-            pages_per_block: int, pages_per_partition: int, n_splits: int, block_t: int, scale_log2: float,
-            precision):
-    # q_ref [BM, D]; k_ref, v_ref [n_pages, page_size, D] (this KV head); kt_ref, vt_ref [Np, D];
-    # pt_ref [Wp]; len_ref [1]; mask_ref [BM, Np] int32 (1 = tree key visible to the row)
-    split = pl.program_id(1)
-    bm, d = q_ref.shape
-    n_tree = kt_ref.shape[0]
-    block_k = pages_per_block * page_size
-    length = len_ref[0]
-    n_pages_seq = (length + page_size - 1) // page_size
-    first_page = split * pages_per_partition
-    end = jnp.minimum(first_page + pages_per_partition, n_pages_seq)
-    n_iter = jnp.maximum((end - first_page + pages_per_block - 1) // pages_per_block, 0)
-    q = q_ref[...]
-
-    def prefix_block(i, carry):
-        first = first_page + i * pages_per_block
-        pages = pt_ref[pl.ds(first, pages_per_block)]
-        pages = jnp.where((first + jnp.arange(pages_per_block) < n_pages_seq) & (pages >= 0), pages, 0)
-        k = k_ref[pages].reshape(block_k, d)
-        v = v_ref[pages].reshape(block_k, d)
-        s = plt.dot(q, k, trans_b=True, precision=precision) * scale_log2  # [BM, block_k] f32
-        tok = first * page_size + jnp.arange(block_k)
-        tok_page = pt_ref[first + jnp.arange(block_k) // page_size]
-        visible = ((tok < length) & (tok_page >= 0))[None, :]
-        return _online_update(carry, s, visible, v, precision)
-
-    carry = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), MASK_VALUE, jnp.float32),
-             jnp.zeros((bm,), jnp.float32))
-    carry = lax.fori_loop(0, n_iter, prefix_block, carry)
+    length = jnp.clip(len_ref[0], 0, pt_ref.shape[0] * page_size)
+    n_blocks_seq = (length + block_k - 1) // block_k
+    first = split * blocks_per_partition
+    n_iter = jnp.maximum(jnp.minimum(first + blocks_per_partition, n_blocks_seq) - first, 0)
+    carry = (jnp.zeros((block_m, d), jnp.float32), jnp.full((block_m,), MASK_VALUE, jnp.float32),
+             jnp.zeros((block_m,), jnp.float32))
+    carry = paged_prefix_loop(q, k_ref, v_ref, pt_ref, length, carry, first, n_iter, block_k=block_k,
+                              page_size=page_size, scale_log2=scale_log2, prefetch=prefetch, precision=precision)
 
     is_last = split == n_splits - 1
-    for c in range(n_tree // block_t):  # the tree's own keys, in the last partition only
-        kt = kt_ref[pl.ds(c * block_t, block_t), :]
-        vt = vt_ref[pl.ds(c * block_t, block_t), :]
+    for t in range(n_tree_tiles):  # the tree's own keys, in the last partition only
+        col = t * block_t + jnp.arange(block_t, dtype=jnp.int32)
+        colc = jnp.minimum(col, n_tree - 1)
+        kt = kt_ref[colc]
+        vt = vt_ref[colc]
         s = plt.dot(q, kt, trans_b=True, precision=precision) * scale_log2  # [BM, block_t]
-        visible = (mask_ref[:, pl.ds(c * block_t, block_t)] != 0) & is_last
-        carry = _online_update(carry, s, visible, vt, precision)
+        anc = anc_ref[node[:, None] * n_tree + colc[None, :]]
+        visible = (anc != 0) & (col < n_tree)[None, :] & is_last
+        carry = online_update(carry, s, visible, vt, precision)
 
     o, m, l = carry
+    has = l > 0
+    o = o / jnp.where(has, l, 1.0)[:, None]
     if n_splits > 1:
-        o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = o
-        m_ref[...] = m
-        l_ref[...] = l
+        o_ref, lse_ref = out_refs
+        lse_ref[q_rows] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), MASK_VALUE)
     else:
         (o_ref,) = out_refs
-        o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    o_ref[q_rows] = o.astype(o_ref.dtype)
 
 
 def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None = None) -> dict:
-    """Tuning defaults by backend and shape: block_m, pages_per_block, num_warps, num_stages."""
+    """Tuning defaults by backend and shape: block_m (the most rows per tile), pages_per_block, num_warps,
+    num_stages, prefetch, target_programs."""
     b = backend or current_backend()
     itemsize = jnp.dtype(dtype).itemsize
     wide = head_dim * itemsize > 256
     target_k = 32 if wide else 64
-    block_m = 64 if wide else 128
+    block_m = 128 if head_dim * itemsize <= 512 else 64  # f32 256-dim heads: a 128-row q tile alone is 128 KiB
     if b == "rocm":  # 64 KiB of LDS per workgroup
-        target_k, block_m = min(target_k, 32), min(block_m, 32 if wide else 64)
+        target_k, block_m = min(target_k, 32), 32 if wide else 64
     ppb = _next_pow2(max(1, target_k // page_size, -(-MIN_DOT // page_size)))
     return dict(block_m=block_m, pages_per_block=ppb, num_warps=4 if head_dim <= 64 else 8,
-                num_stages=1 if b == "rocm" else 2)
+                num_stages=1 if b == "rocm" else 2, prefetch=False, target_programs=2 * N_SM_TARGET)
 
 
-def auto_partitions(programs: int, n_blocks: int, *, target_programs: int = 264) -> int:
-    """Prefix partitions so that ``programs`` (row tiles x B x Hkv) reach ~``target_programs``."""
-    return int(max(1, min(n_blocks, -(-target_programs // max(1, programs)))))
+def auto_partitions(programs: int, n_blocks: int, *, target_programs: int = 2 * N_SM_TARGET) -> int:
+    """Prefix partitions: the most that keep ``programs`` (row tiles x B x Hkv) x partitions within
+    ``target_programs`` (rounded down, as in :func:`pallas_kernels.paged_decode.kernel.auto_partitions`)."""
+    return int(max(1, min(n_blocks, target_programs // max(1, programs))))
 
 
 def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_dim: int, page_size: int,
                width: int, dtype, block_m: int, pages_per_block: int, num_partitions: int | None,
-               num_stages: int, smem_budget: int | None = None, backend: str | None = None) -> dict:
-    """Static shapes of a launch, checked with :func:`check_block_shapes` (raises ValueError)."""
+               num_stages: int, target_programs: int = 2 * N_SM_TARGET, smem_budget: int | None = None,
+               backend: str | None = None) -> dict:
+    """Static shapes of a launch, checked with :func:`check_block_shapes` (raises ValueError). ``block_m`` is the
+    most rows per tile: a tree with fewer rows gets one tile of their power of two (>= 16)."""
     if n_heads % n_kv_heads:
         raise ValueError(f"tree_attention: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
     if pages_per_block < 1 or block_m < 1:
         raise ValueError(f"tree_attention: pages_per_block={pages_per_block} and block_m={block_m} must be >= 1")
+    check_block_shapes("tree_attention", {"q": (block_m, head_dim)})
     g = n_heads // n_kv_heads
     rows = n_tree * g
+    block_m = min(block_m, max(MIN_DOT, _next_pow2(rows)))
     n_row_tiles = -(-rows // block_m)
     n_tree_p = max(MIN_DOT, _next_pow2(n_tree))
     block_k = pages_per_block * page_size
     block_t = min(n_tree_p, max(MIN_DOT, _next_pow2(block_k)))
     isz = jnp.dtype(dtype).itemsize
-    n_blocks = max(1, -(-width // pages_per_block))
-    s = (auto_partitions(n_row_tiles * batch * n_kv_heads, n_blocks) if num_partitions is None
-         else int(num_partitions))
+    n_blocks = max(1, -(-width * page_size // block_k))
+    s = (auto_partitions(n_row_tiles * batch * n_kv_heads, n_blocks, target_programs=target_programs)
+         if num_partitions is None else int(num_partitions))
     if s < 1:
         raise ValueError(f"tree_attention: num_partitions={num_partitions} must be >= 1")
     s = min(s, n_blocks)
@@ -143,23 +136,26 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
     smem = {"q": block_m * head_dim * isz, "kv_loop_or_tree": max(loop, tree)}
     total = check_block_shapes(
         "tree_attention",
-        {"q": (block_m, head_dim), "k": (pages_per_block, page_size, head_dim), "page_ids": (pages_per_block,),
+        {"q": (block_m, head_dim), "k": (block_k, head_dim), "key_rows": (block_k,),
          "scores": (block_m, block_k), "tree_k": (block_t, head_dim), "tree_mask": (block_m, block_t),
          "o": (block_m, head_dim)},
         dots={"qk": (block_m, block_k, head_dim), "pv": (block_m, head_dim, block_k),
               "q_tree_k": (block_m, block_t, head_dim), "p_tree_v": (block_m, head_dim, block_t)},
         smem=smem, smem_budget=smem_budget, backend=backend)
-    return dict(g=g, rows=rows, n_row_tiles=n_row_tiles, n_tree_p=n_tree_p, block_k=block_k, block_t=block_t,
-                n_partitions=s, pages_per_partition=blocks_per_part * pages_per_block,
-                padded_width=s * blocks_per_part * pages_per_block, smem_bytes=total)
+    return dict(g=g, rows=rows, block_m=block_m, n_row_tiles=n_row_tiles, n_tree_p=n_tree_p, block_k=block_k,
+                block_t=block_t, n_partitions=s, blocks_per_partition=blocks_per_part,
+                pages_per_partition=blocks_per_part * pages_per_block, smem_bytes=total,
+                programs=n_row_tiles * s * batch * n_kv_heads)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_m", "pages_per_block", "num_partitions", "num_warps",
-                                             "num_stages", "interpret", "smem_budget"))
+                                             "num_stages", "prefetch", "target_programs", "interpret",
+                                             "smem_budget"))
 def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, start: jax.Array,
                    k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float, *, block_m: int,
                    pages_per_block: int, num_partitions: int | None = 1, num_warps: int | None = None,
-                   num_stages: int | None = None, interpret: bool = False,
+                   num_stages: int | None = None, prefetch: bool = False,
+                   target_programs: int = 2 * N_SM_TARGET, interpret: bool = False,
                    smem_budget: int | None = None) -> jax.Array:
     """Tree queries over each sequence's paged prefix plus its own tree (``tree_attention_reference``'s contract).
 
@@ -167,8 +163,9 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     non-resident page); start [B] prefix lengths (clipped to [0, W*page_size]); k_tree, v_tree
     [B, N, Hkv, D]; ancestors [B, N, N] bool (tree key j visible to slot i iff ancestors[b, i, j]).
     Returns [B, N, H, D] in q's dtype; a row with no visible key is zero. Computes in k_pages' dtype with
-    f32 accumulation. block_m: rows (tree token x q head) per program; pages_per_block: pages gathered per
-    step; num_partitions: prefix partitions (None: chosen by grid size). Raises ValueError before
+    f32 accumulation. block_m: the most rows (tree token x q head) per program; pages_per_block: pages
+    gathered per step; num_partitions: prefix partitions (None: chosen by grid size, ~target_programs
+    programs); prefetch: hand-written double buffering of the K/V gathers. Raises ValueError before
     lowering for tiles Triton cannot take.
     """
     b, n, h, d = q.shape
@@ -186,69 +183,58 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     width = page_table.shape[1]
     plan = block_plan(batch=b, n_tree=n, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size, width=width,
                       dtype=k_pages.dtype, block_m=block_m, pages_per_block=pages_per_block,
-                      num_partitions=num_partitions, num_stages=num_stages, smem_budget=smem_budget)
-    g, rows, n_rt, n_tp = plan["g"], plan["rows"], plan["n_row_tiles"], plan["n_tree_p"]
-    s, wp = plan["n_partitions"], plan["padded_width"]
-    rows_p = n_rt * block_m
+                      num_partitions=num_partitions, num_stages=num_stages, target_programs=target_programs,
+                      smem_budget=smem_budget)
+    g, s, bm = plan["g"], plan["n_partitions"], plan["block_m"]
     dt = k_pages.dtype
 
-    # rows r = i * G + g of KV head j: [B, Hkv, N*G, D], padded to whole row tiles
-    qr = q.astype(dt).reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - rows), (0, 0)))
-    pad_t = ((0, 0), (0, n_tp - n), (0, 0), (0, 0))
-    kt = jnp.pad(k_tree.astype(dt), pad_t)
-    vt = jnp.pad(v_tree.astype(v_pages.dtype), pad_t)
-    mask = jnp.repeat(ancestors.astype(jnp.int32), g, axis=1)  # [B, N*G, N]
-    mask = jnp.pad(mask, ((0, 0), (0, rows_p - rows), (0, n_tp - n)))
+    # Free views: q / out rows [B, N*H, D], pages as token rows, the mask flat per sequence.
+    qr = q.astype(dt).reshape(b, n * h, d)
+    kr = k_pages.reshape(n_pages * page_size, hkv, d)
+    vr = v_pages.reshape(n_pages * page_size, hkv, d)
+    kt = k_tree.astype(dt)
+    vt = v_tree.astype(v_pages.dtype)
+    anc = ancestors.astype(jnp.int32).reshape(b, n * n)
     pt = page_table.astype(jnp.int32)
-    if wp != width:
-        pt = jnp.pad(pt, ((0, 0), (0, wp - width)))  # null page, past every prefix
-    lens = jnp.clip(start.astype(jnp.int32), 0, width * page_size)[:, None]  # [B, 1]
+    lens = start.astype(jnp.int32)[:, None]  # [B, 1]
 
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
-    kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
-                               pages_per_partition=plan["pages_per_partition"], n_splits=s,
-                               block_t=plan["block_t"], scale_log2=float(scale) * LOG2E, precision=precision)
+    kernel = functools.partial(
+        _kernel, n_tree=n, group=g, n_kv_heads=hkv, block_m=bm, page_size=page_size, block_k=plan["block_k"],
+        blocks_per_partition=plan["blocks_per_partition"], n_splits=s, block_t=plan["block_t"],
+        n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E, prefetch=prefetch,
+        precision=precision)
+    rows = n_pages * page_size
     # grid (row tile r, partition p, sequence * KV head c)
     in_specs = [
-        pl.BlockSpec((None, None, block_m, d), lambda r, p, c: (c // hkv, c % hkv, r, 0)),   # q rows
-        pl.BlockSpec((n_pages, page_size, None, d), lambda r, p, c: (0, 0, c % hkv, 0)),     # k_pages (head)
-        pl.BlockSpec((n_pages, page_size, None, d), lambda r, p, c: (0, 0, c % hkv, 0)),     # v_pages (head)
-        pl.BlockSpec((None, n_tp, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),      # k_tree
-        pl.BlockSpec((None, n_tp, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),      # v_tree
-        pl.BlockSpec((None, wp), lambda r, p, c: (c // hkv, 0)),                             # page table row
-        pl.BlockSpec((None, 1), lambda r, p, c: (c // hkv, 0)),                              # prefix length
-        pl.BlockSpec((None, block_m, n_tp), lambda r, p, c: (c // hkv, r, 0)),               # ancestor mask rows
+        pl.BlockSpec((None, n * h, d), lambda r, p, c: (c // hkv, 0, 0)),                # q rows of sequence
+        pl.BlockSpec((rows, None, d), lambda r, p, c: (0, c % hkv, 0)),                  # k token rows (head)
+        pl.BlockSpec((rows, None, d), lambda r, p, c: (0, c % hkv, 0)),                  # v token rows (head)
+        pl.BlockSpec((None, n, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),     # k_tree
+        pl.BlockSpec((None, n, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),     # v_tree
+        pl.BlockSpec((None, width), lambda r, p, c: (c // hkv, 0)),                      # page table row
+        pl.BlockSpec((None, 1), lambda r, p, c: (c // hkv, 0)),                          # prefix length
+        pl.BlockSpec((None, n * n), lambda r, p, c: (c // hkv, 0)),                      # ancestor mask
     ]
+    # Every program writes only its own rows of the sequence's block (the KV heads share it).
     if s > 1:
-        out_shape = [jax.ShapeDtypeStruct((b, hkv, s, rows_p, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, hkv, s, rows_p), jnp.float32),
-                     jax.ShapeDtypeStruct((b, hkv, s, rows_p), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, block_m, d), lambda r, p, c: (c // hkv, c % hkv, p, r, 0)),
-                     pl.BlockSpec((None, None, None, block_m), lambda r, p, c: (c // hkv, c % hkv, p, r)),
-                     pl.BlockSpec((None, None, None, block_m), lambda r, p, c: (c // hkv, c % hkv, p, r))]
+        out_shape = [jax.ShapeDtypeStruct((b, s, n * h, d), q.dtype), jax.ShapeDtypeStruct((b, s, n * h), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, n * h, d), lambda r, p, c: (c // hkv, p, 0, 0)),
+                     pl.BlockSpec((None, None, n * h), lambda r, p, c: (c // hkv, p, 0))]
     else:
-        out_shape = [jax.ShapeDtypeStruct((b, hkv, rows_p, d), q.dtype)]
-        out_specs = [pl.BlockSpec((None, None, block_m, d), lambda r, p, c: (c // hkv, c % hkv, r, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, n * h, d), q.dtype)]
+        out_specs = [pl.BlockSpec((None, n * h, d), lambda r, p, c: (c // hkv, 0, 0))]
 
     outs = pl.pallas_call(
         kernel,
-        grid=(n_rt, s, b * hkv),
+        grid=(plan["n_row_tiles"], s, b * hkv),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"tree_attention_bm{block_m}_d{d}_bk{plan['block_k']}_t{n_tp}_s{s}",
-    )(qr, k_pages, v_pages, kt, vt, pt, lens, mask)
+        name=f"tree_attention_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}{'_pf' if prefetch else ''}",
+    )(qr, kr, vr, kt, vt, pt, lens, anc)
 
-    if s > 1:
-        o, m, l = outs
-        m_max = m.max(axis=2, keepdims=True)
-        a = jnp.exp2(m - m_max)                                     # [B, Hkv, S, R]
-        l_tot = (a * l).sum(axis=2)
-        o = (a[..., None] * o).sum(axis=2) / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-    else:
-        (o,) = outs
-    o = o[:, :, :rows].reshape(b, hkv, n, g, d).transpose(0, 2, 1, 3, 4)
+    o = merge_partitions(*outs, axis=1) if s > 1 else outs[0]
     return o.reshape(b, n, h, d).astype(q.dtype)
