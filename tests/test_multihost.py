@@ -37,26 +37,29 @@ if __name__ != "__main__":
     @pytest.fixture(scope="module")
     def results(tmp_path_factory) -> list[dict]:
         out = tmp_path_factory.mktemp("multihost")
-        root = os.path.dirname(HERE)
+        for rc, log in _job([__file__, str(out)]):
+            assert rc == 0, log[-6000:]
+        return [json.loads((out / f"process{i}.json").read_text()) for i in range(N_PROC)]
+
+    def _job(argv: list[str], timeout: float = 300) -> list[tuple[int, str]]:
+        """Run ``python argv`` as the ``N_PROC`` processes of one JAX job on localhost; (exit code, output) each."""
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "OPENBLAS_NUM_THREADS": "1",
                "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES} "
                             "--xla_backend_optimization_level=0",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": str(N_PROC),
-               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-        procs = [subprocess.Popen([sys.executable, __file__, str(out)], env={**env, "JAX_PROCESS_ID": str(i)},
+               "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+        procs = [subprocess.Popen([sys.executable, *argv], env={**env, "JAX_PROCESS_ID": str(i)},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(N_PROC)]
         logs = []
         try:
             for p in procs:
-                logs.append(p.communicate(timeout=300)[0])
+                logs.append(p.communicate(timeout=timeout)[0])
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        for p, log in zip(procs, logs):
-            assert p.returncode == 0, log[-6000:]
-        return [json.loads((out / f"process{i}.json").read_text()) for i in range(N_PROC)]
+        return [(p.returncode, log) for p, log in zip(procs, logs)]
 
     @pytest.fixture(scope="module")
     def reference() -> dict:
@@ -106,6 +109,14 @@ if __name__ != "__main__":
             assert sorted(r["dp_replicas"]) == [0, 1]  # the two requests ran on different replicas ...
             assert r["dp_replica_processes"] == [[0], [1]]  # ... each replica on the devices of one process
             assert r["engine_dp2_tp2"] == reference["greedy"]
+
+    def test_server_refuses_to_start_as_one_process_of_a_multi_host_job():
+        """The server is single-controller: started on every process of a job it would take different requests
+        on each and their collectives would not match, so each process exits at start-up saying so."""
+        for i, (rc, log) in enumerate(_job(["-m", "dflash_jax.serve", "--model", FIXTURE, "--tensor-parallel", "4"],
+                                           timeout=120)):
+            assert rc != 0 and f"process {i} of a {N_PROC}-process JAX job" in log, log[-3000:]
+            assert "does not serve across hosts" in log
 
 
 # ---------------------------------------------------------------------------------------------------------------
