@@ -193,6 +193,7 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "top_p": 0}, 400, "top_p"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 0}, 400, "n"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 5000}, 400, "max_model_len"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1] * 300, "max_tokens": 2}, 400, "max_model_len"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [99999], "max_tokens": 2}, 400, "token ids"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "stop": ["a"] * 17}, 400, "stop"),

@@ -104,6 +104,39 @@ def test_concurrent_requests_under_kv_pressure_complete_and_report_page_traffic(
     assert after["dflash_completion_tokens_total"] - before["dflash_completion_tokens_total"] == \
         PROBE[1] + sum(m for _, m in LONG)
     assert after["dflash_running_requests"] == 0 and after["dflash_queue_depth"] == 0
+    ok = 'dflash_requests_total{endpoint="/v1/completions",status="200"}'
+    for key in (ok, "dflash_ttft_seconds_count", "dflash_tpot_seconds_count"):
+        assert after[key] - before.get(key, 0) == 1 + len(LONG), key
+
+
+def _ids(r) -> list[int]:
+    """Completion token ids (a model without a tokenizer answers with its ids as text)."""
+    return [int(t) for t in r.choices[0].text.split()]
+
+
+def test_stop_token_ids_min_tokens_top_k_and_max_completion_tokens(server):
+    c = openai.OpenAI(base_url=server["base"] + "/v1", api_key="x", max_retries=0, timeout=60)
+    prompt = [7, 3, 9, 12, 40]
+    g = _ids(c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True}))
+    assert len(g) == 4
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                             extra_body={"stop_token_ids": [g[0]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 1
+    # min_tokens bans the stop ids (and EOS) until it is reached
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                             extra_body={"stop_token_ids": [g[0]], "min_tokens": 3})
+    got = _ids(r)
+    assert r.usage.completion_tokens == len(got) >= 3 and g[0] not in got[:3]
+    # top_k = 1 samples the argmax whatever the temperature and seed
+    for seed in (1, 2):
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.5, seed=seed,
+                                 extra_body={"top_k": 1, "ignore_eos": True})
+        assert _ids(r) == g
+    # max_completion_tokens (the newer name) wins over max_tokens
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                             extra_body={"max_completion_tokens": 2, "ignore_eos": True})
+    assert r.usage.completion_tokens == 2 and _ids(r) == g[:2]
 
 
 def test_startup_banner_names_the_model_the_kvflash_pool_and_the_url(server):
