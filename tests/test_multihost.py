@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "fixtures", "qwen36_tiny_a")
@@ -48,18 +49,23 @@ if __name__ != "__main__":
                             "--xla_backend_optimization_level=0",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": str(N_PROC),
                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+        logs = [tempfile.TemporaryFile("w+") for _ in range(N_PROC)]  # not pipes: a full one would stall a process
         procs = [subprocess.Popen([sys.executable, *argv], env={**env, "JAX_PROCESS_ID": str(i)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(N_PROC)]
-        logs = []
+                                  stdout=log, stderr=subprocess.STDOUT, text=True) for i, log in enumerate(logs)]
         try:
             for p in procs:
-                logs.append(p.communicate(timeout=timeout)[0])
+                p.wait(timeout)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        return [(p.returncode, log) for p, log in zip(procs, logs)]
+                    p.wait()
+        out = []
+        for p, log in zip(procs, logs):
+            log.seek(0)
+            out.append((p.returncode, log.read()))
+            log.close()
+        return out
 
     @pytest.fixture(scope="module")
     def reference() -> dict:
