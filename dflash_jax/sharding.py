@@ -70,6 +70,17 @@ def initialize_distributed() -> bool:
     return True
 
 
+def to_host(tree: Any) -> Any:
+    """Device arrays -> NumPy on every process. An array split over devices of several processes (a multi-host
+    ``data`` axis: each process holds only its replicas' rows) is gathered across processes first (a collective:
+    every process must call this for the same arrays, as the lock-step host loop does)."""
+    if all(getattr(a, "is_fully_addressable", True) for a in jax.tree_util.tree_leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def make_mesh(tp: int = 1, dp: int = 1, devices: list | None = None) -> Mesh:
     """A ``(data=dp, model=tp)`` mesh over the first ``dp * tp`` devices; a model group is ``tp`` consecutive
     devices (so it stays inside one host whenever ``tp`` <= devices per host)."""

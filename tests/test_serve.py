@@ -193,6 +193,7 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "top_p": 0}, 400, "top_p"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 0}, 400, "n"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 5000}, 400, "max_model_len"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1] * 300, "max_tokens": 2}, 400, "max_model_len"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [99999], "max_tokens": 2}, 400, "token ids"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "stop": ["a"] * 17}, 400, "stop"),
@@ -324,9 +325,32 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     pytest.fail("server did not come up")
 
 
+def _check_tools(client, model: str) -> None:
+    """Tools through the server (the Qwen tool preamble is ~250 tokens with the shipped tokenizer, ~950 with the
+    test one: too long for the module server). Tools reach the chat template (the prompt grows by the tool
+    preamble; tool_choice "none" drops them) and the streamed answer of a tool request equals the non-streamed one
+    (tool-call parsing itself: tests/test_chat.py)."""
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    kw = dict(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    plain = client.chat.completions.create(**kw)
+    r = client.chat.completions.create(**kw, tools=tools)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    assert client.chat.completions.create(**kw, tools=tools, tool_choice="none").usage.prompt_tokens == \
+        plain.usage.prompt_tokens
+    s = list(client.chat.completions.create(**kw, tools=tools, stream=True))
+    # the non-streamed message is stripped of surrounding whitespace (parse_assistant); the stream is not
+    assert "".join((ch.choices[0].delta.content or "") for ch in s if ch.choices).strip() == \
+        (r.choices[0].message.content or "")
+    streamed_calls = [tc.function.name for ch in s if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert streamed_calls == [tc.function.name for tc in (r.choices[0].message.tool_calls or [])]
+
+
 def test_no_arguments_serve_the_shipped_model_set():
     """`python -m dflash_jax.serve` alone serves the shipped tiny set: chat works with the real client, the
-    model id is the shipped target's, and greedy text equals the target's own greedy continuation."""
+    model id is the shipped target's, greedy text equals the target's own greedy continuation, and chat with
+    tools works (``_check_tools``)."""
     import dflash_jax as dj
     from dflash_jax.models.tokenizer import Tokenizer
     from dflash_jax.serve.__main__ import SHIPPED
@@ -347,6 +371,7 @@ def test_no_arguments_serve_the_shipped_model_set():
         tok = Tokenizer.from_dir(path)
         want = dj.load_target(path).greedy(tok.encode(prompt), 8)
         assert r.choices[0].text == tok.decode(want)
+        _check_tools(c, m.id)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

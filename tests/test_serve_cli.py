@@ -28,6 +28,7 @@ def _resolve(*argv):
     (("--model", MODEL, "--prefill-drafter", MODEL), "only used with --prefill-compression"),
     (("--model", MODEL, "--target-device", "cuda:0", "--draft-device", "cpu:0"), "mixed-device"),
     (("--model", MODEL, "--target-device", "tpu:0"), "not understood"),
+    (("--model", MODEL, "--target-device", "hip:0", "--draft-device", "cpu:0"), "mixed-device"),
     (("--model", MODEL, "--max-concurrency", "0"), "--max-concurrency"),
     (("--model", MODEL, "--tensor-parallel", "0"), "--tensor-parallel and --data-parallel must be >= 1"),
     (("--model", MODEL, "--tensor-parallel", "2", "--target-device", "cpu:0"), "drop --target-device"),
@@ -75,3 +76,8 @@ def test_quantization_flag_and_preset_value_are_checked(tmp_path):
     preset.write_text("quantization: int3\n")
     with pytest.raises(StartupError, match="--quantization must be none or fp8"):
         _resolve("--model", MODEL, "--config", str(preset))
+
+
+def test_hip_is_accepted_as_rocm():
+    ns = _resolve("--model", MODEL, "--target-device", "hip:0", "--draft-device", "rocm:0")  # one platform
+    assert (ns.target_device, ns.draft_device) == ("hip:0", "rocm:0")

@@ -33,7 +33,7 @@ from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models import quant
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, StepInput
-from dflash_jax.sharding import Layout
+from dflash_jax.sharding import Layout, to_host
 from dflash_jax.target import Target, load_target, shard_target
 
 FinishReason = str  # "stop" | "length" | "abort" | "error" (the engine failed this request alone; stats["error"])
@@ -755,7 +755,7 @@ class Engine:
             fn = self._exec[(kind, b)] = self._lower(kind, b).compile()
         self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, inp, samp)
         self.counters[f"{kind}_steps"] += 1
-        out = jax.device_get(out)
+        out = to_host(out)
         self._kv_done()
         return out
 

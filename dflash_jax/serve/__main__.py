@@ -221,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_jax.sharding import ShardingError, initialize_distributed
 
     initialize_distributed()
+    if jax.process_count() > 1:  # every process would take its own requests: their collectives would not match
+        raise StartupError(f"this is process {jax.process_index()} of a {jax.process_count()}-process JAX job "
+                           f"(JAX_COORDINATOR_ADDRESS is set): the server is single-controller and does not serve "
+                           f"across hosts; serve from one host (--tensor-parallel / --data-parallel over its own "
+                           f"devices) with JAX_COORDINATOR_ADDRESS unset")
     tp, dp = int(args.tensor_parallel), int(args.data_parallel)
     device = _select_device(args.target_device)
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
