@@ -73,10 +73,49 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
+def paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                            q_positions: jax.Array, scale: float, block_pages: int = 64) -> jax.Array:
+    """:func:`paged_attention_reference`'s contract in blocks of ``block_pages`` pages with an online softmax,
+    visiting only the blocks up to the batch's furthest query position (a dynamic trip count), so a prefill
+    chunk costs O(prefix) instead of O(page-table width)."""
+    b, t, h, d = q.shape
+    ps, hkv = k_pages.shape[1], k_pages.shape[2]
+    w = page_table.shape[1]
+    bp = max(1, min(block_pages, w))
+    n_blocks = -(-w // bp)
+    table = jnp.pad(page_table, ((0, 0), (0, n_blocks * bp - w)), constant_values=-1)
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    need = jnp.minimum((jnp.max(q_positions) + bp * ps) // (bp * ps), n_blocks).astype(jnp.int32)
+
+    def body(i, carry):
+        m, l, o = carry
+        tbl = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)  # [B, bp]
+        k = gather_pages(k_pages, tbl)  # [B, bp*ps, Hkv, D]
+        v = gather_pages(v_pages, tbl)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc) * scale
+        kv_pos = i * bp * ps + jnp.arange(bp * ps, dtype=jnp.int32)
+        mask = (kv_pos[None, None, :] <= q_positions[:, :, None]) & resident_tokens(tbl, ps)[:, None]
+        s = jnp.where(mask[:, None, None], s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + p.sum(-1)
+        o = alpha[..., None] * o + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=acc)
+        return m_new, l, o
+
+    g = h // hkv
+    init = (jnp.full((b, hkv, g, t), _NEG, acc), jnp.zeros((b, hkv, g, t), acc), jnp.zeros((b, hkv, g, t, d), acc))
+    _, l, o = jax.lax.fori_loop(0, need, body, init)
+    o = o / l[..., None]
+    return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q.dtype)
+
+
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                     q_positions: jax.Array, scale: float) -> jax.Array:
     """:func:`paged_attention_reference`'s contract; a single new token (T = 1) runs the registry's
-    ``"paged_decode"`` op (length = q_position + 1), longer inputs and quantized pages the reference."""
+    ``"paged_decode"`` op (length = q_position + 1; quantized pages: the reference), longer inputs (prefill
+    chunks) :func:`paged_attention_blocked`."""
     if q.shape[1] == 1 and not isinstance(k_pages, kv_quant.QuantizedPages):
         from pallas_kernels import registry
 
@@ -84,6 +123,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
         if impl.name != "reference":
             lengths = q_positions[:, 0].astype(jnp.int32) + 1
             return impl.fn(q[:, 0], k_pages, v_pages, page_table, lengths, scale)[:, None]
+    if q.shape[1] > 1:
+        return paged_attention_blocked(q, k_pages, v_pages, page_table, q_positions, scale)
     return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, scale)
 
 
