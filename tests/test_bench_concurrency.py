@@ -132,3 +132,12 @@ def test_kvflash_proof_fails_closed():
     assert prove_kvflash({**st, "kv_pages_out": 2}, pressured=True) is None
     assert "telemetry" in prove_kvflash({**st, "kv_wait_s": None}, pressured=False)
     assert "lack kvflash" in prove_kvflash({}, pressured=False)
+
+
+def test_modes_flag_runs_only_the_chosen_modes(tmp_path, capsys):
+    rc = main(_args(tmp_path, "--modes", "ar", "--concurrency", "1", "--repeats", "1"))
+    assert rc == 0, capsys.readouterr().out
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
+    figs = json.loads(res.read_text())["figures"]
+    assert figs["c1.ar.tok_s"] > 0 and not any(k.startswith("c1.ddtree.") and v is not None
+                                                 for k, v in figs.items())

@@ -86,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvflash", type=int, default=None, metavar="N",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests")
     p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="decoding modes to run per concurrency (default both; speedup figures need both)")
     p.add_argument("--all-buckets", action="store_true",
                    help="compile every serving batch bucket per case (default: only the case's concurrency, which "
                         "every batch of the case runs in)")
@@ -416,7 +418,8 @@ def _check_args(args) -> str | None:
 
 def run(args: argparse.Namespace, command: str) -> int:
     conc = sorted(dict.fromkeys(args.concurrency))
-    modes = MODES + (("ar_unbounded",) if args.kvflash is not None and args.kvflash_compare else ())
+    modes = tuple(m for m in MODES if m in args.modes)
+    modes += ("ar_unbounded",) if args.kvflash is not None and args.kvflash_compare else ()
     plan = [(c, m) for c in conc for m in modes]
     bad = _check_args(args)
     if bad:
