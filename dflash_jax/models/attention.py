@@ -114,8 +114,8 @@ def paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                     q_positions: jax.Array, scale: float) -> jax.Array:
     """:func:`paged_attention_reference`'s contract; a single new token (T = 1) runs the registry's
-    ``"paged_decode"`` op (length = q_position + 1; quantized pages: the reference), longer inputs (prefill
-    chunks) :func:`paged_attention_blocked`."""
+    ``"paged_decode"`` op (length = q_position + 1) when it resolves to a kernel; everything else (prefill
+    chunks, decode where the registry picks the reference, quantized pages) :func:`paged_attention_blocked`."""
     if q.shape[1] == 1 and not isinstance(k_pages, kv_quant.QuantizedPages):
         from pallas_kernels import registry
 
@@ -123,9 +123,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
         if impl.name != "reference":
             lengths = q_positions[:, 0].astype(jnp.int32) + 1
             return impl.fn(q[:, 0], k_pages, v_pages, page_table, lengths, scale)[:, None]
-    if q.shape[1] > 1:
-        return paged_attention_blocked(q, k_pages, v_pages, page_table, q_positions, scale)
-    return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, scale)
+    return paged_attention_blocked(q, k_pages, v_pages, page_table, q_positions, scale)
 
 
 def tree_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
