@@ -84,12 +84,78 @@ class Data:
     train: np.ndarray                 # [N, T]
     eval: dict[str, np.ndarray]       # kind -> [M, T]
     meta: dict[str, Any]
+    train_long: np.ndarray | None = None                                     # [N2, T2] (the long phase's rows)
+    retrieval_eval: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    # context length -> (tokens [M, L], answer mask [M, L]): held-out ``bench needle`` prompts with their answers
 
 
 def _pack(docs: list[list[int]], sep: int, seq_len: int) -> np.ndarray:
     flat = np.fromiter((t for d in docs for t in (*d, sep)), dtype=np.int32)
     n = len(flat) // seq_len
     return flat[: n * seq_len].reshape(n, seq_len)
+
+
+def pack_rows(stream: list[list[int]], whole: list[list[int]], sep: int, seq_len: int, seed: int
+              ) -> tuple[np.ndarray, dict[str, int]]:
+    """Rows of ``seq_len`` tokens in which every document of ``whole`` (each followed by ``sep``) lies entire inside
+    one row, at a random offset, the rest of the row filled with the next tokens of the ``stream`` documents
+    (joined with ``sep``, cut anywhere); then the rest of the stream in plain rows. A retrieval document cut at a
+    row boundary would ask for a key the row does not hold and teach guessing. Documents of ``whole`` longer
+    than a row are dropped (counted). Returns (rows [N, seq_len] int32, counts)."""
+    rng = np.random.default_rng([seed, 11])
+    flat = np.fromiter((t for d in stream for t in (*d, sep)), dtype=np.int32)
+    rows: list[np.ndarray] = []
+    pos, dropped, n_whole_tokens = 0, 0, 0
+    bins: list[list[list[int]]] = []
+    room = 0
+    for d in whole:  # first fit in order: documents share a row while they fit
+        n = len(d) + 1
+        if n > seq_len:
+            dropped += 1
+            continue
+        if not bins or n > room:
+            bins.append([])
+            room = seq_len
+        bins[-1].append(d)
+        room -= n
+        n_whole_tokens += n
+    for docs in bins:
+        used = sum(len(d) + 1 for d in docs)
+        free = seq_len - used
+        fill = flat[pos:pos + free] if pos + free <= len(flat) else np.resize(flat, free)  # cycle when short
+        pos = pos + free if pos + free <= len(flat) else len(flat)
+        cut = int(rng.integers(0, free + 1))
+        parts = [fill[:cut]] + [np.asarray([*d, sep], np.int32) for d in docs] + [fill[cut:]]
+        rows.append(np.concatenate(parts))
+    rest = flat[pos:]
+    n = len(rest) // seq_len
+    if n:
+        rows.extend(rest[: n * seq_len].reshape(n, seq_len))
+    if not rows:
+        return np.zeros((0, seq_len), np.int32), {"rows": 0, "whole_docs": 0, "whole_dropped": dropped}
+    out = np.stack(rows).astype(np.int32)
+    return out, {"rows": int(len(out)), "rows_with_whole_docs": len(bins), "whole_docs": sum(map(len, bins)),
+                 "whole_dropped": dropped, "whole_token_fraction": round(n_whole_tokens / out.size, 4)}
+
+
+def retrieval_eval_rows(tok, files: Sequence[str], ctx: int, n: int, seed: int, row_len: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The ``bench needle`` prompts at ``ctx`` tokens (``needle.bench_prompts``: held-out filler, evenly spread
+    depths, ChatML with thinking off), each followed by its answer: (tokens [n, row_len] padded with 0, mask
+    [n, row_len] True at the positions whose next token is an answer token). A prompt is answered (teacher
+    forced) iff the argmax at every masked position is the next token - then greedy decoding writes the answer."""
+    from dflash_jax.bench import needle
+
+    rows = np.zeros((n, row_len), np.int32)
+    mask = np.zeros((n, row_len), bool)
+    for i, (ids, ans, _) in enumerate(needle.bench_prompts(tok, files, ctx, n, seed)):
+        a = tok.encode(ans)
+        if len(ids) + len(a) > row_len:
+            raise ValueError(f"needle prompt of {len(ids)} tokens + answer do not fit a row of {row_len}")
+        rows[i, :len(ids)] = ids
+        rows[i, len(ids):len(ids) + len(a)] = a
+        mask[i, len(ids) - 1:len(ids) + len(a) - 1] = True
+    return rows, mask
 
 
 def _encode_all(tok, texts: list[str], batch: int = 2048) -> list[list[int]]:
@@ -99,15 +165,23 @@ def _encode_all(tok, texts: list[str], batch: int = 2048) -> list[list[int]]:
     return out
 
 
-def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
-    """Corpus + tokenizer + packed token arrays, cached under ``work/data-<hash>``."""
+def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str, long_seq_len: int | None = None) -> Data:
+    """Corpus + tokenizer + packed token arrays, cached under ``work/data-<hash>``.
+
+    ``train``: rows of ``seq_len`` (stdlib + chat stream, each retrieval document whole in a row, ``pack_rows``);
+    ``train_long`` (with ``long_seq_len``): rows of ``long_seq_len``, each long retrieval document whole in a row,
+    filled with the stream; ``retrieval_eval``: the ``bench needle`` prompts at ``d["retrieval_eval"]`` lengths
+    with their answers (``retrieval_eval_rows``)."""
     from tokenizers import Tokenizer as HFTokenizer
 
+    from dflash_jax.models.tokenizer import Tokenizer
     from experiments import corpus
     from experiments.train_tokenizer import SPECIAL_TOKENS, train_bpe
 
     key = {"data": d, "seq_len": seq_len, "seed": seed, "stdlib": corpus.stdlib_dir(),
            "python": platform.python_version()}
+    if long_seq_len:
+        key["long_seq_len"] = long_seq_len
     h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     ddir = os.path.join(work, f"data-{h}")
     done = os.path.join(ddir, "data.json")
@@ -120,6 +194,10 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
                 "--needle-tokens", str(d["needle_tokens"])]
         if d.get("max_files") is not None:
             argv += ["--max-files", str(d["max_files"])]
+        argv += ["--n-retrieval", str(d.get("n_retrieval", 0)),
+                 "--retrieval-tokens", str(d.get("retrieval_tokens", "128,1800")),
+                 "--n-retrieval-long", str(d.get("n_retrieval_long", 0) if long_seq_len else 0),
+                 "--retrieval-long-tokens", str(d.get("retrieval_long_tokens", "1024,8000"))]
         log(f"[data] corpus: {' '.join(argv)}")
         stats = corpus.main(argv)
         t1 = time.time()
@@ -129,7 +207,30 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
         t2 = time.time()
         tok = HFTokenizer.from_file(os.path.join(tdir, "tokenizer.json"))
         sep = tok.token_to_id(corpus.DOC_SEP)
-        train = _pack(_encode_all(tok, list(corpus.read_train_docs(train_txt))), sep, seq_len)
+        stream = _encode_all(tok, list(corpus.read_train_docs(train_txt)))
+        whole = _encode_all(tok, list(corpus.read_train_docs(os.path.join(cdir, "retrieval.txt"))))
+        train, pack_stats = pack_rows(stream, whole, sep, seq_len, seed)
+        pack_stats = {"train": pack_stats}
+        if long_seq_len:
+            whole_long = _encode_all(tok, list(corpus.read_train_docs(os.path.join(cdir, "retrieval_long.txt"))))
+            # the stream from its middle, so the long rows do not repeat the first rows' filler
+            half = len(stream) // 2
+            train_long, pack_stats["train_long"] = pack_rows(stream[half:] + stream[:half], whole_long, sep,
+                                                             long_seq_len, seed + 1)
+            train_long = train_long[: pack_stats["train_long"]["rows_with_whole_docs"]]  # only rows with retrieval
+            np.save(os.path.join(ddir, "train_long.npy"), train_long.astype(np.uint16 if tok.get_vocab_size()
+                                                                            < 65536 else np.int32))
+        with open(os.path.join(cdir, "split.json")) as fh:
+            split = json.load(fh)
+        rtok = Tokenizer.from_dir(tdir)
+        files = [os.path.join(split["stdlib_dir"], f) for f in split["eval_files"]]
+        r_eval = {}
+        for ctx in (int(x) for x in str(d.get("retrieval_eval", "")).split(",") if x.strip()):
+            row_len = seq_len if ctx + 64 <= seq_len else (long_seq_len or ctx + 64)
+            rows, mask = retrieval_eval_rows(rtok, files, ctx, d.get("n_retrieval_eval", 16), seed, row_len)
+            np.save(os.path.join(ddir, f"retrieval_eval_{ctx}.npy"), rows)
+            np.save(os.path.join(ddir, f"retrieval_eval_{ctx}_mask.npy"), mask)
+            r_eval[ctx] = int(len(rows))
         ev: dict[str, list[str]] = {}
         with open(os.path.join(cdir, "eval.jsonl"), encoding="utf-8") as fh:
             for line in fh:
@@ -141,9 +242,9 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
         np.save(os.path.join(ddir, "train.npy"), train.astype(dtype))
         for k, v in evals.items():
             np.save(os.path.join(ddir, f"eval_{k}.npy"), v.astype(dtype))
-        with open(os.path.join(cdir, "split.json")) as fh:
-            split = json.load(fh)
         meta = {"key": key, "corpus_stats": stats, "split_rule": split["rule"], "stdlib_dir": split["stdlib_dir"],
+                "packing": pack_stats, "retrieval_eval": r_eval,
+                "train_long_seqs": int(len(train_long)) if long_seq_len else 0,
                 "eval_files": split["eval_files"], "n_train_files": split["n_train_files"],
                 "train_seqs": int(train.shape[0]), "train_tokens": int(train.size),
                 "eval_seqs": {k: int(v.shape[0]) for k, v in evals.items()},
@@ -152,16 +253,22 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
                             "encode": round(t3 - t2, 1)}}
         with open(done, "w") as fh:
             json.dump(meta, fh, indent=1)
-        log(f"[data] {meta['train_tokens']:,} train tokens in {meta['train_seqs']} rows of {seq_len}; eval rows "
-            f"{meta['eval_seqs']}; vocab {meta['vocab_size']}; {sum(meta['seconds'].values()):.1f}s")
+        log(f"[data] {meta['train_tokens']:,} train tokens in {meta['train_seqs']} rows of {seq_len}; "
+            f"{meta['train_long_seqs']} long rows of {long_seq_len}; packing {json.dumps(pack_stats)}; eval rows "
+            f"{meta['eval_seqs']}; retrieval eval {r_eval}; vocab {meta['vocab_size']}; "
+            f"{sum(meta['seconds'].values()):.1f}s")
     else:
         log(f"[data] cached: {ddir}")
     with open(done) as fh:
         meta = json.load(fh)
     train = np.load(os.path.join(ddir, "train.npy")).astype(np.int32)
     evals = {k: np.load(os.path.join(ddir, f"eval_{k}.npy")).astype(np.int32) for k in meta["eval_seqs"]}
+    long_path = os.path.join(ddir, "train_long.npy")
+    train_long = np.load(long_path).astype(np.int32) if os.path.exists(long_path) else None
+    r_eval = {int(c): (np.load(os.path.join(ddir, f"retrieval_eval_{c}.npy")),
+                       np.load(os.path.join(ddir, f"retrieval_eval_{c}_mask.npy"))) for c in meta["retrieval_eval"]}
     meta["dir"] = ddir
-    return Data(tdir, meta["vocab_size"], meta["special_ids"], train, evals, meta)
+    return Data(tdir, meta["vocab_size"], meta["special_ids"], train, evals, meta, train_long, r_eval)
 
 
 def _spread(n: int, k: int) -> np.ndarray:
@@ -268,10 +375,17 @@ def n_params(tree: Any) -> int:
 # export
 # =====================================================================================================================
 
-def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None) -> None:
+#: Largest exported file (bytes): bigger checkpoints are written as shards + ``model.safetensors.index.json``.
+MAX_FILE_BYTES = 15 * 2 ** 20
+
+
+def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None,
+                max_shard_bytes: int = MAX_FILE_BYTES) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the Qwen3.5/3.6 HF layout (what ``loader.load_params``
     reads): ``model.language_model.*`` + top-level ``lm_head.weight``; conv weights as ``[C, 1, K]``. ``dtype``
-    casts the matrices (default: their own dtype); norm weights, A_log and dt_bias are written in float32."""
+    casts the matrices (default: their own dtype); norm weights, A_log and dt_bias are written in float32.
+    Tensors over ``max_shard_bytes`` in all go to ``model-0000i-of-0000n.safetensors`` shards (each under the
+    limit, tensors in name order) listed by ``model.safetensors.index.json``, as HF writes large checkpoints."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -291,7 +405,31 @@ def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None)
     mdt = str(jnp.dtype(dtype or params["embed"].dtype))
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(tc.target_hf_dict_from_config(cfg, mdt), fh, indent=2)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    for f in os.listdir(path):  # a previous export's weights
+        if f.startswith("model") and (f.endswith(".safetensors") or f.endswith(".safetensors.index.json")):
+            os.remove(os.path.join(path, f))
+    total = sum(a.nbytes for a in tensors.values())
+    if total + 8192 <= max_shard_bytes:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        a = tensors[name]
+        if a.nbytes + 8192 > max_shard_bytes:
+            raise ValueError(f"tensor {name} ({a.nbytes} bytes) alone exceeds the shard limit {max_shard_bytes}")
+        if shards[-1] and size + a.nbytes + 8192 > max_shard_bytes:  # 8 KiB for the header
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += a.nbytes
+    weight_map = {}
+    for i, sh in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in sh})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, fh, indent=2)
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
@@ -506,6 +644,40 @@ def make_lm_eval(hidden_fn: Callable, sets: dict[str, np.ndarray], batch: int) -
     return evaluate
 
 
+def make_retrieval_eval(hidden_fn: Callable, sets: dict[int, tuple[np.ndarray, np.ndarray]], batch: int
+                        ) -> Callable[[Any], dict[str, float]]:
+    """``evaluate(params)``: per context length, the fraction of held-out ``bench needle`` prompts answered
+    (``needle_acc_<ctx>``: the argmax is the answer's next token at every answer position, teacher forced, i.e.
+    greedy decoding writes the answer) and the fraction of answer tokens right (``needle_tok_<ctx>``)."""
+
+    @jax.jit
+    def hits(params, tokens, mask):
+        h = hidden_fn(params, tokens)
+        pred = jnp.argmax(jnp.einsum("btd,vd->btv", h[:, :-1], params["lm_head"].astype(h.dtype),
+                                     preferred_element_type=F32), axis=-1)
+        ok = (pred == tokens[:, 1:]) | ~mask[:, :-1]
+        return jnp.all(ok, axis=1), jnp.sum(ok & mask[:, :-1], axis=1)
+
+    def evaluate(params) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for ctx, (rows, mask) in sorted(sets.items()):
+            n = len(rows)
+            pad = -n % batch
+            rows_p = np.concatenate([rows, np.repeat(rows[:1], pad, 0)]) if pad else rows
+            mask_p = np.concatenate([mask, np.repeat(mask[:1], pad, 0)]) if pad else mask
+            full, tok_ok = [], []
+            for i in range(0, len(rows_p), batch):
+                a, b = jax.device_get(hits(params, jnp.asarray(rows_p[i:i + batch]), jnp.asarray(mask_p[i:i + batch])))
+                full.append(a)
+                tok_ok.append(b)
+            full, tok_ok = np.concatenate(full)[:n], np.concatenate(tok_ok)[:n]
+            out[f"needle_acc_{ctx}"] = float(np.mean(full))
+            out[f"needle_tok_{ctx}"] = float(np.sum(tok_ok) / max(1, int(mask.sum())))
+        return out
+
+    return evaluate
+
+
 def tau_anchors(n_rows: int, seq_len: int, per_row: int, seed: int, blk: int) -> np.ndarray:
     """Fixed eval anchors ``[n_rows, per_row]``: distinct sorted positions in [blk, T-2] (each with context)."""
     rng = np.random.default_rng([seed, 7])
@@ -643,6 +815,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="wall-clock budget: past it the running phase checkpoints and the script exits with code 3 "
                          "(continue with --resume)")
+    ap.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES,
+                    help="largest exported file: the target is sharded above it, anything else over it is an error")
     ap.add_argument("--eval-every", type=int, help="held-out eval every N steps (0 = only at the end)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override any preset value, e.g. --set target.hidden_size=512 --set data.n_chat=5000")
@@ -751,7 +925,9 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
 
     # ---- data ----------------------------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    data = prepare_data(cfg["data"], T, seed, work)
+    hp_l = cfg["train"].get("target_long")
+    long_T = hp_l["seq_len"] if hp_l and hp_l.get("steps") else None
+    data = prepare_data(cfg["data"], T, seed, work, long_T)
     t_data = time.perf_counter() - t0
     sp = data.special_ids
     ev_sets = eval_sets(data, cfg["eval"]["seqs"])
@@ -779,9 +955,31 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                       eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
                       deadline=deadline)
     tp = res_t.params
+    r_eval_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4) if data.retrieval_eval else None
+    retrieval = {}
+    if r_eval_fn is not None:
+        t0 = time.perf_counter()
+        retrieval["after_target"] = r_eval_fn(compute_params(tp, cdtype))
+        log("[target] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval["after_target"].items())
+            + f" ({time.perf_counter() - t0:.1f}s)")
+    res_l = None
+    if long_T:
+        if data.train_long is None or not len(data.train_long):
+            raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
+        log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document")
+        res_l = run_phase("target_long", tp, None, target_loss, Batches(data.train_long, hp_l["batch"], seed + 3),
+                          hp_l, work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
+                          ckpt_every=cfg["ckpt_every"], tokens_per_step=hp_l["batch"] * long_T, deadline=deadline)
+        tp = res_l.params
+        if r_eval_fn is not None:
+            t0 = time.perf_counter()
+            retrieval["after_target_long"] = r_eval_fn(compute_params(tp, cdtype))
+            log("[target_long] held-out retrieval: " + " ".join(
+                f"{k} {v:.3f}" for k, v in retrieval["after_target_long"].items()) +
+                f" ({time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     t_eval = target_eval(tp)
-    res_t.history["eval"].append({"step": res_t.steps, **t_eval})
+    (res_l or res_t).history["eval"].append({"step": (res_l or res_t).steps, **t_eval})
     log(f"[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
         f" ({time.perf_counter() - t0:.1f}s)")
 
@@ -821,7 +1019,11 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     tau_init = drafter_eval(dp)
     log(f"[drafter] tau at init {tau_init['tau']:.3f} ({len(tau_rows)}x{anchors.shape[1]} anchors; greedy "
         f"labels {t_labels:.1f}s)")
-    res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(data.train, hp_d["batch"], seed + 1), hp_d,
+    # the drafter learns on the plain stdlib + chat rows (after pack_rows' rows holding retrieval documents, whose
+    # random key values no drafter can guess): acceptance is measured on held-out stdlib code
+    n_whole = data.meta.get("packing", {}).get("train", {}).get("rows_with_whole_docs", 0)
+    d_rows = data.train[n_whole:] if len(data.train) - n_whole >= hp_d["batch"] else data.train
+    res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(d_rows, hp_d["batch"], seed + 1), hp_d,
                       work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                       ckpt_every=cfg["ckpt_every"], eval_fn=drafter_eval, eval_every=cfg["eval"]["every"],
                       tokens_per_step=hp_d["batch"] * T, deadline=deadline)
@@ -859,7 +1061,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     # ---- export --------------------------------------------------------------------------------------------------
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    save_target(os.path.join(out, "target"), tcfg, tp, edtype)
+    save_target(os.path.join(out, "target"), tcfg, tp, edtype, args.max_file_bytes)
     _copy_tokenizer(data.tokenizer_dir, os.path.join(out, "target"))
     save_drafter(os.path.join(out, "drafter"), dcfg, jax.tree_util.tree_map(
         lambda x: x.astype(edtype) if x.ndim >= 2 else x, dp))
@@ -868,12 +1070,17 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
             lambda x: x.astype(edtype) if x.ndim >= 2 else x.astype(F32), res_s.params))
         _copy_tokenizer(data.tokenizer_dir, os.path.join(out, "scorer"))
     _readable(out)
+    too_big = [f"{os.path.relpath(os.path.join(d, f), out)} ({os.path.getsize(os.path.join(d, f))} bytes)"
+               for d, _, fs in os.walk(out) for f in fs if os.path.getsize(os.path.join(d, f)) > args.max_file_bytes]
+    if too_big:
+        raise RuntimeError(f"exported files over {args.max_file_bytes} bytes: {too_big}")
     check = verify_export(out, tcfg, tp, dcfg, dp, tau_rows[0, : min(T, 128)], edtype)
     t_export = time.perf_counter() - t0
     log(f"[export] {out}: " + " ".join(f"{k} {v}" for k, v in check.items()))
 
     # ---- report --------------------------------------------------------------------------------------------------
-    curves = {"target": res_t.history, "drafter": res_d.history}
+    curves = {"target": res_t.history} | ({"target_long": res_l.history} if res_l else {}) | {
+        "drafter": res_d.history}
     if res_s is not None:
         curves["scorer"] = res_s.history
     try:
@@ -904,7 +1111,11 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
             "work_dir": data.meta["dir"]},
         "target": {"config": tc.target_hf_dict_from_config(tcfg, args.export_dtype)["text_config"],
                    "parameters": n_params(tp), "held_out": t_eval, "train_loss": first_last(res_t.history),
-                   "timing": res_t.timing, "resumed_from": res_t.resumed_from, "hparams": hp_t},
+                   "timing": res_t.timing, "resumed_from": res_t.resumed_from, "hparams": hp_t,
+                   "retrieval": retrieval,
+                   "long": None if res_l is None else {
+                       "train_loss": first_last(res_l.history), "timing": res_l.timing,
+                       "resumed_from": res_l.resumed_from, "hparams": hp_l}},
         "drafter": {"config": dcfg.to_hf_dict(), "parameters": n_params(dp), "held_out": d_eval,
                     "held_out_at_init": tau_init, "train_loss": first_last(res_d.history), "timing": res_d.timing,
                     "resumed_from": res_d.resumed_from, "hparams": hp_d,
@@ -920,7 +1131,9 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     }
     with open(os.path.join(out, "train_report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
-    log(f"[done] {report['timing']['total_seconds']:.1f}s; target ppl {t_eval['ppl']:.3f}, drafter tau "
+    last_r = retrieval.get("after_target_long") or retrieval.get("after_target") or {}
+    log(f"[done] {report['timing']['total_seconds']:.1f}s; target ppl {t_eval['ppl']:.3f}" +
+        "".join(f", {k} {v:.2f}" for k, v in last_r.items() if k.startswith("needle_acc")) + ", drafter tau "
         f"{d_eval['tau']:.3f} (init {tau_init['tau']:.3f})" +
         (f", scorer ppl {s_eval['ppl']:.3f}" if s_eval else "") + f"; report {out}/train_report.json")
     return report
