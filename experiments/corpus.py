@@ -529,6 +529,11 @@ def write_docs(path: str, docs: Sequence[str]) -> None:
 _FILLER: Sequence[tuple[str, str]] = ()
 
 
+def _set_filler(filler: Sequence[tuple[str, str]]) -> None:
+    global _FILLER
+    _FILLER = filler
+
+
 def _retrieval_chunk(job: tuple[str, int, int, int, float]) -> list[str]:
     seed, n, lo, hi, p_long = job
     return retrieval_documents(seed, n, lo, hi, _FILLER, p_long=p_long)
@@ -536,20 +541,20 @@ def _retrieval_chunk(job: tuple[str, int, int, int, float]) -> list[str]:
 
 def parallel_retrieval_documents(seed: str, n: int, lo: int, hi: int, filler: Sequence[tuple[str, str]], *,
                                  p_long: float = 0.0, workers: int | None = None, chunk: int = 200) -> list[str]:
-    """``retrieval_documents`` in chunks of ``chunk`` seeded ``f"{seed}-{i}"``, over forked worker processes:
-    the same documents for any number of workers."""
-    global _FILLER
+    """``retrieval_documents`` in chunks of ``chunk`` seeded ``f"{seed}-{i}"``, over ``workers`` processes: the
+    same documents for any number of workers. The workers are spawned, not forked: the caller may already run
+    JAX's threads."""
     jobs = [(f"{seed}-{i}", min(chunk, n - i * chunk), lo, hi, p_long) for i in range(-(-n // chunk))]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
-    _FILLER = filler
-    try:
-        if workers <= 1 or "fork" not in mp.get_all_start_methods():
+    if workers <= 1:
+        _set_filler(filler)
+        try:
             parts = [_retrieval_chunk(j) for j in jobs]
-        else:
-            with mp.get_context("fork").Pool(workers) as pool:
-                parts = pool.map(_retrieval_chunk, jobs)
-    finally:
-        _FILLER = ()
+        finally:
+            _set_filler(())
+    else:
+        with mp.get_context("spawn").Pool(workers, initializer=_set_filler, initargs=(list(filler),)) as pool:
+            parts = pool.map(_retrieval_chunk, jobs)
     return [d for p in parts for d in p]
 
 

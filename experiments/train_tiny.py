@@ -122,12 +122,15 @@ def pack_rows(stream: list[list[int]], whole: list[list[int]], sep: int, seq_len
     for docs in bins:
         used = sum(len(d) + 1 for d in docs)
         free = seq_len - used
-        fill = flat[pos:pos + free] if pos + free <= len(flat) else np.resize(flat, free)  # cycle when short
-        pos = pos + free if pos + free <= len(flat) else len(flat)
+        if not len(flat):
+            fill = np.full(free, sep, np.int32)
+        else:  # the stream cycles when it runs out (pos then passes its end: no plain rows follow)
+            fill = flat[np.arange(pos, pos + free) % len(flat)]
+        pos += free
         cut = int(rng.integers(0, free + 1))
         parts = [fill[:cut]] + [np.asarray([*d, sep], np.int32) for d in docs] + [fill[cut:]]
         rows.append(np.concatenate(parts))
-    rest = flat[pos:]
+    rest = flat[pos:] if pos < len(flat) else flat[:0]
     n = len(rest) // seq_len
     if n:
         rows.extend(rest[: n * seq_len].reshape(n, seq_len))
