@@ -11,21 +11,28 @@ set unless ``--no-deterministic``, and a resumed run gives the same weights as a
 Phases (each checkpointed with orbax every ``ckpt_every`` steps under ``--work-dir``; ``--resume`` continues the
 latest checkpoint of a phase, a finished phase is not re-run):
 
-1. data: ``experiments/corpus.py`` (stdlib sources split by the fixed sha1 rule, chat, needle) and the BPE of
-   ``experiments/train_tokenizer.py`` trained on the corpus' train split; documents are tokenised, joined with
-   ``<|endoftext|>`` and packed into ``seq_len`` rows (train; eval per kind: stdlib / chat / needle). Cached in the
-   work dir, keyed by the data settings.
+1. data: ``experiments/corpus.py`` (stdlib sources split by the fixed sha1 rule, chat, retrieval documents) and
+   the BPE of ``experiments/train_tokenizer.py`` trained on the corpus' train split; documents are tokenised, joined
+   with ``<|endoftext|>`` and packed into ``seq_len`` rows (``pack_rows``: every retrieval document whole inside
+   one row, the stdlib + chat stream around it and in the plain rows), long retrieval documents into rows of the
+   long phase's length; eval rows per kind (stdlib / chat / needle) and the ``bench needle`` prompts with their
+   answers at ``data.retrieval_eval`` lengths. Cached in the work dir, keyed by the data settings.
 2. target: the real Qwen3.5/3.6 hybrid (``qwen36.forward`` with a fresh paged state per batch, so training runs the
    same code that serves) trained with next-token CE, AdamW + warmup + cosine + global-norm clipping; fp32 master
-   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step. Held-out perplexity.
-3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``: random
+   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step; then ``target_long``
+   continues it on the long rows (8448 tokens in ``tiny``: the 8K bench prompt and its answer fit a row).
+   Held-out perplexity, and held-out needle accuracy (``make_retrieval_eval``: the bench's prompts, teacher forced)
+   after each of the two.
+3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``, on the
+   plain stdlib + chat rows: random
    anchors, blocks of ``block_size``, decayed CE (gamma 7); labels are the target's teacher-forced argmax
    (``--drafter-labels target``, default) or the text (``data``). Held-out chain acceptance length tau: the
    drafter's argmax block at fixed anchors against the target's exact greedy continuation from the anchor.
 4. scorer: a tiny plain Qwen3 dense LM (``tiny_configs.dense_*``) with the same recipe as the target.
 5. export (HF layout) to ``--out/{target,drafter,scorer}`` + ``train_report.json`` (+ ``loss_curves.png`` when
-   matplotlib is installed); the exported target is reloaded with ``dflash_jax.load_target`` and checked against
-   the trained parameters.
+   matplotlib is installed); a target over ``--max-file-bytes`` (15 MiB) is written as index + shards, and any
+   other file over it is an error; the exported target is reloaded with ``dflash_jax.load_target`` and checked
+   against the trained parameters.
 
 Python API: ``main(argv) -> report dict``; ``save_target(path, cfg, params, dtype=None)``; ``target_hidden``;
 ``init_target``.
@@ -370,6 +377,28 @@ def next_token_ce(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(lg, axis=-1) - jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
 
 
+def assistant_mask(tokens: jax.Array, im_start: int, assistant: int, im_end: int) -> jax.Array:
+    """[B, T] bool: the tokens of assistant turns' content - after ``<|im_start|>assistant`` up to and including
+    its ``<|im_end|>`` (a row that starts inside a turn counts it only from the next turn on)."""
+    b, t = tokens.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    nxt = jnp.concatenate([tokens[:, 1:], jnp.full((b, 1), -1, tokens.dtype)], axis=1)
+    start = (tokens == im_start) & (nxt == assistant)
+    last_start = jax.lax.cummax(jnp.where(start, idx, -1), axis=1)
+    last_end = jax.lax.cummax(jnp.where(tokens == im_end, idx, -1), axis=1)
+    end_before = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), last_end[:, :-1]], axis=1)
+    return (last_start >= 0) & (last_start > end_before) & (idx > last_start + 1)
+
+
+def weighted_next_token_ce(logits: jax.Array, tokens: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """Mean next-token CE, each target token weighted by ``weights`` [B, T] (None: the plain mean)."""
+    ce = next_token_ce(logits, tokens)
+    if weights is None:
+        return jnp.mean(ce)
+    w = weights[:, 1:].astype(F32)
+    return jnp.sum(ce * w) / jnp.sum(w)
+
+
 def n_params(tree: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
 
@@ -433,6 +462,16 @@ def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None,
         weight_map.update({n: fname for n in sh})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, fh, indent=2)
+
+
+def _single_token_id(tokenizer_dir: str, text: str) -> int:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ids = HFTokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    if len(ids) != 1:
+        raise ValueError(f"{text!r} is {len(ids)} tokens in {tokenizer_dir}; the answer weighting needs one")
+    return ids[0]
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
@@ -536,17 +575,19 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
 
     if hp.get("minutes") and resumed is None:
         p_, o_ = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
-        n_probe, t_probe = 6, None
+        n_probe, t_probe, t_compile = 6, None, time.perf_counter()
         for i in range(n_probe):
             if i == 1:
                 t_probe = time.perf_counter()
+                t_compile = t_probe - t_compile
             p_, o_, l_, *_ = train_step(p_, o_, frozen, jnp.asarray(batches(i)), jnp.int32(i), jnp.float32(0.0))
             jax.block_until_ready(l_)
         step_s = (time.perf_counter() - t_probe) / (n_probe - 1)
         del p_, o_
         fit = int(60 * hp["minutes"] * 0.9 / step_s)
         steps = max(1, min(steps, fit))
-        log(f"[{name}] {step_s * 1e3:.1f} ms/step: {steps} steps fit {hp['minutes']} min (configured {hp['steps']})")
+        log(f"[{name}] {step_s * 1e3:.1f} ms/step: {steps} steps fit {hp['minutes']} min (configured {hp['steps']}; "
+            f"compile + first step {t_compile:.1f}s)")
     sched = make_schedule(hp, steps)
 
     def save(step: int) -> None:
@@ -944,10 +985,23 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     log(f"[target] {n_params(tp):,} parameters; layers {''.join('A' if t == FULL else 'G' for t in tcfg.layer_types)}")
     hp_t = cfg["train"]["target"]
 
-    def target_loss(params, frozen, tokens, key):
-        p = compute_params(params, cdtype)
-        h, _ = target_hidden(p, tcfg, tokens)
-        return jnp.mean(next_token_ce(qwen36.lm_logits(p, h), tokens)), {}
+    # assistant turns (the answers: retrieved keys, chat replies) weigh answer_weight times a text token in the
+    # target's loss: a retrieval document holds a handful of answer tokens among ~1000 haystack tokens
+    asst_ids = {"im_start": sp["<|im_start|>"], "im_end": sp["<|im_end|>"],
+                "assistant": _single_token_id(data.tokenizer_dir, "assistant")}
+
+    def make_target_loss(answer_weight: float):
+        def target_loss(params, frozen, tokens, key):
+            p = compute_params(params, cdtype)
+            h, _ = target_hidden(p, tcfg, tokens)
+            w = None
+            if answer_weight != 1.0:
+                w = 1.0 + (answer_weight - 1.0) * assistant_mask(tokens, asst_ids["im_start"], asst_ids["assistant"],
+                                                                 asst_ids["im_end"])
+            return weighted_next_token_ce(qwen36.lm_logits(p, h), tokens, w), {}
+        return target_loss
+
+    target_loss = make_target_loss(float(hp_t.get("answer_weight", 1.0)))
 
     t_hidden = lambda p, tok: target_hidden(p, tcfg, tok)[0]
     ev_batch = max(1, min(hp_t["batch"], 16))
@@ -970,7 +1024,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         if data.train_long is None or not len(data.train_long):
             raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
         log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document")
-        res_l = run_phase("target_long", tp, None, target_loss, Batches(data.train_long, hp_l["batch"], seed + 3),
+        res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0))), Batches(data.train_long, hp_l["batch"], seed + 3),
                           hp_l, work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                           ckpt_every=cfg["ckpt_every"], tokens_per_step=hp_l["batch"] * long_T, deadline=deadline)
         tp = res_l.params

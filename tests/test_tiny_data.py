@@ -170,3 +170,22 @@ def test_sharded_target_export_loads_to_the_same_model(tmp_path):
     # re-exporting small again removes the shards
     train_tiny.save_target(str(sharded), cfg, params)
     assert sorted(os.listdir(sharded)) == ["config.json", "model.safetensors"]
+
+
+def test_assistant_mask_marks_answers_and_their_end():
+    S, A, E, U = 1, 50, 2, 51  # <|im_start|>, "assistant", <|im_end|>, "user"
+    row = [7, 8, E, 9, S, U, 10, 11, E, S, A, 12, 13, 14, E, 15, S, A, 16, E, 17]
+    want = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 0]
+    # the row starts inside an assistant turn: its tail (7, 8, E) is not counted
+    got = np.asarray(train_tiny.assistant_mask(np.asarray([row], np.int32), S, A, E))[0]
+    assert got.astype(int).tolist() == want
+    # the weighted CE is the plain mean at unit weights and leans on the weighted tokens otherwise
+    rng = np.random.default_rng(0)
+    toks = np.asarray([row], np.int32)
+    logits = rng.standard_normal((1, len(row), 64)).astype(np.float32)
+    plain = float(train_tiny.weighted_next_token_ce(logits, toks, None))
+    assert np.isclose(float(train_tiny.weighted_next_token_ce(logits, toks, np.ones_like(toks))), plain, rtol=1e-6)
+    ce = np.asarray(train_tiny.next_token_ce(logits, toks))[0]
+    w = 1.0 + 4.0 * got
+    assert np.isclose(float(train_tiny.weighted_next_token_ce(logits, toks, w[None])),
+                      float((ce * w[1:]).sum() / w[1:].sum()), rtol=1e-6)
