@@ -54,7 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             # then the target continues at 8192 + 256 tokens (the 8K bench prompt and its answer fit a row) on
             # rows that each hold a long retrieval document
             "target_long": {"seq_len": 8448, "steps": 1000, "batch": 4, "lr": 3e-4, "warmup": 0.05, "wd": 0.1,
-                            "clip": 1.0, "minutes": 1.0, "answer_weight": 1.0},
+                            "clip": 1.0, "minutes": 1.0, "answer_weight": 4.0},
             "drafter": {"steps": 4000, "batch": 8, "lr": 6e-4, "warmup": 0.04, "wd": 0.0, "clip": 1.0,
                         "anchors": 128, "gamma": 7.0, "minutes": 2.0},
             "scorer": {"steps": 1500, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
