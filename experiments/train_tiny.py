@@ -377,17 +377,21 @@ def next_token_ce(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(lg, axis=-1) - jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
 
 
-def assistant_mask(tokens: jax.Array, im_start: int, assistant: int, im_end: int) -> jax.Array:
-    """[B, T] bool: the tokens of assistant turns' content - after ``<|im_start|>assistant`` up to and including
-    its ``<|im_end|>`` (a row that starts inside a turn counts it only from the next turn on)."""
+def assistant_mask(tokens: jax.Array, im_start: int, assistant: Sequence[int], im_end: int) -> jax.Array:
+    """[B, T] bool: the tokens of assistant turns' content - after ``<|im_start|>`` + the ``assistant`` role's
+    token ids, up to and including the turn's ``<|im_end|>`` (a row that starts inside a turn counts it only from
+    the next turn on)."""
     b, t = tokens.shape
+    k = len(assistant)
     idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    nxt = jnp.concatenate([tokens[:, 1:], jnp.full((b, 1), -1, tokens.dtype)], axis=1)
-    start = (tokens == im_start) & (nxt == assistant)
+    padded = jnp.concatenate([tokens, jnp.full((b, k), -1, tokens.dtype)], axis=1)
+    start = tokens == im_start
+    for j, a in enumerate(assistant):
+        start &= padded[:, j + 1:j + 1 + t] == a
     last_start = jax.lax.cummax(jnp.where(start, idx, -1), axis=1)
     last_end = jax.lax.cummax(jnp.where(tokens == im_end, idx, -1), axis=1)
     end_before = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), last_end[:, :-1]], axis=1)
-    return (last_start >= 0) & (last_start > end_before) & (idx > last_start + 1)
+    return (last_start >= 0) & (last_start > end_before) & (idx > last_start + k)
 
 
 def weighted_next_token_ce(logits: jax.Array, tokens: jax.Array, weights: jax.Array | None) -> jax.Array:
@@ -464,14 +468,11 @@ def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None,
         json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, fh, indent=2)
 
 
-def _single_token_id(tokenizer_dir: str, text: str) -> int:
+def _token_ids(tokenizer_dir: str, text: str) -> tuple[int, ...]:
     from tokenizers import Tokenizer as HFTokenizer
 
-    ids = HFTokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json")).encode(
-        text, add_special_tokens=False).ids
-    if len(ids) != 1:
-        raise ValueError(f"{text!r} is {len(ids)} tokens in {tokenizer_dir}; the answer weighting needs one")
-    return ids[0]
+    return tuple(HFTokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids)
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
@@ -988,7 +989,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     # assistant turns (the answers: retrieved keys, chat replies) weigh answer_weight times a text token in the
     # target's loss: a retrieval document holds a handful of answer tokens among ~1000 haystack tokens
     asst_ids = {"im_start": sp["<|im_start|>"], "im_end": sp["<|im_end|>"],
-                "assistant": _single_token_id(data.tokenizer_dir, "assistant")}
+                "assistant": _token_ids(data.tokenizer_dir, "assistant")}
 
     def make_target_loss(answer_weight: float):
         def target_loss(params, frozen, tokens, key):

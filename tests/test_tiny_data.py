@@ -177,8 +177,13 @@ def test_assistant_mask_marks_answers_and_their_end():
     row = [7, 8, E, 9, S, U, 10, 11, E, S, A, 12, 13, 14, E, 15, S, A, 16, E, 17]
     want = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 0]
     # the row starts inside an assistant turn: its tail (7, 8, E) is not counted
-    got = np.asarray(train_tiny.assistant_mask(np.asarray([row], np.int32), S, A, E))[0]
+    got = np.asarray(train_tiny.assistant_mask(np.asarray([row], np.int32), S, (A,), E))[0]
     assert got.astype(int).tolist() == want
+    # a role of several tokens: "assistant" = (60, 61); "as" + "sistant"-like prefixes of other roles do not count
+    row2 = [S, 60, 62, 9, E, S, 60, 61, 12, 13, E, 14]
+    want2 = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
+    got2 = np.asarray(train_tiny.assistant_mask(np.asarray([row2], np.int32), S, (60, 61), E))[0]
+    assert got2.astype(int).tolist() == want2
     # the weighted CE is the plain mean at unit weights and leans on the weighted tokens otherwise
     rng = np.random.default_rng(0)
     toks = np.asarray([row], np.int32)
