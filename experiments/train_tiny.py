@@ -23,8 +23,7 @@ latest checkpoint of a phase, a finished phase is not re-run):
    continues it on the long rows (8448 tokens in ``tiny``: the 8K bench prompt and its answer fit a row).
    Held-out perplexity, and held-out needle accuracy (``make_retrieval_eval``: the bench's prompts, teacher forced)
    after each of the two.
-3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``, on the
-   plain stdlib + chat rows: random
+3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``: random
    anchors, blocks of ``block_size``, decayed CE (gamma 7); labels are the target's teacher-forced argmax
    (``--drafter-labels target``, default) or the text (``data``). Held-out chain acceptance length tau: the
    drafter's argmax block at fixed anchors against the target's exact greedy continuation from the anchor.
@@ -1077,11 +1076,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     tau_init = drafter_eval(dp)
     log(f"[drafter] tau at init {tau_init['tau']:.3f} ({len(tau_rows)}x{anchors.shape[1]} anchors; greedy "
         f"labels {t_labels:.1f}s)")
-    # the drafter learns on the plain stdlib + chat rows (after pack_rows' rows holding retrieval documents, whose
-    # random key values no drafter can guess): acceptance is measured on held-out stdlib code
-    n_whole = data.meta.get("packing", {}).get("train", {}).get("rows_with_whole_docs", 0)
-    d_rows = data.train[n_whole:] if len(data.train) - n_whole >= hp_d["batch"] else data.train
-    res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(d_rows, hp_d["batch"], seed + 1), hp_d,
+    res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(data.train, hp_d["batch"], seed + 1), hp_d,
                       work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                       ckpt_every=cfg["ckpt_every"], eval_fn=drafter_eval, eval_every=cfg["eval"]["every"],
                       tokens_per_step=hp_d["batch"] * T, deadline=deadline)
