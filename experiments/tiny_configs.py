@@ -81,7 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0, "minutes": None,
                        "answer_weight": 3.0},
             "target_long": {"seq_len": 512, "steps": 4, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.1,
-                            "clip": 1.0, "answer_weight": 3.0},
+                            "clip": 1.0, "answer_weight": 3.0, "minutes": None},
             "drafter": {"steps": 6, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.0, "clip": 1.0,
                         "anchors": 8, "gamma": 7.0},
             "scorer": {"steps": 6, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0},

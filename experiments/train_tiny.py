@@ -52,6 +52,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+_T_START = time.time()  # before importing JAX: --time-budget counts the whole process
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -410,6 +411,8 @@ def n_params(tree: Any) -> int:
 # export
 # =====================================================================================================================
 
+#: Seconds --time-budget keeps per remaining phase for its compile, probe, evals (and the export at the end).
+PHASE_RESERVE_S = 30.0
 #: Largest exported file (bytes): bigger checkpoints are written as shards + ``model.safetensors.index.json``.
 MAX_FILE_BYTES = 15 * 2 ** 20
 
@@ -527,7 +530,8 @@ class PhaseResult:
 
 def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: Batches, hp: dict[str, Any], *,
               work: str, resume: bool, seed: int, log_every: int, ckpt_every: int, eval_fn: Callable | None = None,
-              eval_every: int = 0, tokens_per_step: int = 0, deadline: float | None = None) -> PhaseResult:
+              eval_every: int = 0, tokens_per_step: int = 0, deadline: float | None = None,
+              max_seconds: float | None = None) -> PhaseResult:
     """AdamW over ``loss_fn(params, frozen, batch, key) -> (loss, aux dict)`` for ``hp['steps']`` steps, with orbax
     checkpoints (params, optimizer state) every ``ckpt_every`` steps and at the end, and a JSON loss history.
     Past ``deadline`` (``time.time()``) it checkpoints and raises ``OutOfTime`` (continue with ``--resume``).
@@ -535,7 +539,8 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
     With ``hp["minutes"]``, the step count is fitted to that time budget: a few probe steps (on copies; the first
     one compiles) time a step, and the phase runs ``min(hp["steps"], what fits)`` steps with the schedule laid
     over that count. The fitted count is recorded (``PhaseResult.steps``, the history file) and reused on resume;
-    passing it as the phase's steps without ``minutes`` reproduces the run exactly."""
+    passing it as the phase's steps without ``minutes`` reproduces the run exactly. ``max_seconds`` (what the run's
+    ``--time-budget`` leaves this phase) caps that budget further."""
     import orbax.checkpoint as ocp
 
     steps = hp["steps"]
@@ -584,10 +589,13 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
             jax.block_until_ready(l_)
         step_s = (time.perf_counter() - t_probe) / (n_probe - 1)
         del p_, o_
-        fit = int(60 * hp["minutes"] * 0.9 / step_s)
+        budget = 60 * hp["minutes"] * 0.9
+        capped = max_seconds is not None and max_seconds < budget
+        fit = int(max(0.0, min(budget, max_seconds) if capped else budget) / step_s)
         steps = max(1, min(steps, fit))
         log(f"[{name}] {step_s * 1e3:.1f} ms/step: {steps} steps fit {hp['minutes']} min (configured {hp['steps']}; "
-            f"compile + first step {t_compile:.1f}s)")
+            f"compile + first step {t_compile:.1f}s)" +
+            (f"; capped to {max(0.0, max_seconds):.0f}s by --time-budget" if capped else ""))
     sched = make_schedule(hp, steps)
 
     def save(step: int) -> None:
@@ -856,6 +864,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                     help="allow non-deterministic GPU reductions (default: XLA_FLAGS --xla_gpu_deterministic_ops, "
                          "so a rerun with the same seed reproduces the weights)")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="wall-clock budget of the whole process: each timed phase's step budget is cut to what is "
+                         "left after the later phases' budgets and a reserve for compiles, evals and the export, so "
+                         "the run ends (with its export) within it")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="wall-clock budget: past it the running phase checkpoints and the script exits with code 3 "
                          "(continue with --resume)")
@@ -972,6 +984,17 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     hp_l = cfg["train"].get("target_long")
     long_T = hp_l["seq_len"] if hp_l and hp_l.get("steps") else None
     data = prepare_data(cfg["data"], T, seed, work, long_T)
+    order = ["target"] + (["target_long"] if long_T else []) + ["drafter"] + ([] if args.no_scorer else ["scorer"])
+
+    def time_cap(name: str) -> float | None:
+        """Seconds of steps the --time-budget leaves phase ``name``: the rest of the budget less the later phases'
+        step budgets and PHASE_RESERVE_S for each phase's compile / eval / labels and the export."""
+        if args.time_budget is None:
+            return None
+        later = order[order.index(name) + 1:]
+        reserve = sum(0.9 * 60 * (cfg["train"][n].get("minutes") or 0) for n in later)
+        return _T_START + args.time_budget - time.time() - reserve - PHASE_RESERVE_S * (len(later) + 1)
+
     t_data = time.perf_counter() - t0
     sp = data.special_ids
     ev_sets = eval_sets(data, cfg["eval"]["seqs"])
@@ -1010,7 +1033,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     res_t = run_phase("target", tp, None, target_loss, Batches(data.train, hp_t["batch"], seed), hp_t, work=work,
                       resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
                       eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
-                      deadline=deadline)
+                      deadline=deadline, max_seconds=time_cap("target"))
     tp = res_t.params
     r_eval_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4) if data.retrieval_eval else None
     retrieval = {}
@@ -1024,9 +1047,11 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         if data.train_long is None or not len(data.train_long):
             raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
         log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document")
-        res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0))), Batches(data.train_long, hp_l["batch"], seed + 3),
-                          hp_l, work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
-                          ckpt_every=cfg["ckpt_every"], tokens_per_step=hp_l["batch"] * long_T, deadline=deadline)
+        res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0))),
+                          Batches(data.train_long, hp_l["batch"], seed + 3), hp_l, work=work, resume=args.resume,
+                          seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
+                          tokens_per_step=hp_l["batch"] * long_T, deadline=deadline,
+                          max_seconds=time_cap("target_long"))
         tp = res_l.params
         if r_eval_fn is not None:
             t0 = time.perf_counter()
@@ -1079,7 +1104,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(data.train, hp_d["batch"], seed + 1), hp_d,
                       work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                       ckpt_every=cfg["ckpt_every"], eval_fn=drafter_eval, eval_every=cfg["eval"]["every"],
-                      tokens_per_step=hp_d["batch"] * T, deadline=deadline)
+                      tokens_per_step=hp_d["batch"] * T, deadline=deadline, max_seconds=time_cap("drafter"))
     dp = res_d.params
     d_eval = drafter_eval(dp)
     res_d.history["eval"].append({"step": res_d.steps, **d_eval})
@@ -1106,7 +1131,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         res_s = run_phase("scorer", sparams, None, scorer_loss, Batches(data.train, hp_s["batch"], seed + 2), hp_s,
                           work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                           ckpt_every=cfg["ckpt_every"], eval_fn=scorer_eval, eval_every=cfg["eval"]["every"],
-                          tokens_per_step=hp_s["batch"] * T, deadline=deadline)
+                          tokens_per_step=hp_s["batch"] * T, deadline=deadline, max_seconds=time_cap("scorer"))
         s_eval = scorer_eval(res_s.params)
         res_s.history["eval"].append({"step": res_s.steps, **s_eval})
         log("[scorer] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in s_eval.items()))

@@ -194,3 +194,19 @@ def test_assistant_mask_marks_answers_and_their_end():
     w = 1.0 + 4.0 * got
     assert np.isclose(float(train_tiny.weighted_next_token_ce(logits, toks, w[None])),
                       float((ce * w[1:]).sum() / w[1:].sum()), rtol=1e-6)
+
+
+def test_run_phase_step_budget_is_capped_by_the_time_left(tmp_path):
+    import jax.numpy as jnp
+
+    def loss(params, frozen, batch, key):
+        return jnp.mean((params["w"] @ batch.astype(jnp.float32).T) ** 2), {}
+
+    params = lambda: {"w": jnp.ones((2, 3), jnp.float32)}  # noqa: E731 (the steps donate their parameters)
+    batches = train_tiny.Batches(np.arange(24, dtype=np.int32).reshape(8, 3), 2, 0)
+    hp = {"steps": 50, "lr": 1e-2, "warmup": 0.1, "wd": 0.0, "clip": 1.0, "minutes": 1.0}
+    kw = dict(work=str(tmp_path), resume=False, seed=0, log_every=10, ckpt_every=1000)
+    free = train_tiny.run_phase("free", params(), None, loss, batches, hp, **kw)
+    assert free.steps == 50  # a minute fits all 50 steps
+    none_left = train_tiny.run_phase("capped", params(), None, loss, batches, hp, max_seconds=-5.0, **kw)
+    assert none_left.steps == 1 and none_left.timing["steps_run"] == 1
