@@ -553,8 +553,17 @@ def parallel_retrieval_documents(seed: str, n: int, lo: int, hi: int, filler: Se
         finally:
             _set_filler(())
     else:
-        with mp.get_context("spawn").Pool(workers, initializer=_set_filler, initargs=(list(filler),)) as pool:
-            parts = pool.map(_retrieval_chunk, jobs)
+        # the workers never touch an accelerator: should an import start a JAX backend there, it is the CPU one
+        old = os.environ.get("JAX_PLATFORMS")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        try:
+            with mp.get_context("spawn").Pool(workers, initializer=_set_filler, initargs=(list(filler),)) as pool:
+                parts = pool.map(_retrieval_chunk, jobs)
+        finally:
+            if old is None:
+                os.environ.pop("JAX_PLATFORMS", None)
+            else:
+                os.environ["JAX_PLATFORMS"] = old
     return [d for p in parts for d in p]
 
 
