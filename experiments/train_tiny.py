@@ -142,7 +142,8 @@ def pack_rows(stream: list[list[int]], whole: list[list[int]], sep: int, seq_len
     if n:
         rows.extend(rest[: n * seq_len].reshape(n, seq_len))
     if not rows:
-        return np.zeros((0, seq_len), np.int32), {"rows": 0, "whole_docs": 0, "whole_dropped": dropped}
+        return np.zeros((0, seq_len), np.int32), {"rows": 0, "rows_with_whole_docs": 0, "whole_docs": 0,
+                                                  "whole_dropped": dropped, "whole_token_fraction": 0.0}
     out = np.stack(rows).astype(np.int32)
     return out, {"rows": int(len(out)), "rows_with_whole_docs": len(bins), "whole_docs": sum(map(len, bins)),
                  "whole_dropped": dropped, "whole_token_fraction": round(n_whole_tokens / out.size, 4)}

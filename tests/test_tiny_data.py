@@ -92,7 +92,7 @@ def test_pack_rows_keeps_whole_documents_inside_one_row(seed, seq_len, n_stream,
     assert rows.ndim == 2 and rows.shape[1] == seq_len and rows.dtype == np.int32
     fits = [d for d in whole if len(d) + 1 <= seq_len]
     assert st_["whole_dropped"] == len(whole) - len(fits) and st_["whole_docs"] == len(fits)
-    n_bins = st_.get("rows_with_whole_docs", 0)
+    n_bins = st_["rows_with_whole_docs"]
     in_row = {r: [] for r in range(n_bins)}
     for d in fits:
         hits = [r for r in range(len(rows)) if _runs(rows[r], d + [sep])]
