@@ -32,7 +32,8 @@ from dflash_jax.models.dense import DenseConfig
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         # retrieval: 8000 documents of ~128-1700 tokens (bench-format needles, 1-6 keys, 1-4 questions), each whole
-        # in a row of 2048; then 1500 of ~1024-7600 for the long phase (estimated lengths; a document over its row is dropped); held-out needle accuracy at 1K / 8K
+        # in a row of 2048; then 1500 of ~1024-7600 for the long phase (estimated lengths: a document longer than
+        # its row is dropped); held-out needle accuracy at 1K / 8K on the bench's own prompts
         "data": {"max_files": None, "n_chat": 20000, "n_eval_chat": 500, "n_needle": 0, "n_eval_needle": 100,
                  "needle_tokens": "512,1024,2048", "vocab_size": 4096, "tok_max_mb": 16.0,
                  "n_retrieval": 8000, "retrieval_tokens": "128,1700", "n_retrieval_long": 1500,
