@@ -8,7 +8,8 @@ Presets (``PRESETS``) give every size knob of ``experiments/train_tiny.py``; com
   256, block 16, ff 384, target layers by the default rule); dense scorer hidden 128, 2 layers, 4/2 heads x 32.
   Training (``train``): the target at 2048 (rows of stdlib + chat, each retrieval document whole in a row), then a
   long phase ``target_long`` at 8448 on rows each holding a long retrieval document; the drafter (on the
-  target's rows, labels = the target's argmax, so retrieval haystacks are code to it); the scorer. Each phase's ``minutes`` fits its step count to a time budget.
+  target's rows, labels = the target's argmax, so retrieval haystacks are code to it); the scorer. Each phase's
+  ``minutes`` fits its step count to a time budget.
 * ``smoke`` - the same structure at toy width, a small corpus and a few steps (CPU, about a minute).
 
 The PFlash scorer is a plain Qwen3-style dense causal LM (reference §5): *plain* RMSNorm ``w * x / rms(x)`` (weights 1
