@@ -10,11 +10,15 @@ Three sources:
     arithmetic and list tasks; about half carry a ``<think>`` reasoning block, the rest the empty think block of
     ``enable_thinking=False``;
 (c) long-context needle / key-value recall prompts: ``needle_example`` hides "The secret key for <name> is <value>."
-    at a random depth in stdlib filler and asks for it at the end.
+    at a random depth in stdlib filler and asks for it at the end; ``retrieval_example`` hides several keys and asks
+    for several of them in follow-up turns.
 
 ``main`` writes to ``--out``:
 
 * ``train.txt``: training documents, each followed by ``<|endoftext|>`` (read back with ``read_train_docs``);
+* ``retrieval.txt`` / ``retrieval_long.txt``: retrieval documents (``retrieval_documents``: the ``bench needle``
+  prompt with 1-6 keys and 1-4 questions, or JSON key-value recall) of ``--retrieval-tokens`` /
+  ``--retrieval-long-tokens`` approximate tokens, in the same format; the trainer packs each whole into one row;
 * ``eval.jsonl``: one JSON record per line, ``{"kind": "stdlib", "path", "text"}``, ``{"kind": "chat", "task",
   "thinking", "text"}``, ``{"kind": "needle", "n_tokens_approx", "depth", "prompt", "answer", "text"}``;
 * ``split.json`` (the rule and the eval file list) and ``stats.json`` (counts and sizes).
@@ -29,6 +33,7 @@ import ast
 import functools
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import random
 import sys
@@ -444,12 +449,122 @@ def needle_chat_text(prompt: str, answer: str, rng: random.Random, *, thinking: 
     return render_chat(msgs, add_generation_prompt=False)
 
 
+QUESTION = "Question: What is the secret key for {name}? Answer with the key only."
+
+
+def retrieval_example(rng: random.Random, n_tokens_approx: int, filler: Sequence[tuple[str, str]], *,
+                      n_keys: int = 1, n_questions: int = 1, p_think: float = 0.2
+                      ) -> tuple[str, list[tuple[str, str]]]:
+    """One retrieval training document ``(text, [(name, value) asked, in order])``: the ``bench needle`` prompt
+    (``needle_example``: ``n_keys`` keys hidden at random depths in ``filler`` lines, about ``n_tokens_approx``
+    tokens) as a closed ChatML conversation answered with the key, then ``n_questions - 1`` follow-up user turns
+    asking, in the bench's question wording, for other keys hidden in the same text, each answered. The last turn
+    is in the exact format the bench decodes from (thinking off unless drawn with ``p_think``); follow-ups give
+    several supervised retrievals per haystack."""
+    if not 1 <= n_questions <= n_keys:
+        raise ValueError(f"need 1 <= n_questions <= n_keys, got {n_questions}, {n_keys}")
+    prompt, value, meta = needle_example(rng, n_tokens_approx, None, filler=filler, n_distractors=n_keys - 1,
+                                         return_meta=True)
+    others = list(meta["distractor_keys"])
+    rng.shuffle(others)
+    asked = [(meta["name"], value)] + others[: n_questions - 1]
+    thinking = rng.random() < p_think
+    msgs: list[dict[str, Any]] = []
+    for i, (name, val) in enumerate(asked):
+        msgs.append({"role": "user", "content": prompt if i == 0 else QUESTION.format(name=name)})
+        rc = f"The question asks for the secret key for {name}; the matching line gives {val}." if thinking else ""
+        msgs.append({"role": "assistant", "content": val, "reasoning_content": rc})
+    return render_chat(msgs, add_generation_prompt=False), asked
+
+
+def kv_recall_document(rng: random.Random, n_tokens_approx: int) -> tuple[str, list[tuple[str, str]]]:
+    """``kv_recall_example`` sized to about ``n_tokens_approx`` tokens, as a closed conversation (thinking off)."""
+    prompt, ans = kv_recall_example(rng, max(2, n_tokens_approx // 14))
+    name = prompt.rsplit("secret key for ", 1)[1].split("?", 1)[0]
+    return needle_chat_text(prompt, ans, rng, thinking=False), [(name, ans)]
+
+
+def retrieval_documents(seed: int | str, n: int, lo: int, hi: int, filler: Sequence[tuple[str, str]], *,
+                        p_long: float = 0.0, p_kv: float = 0.1) -> list[str]:
+    """``n`` retrieval documents (``retrieval_example`` / ``kv_recall_document``) of about ``lo``..``hi`` tokens
+    (uniform; with ``p_long`` drawn from the top quarter of the range instead), 1-6 keys, 1-4 questions.
+    A pure function of ``seed`` (``random.Random(seed)``)."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        top = rng.random() < p_long
+        n_tok = rng.randint(hi - (hi - lo) // 4 if top else lo, hi)
+        if rng.random() < p_kv:
+            docs.append(kv_recall_document(rng, min(n_tok, 1024))[0])
+            continue
+        n_keys = rng.choice([1, 1, 2, 3, 4, 6])
+        n_q = rng.randint(1, min(n_keys, 4))
+        docs.append(retrieval_example(rng, n_tok, filler, n_keys=n_keys, n_questions=n_q)[0])
+    return docs
+
+
+def _parse_range(spec: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in spec.split(","))
+    if not 0 < lo <= hi:
+        raise ValueError(f"token range wants LO,HI with 0 < LO <= HI, got {spec!r}")
+    return lo, hi
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # train.txt helpers
 # ---------------------------------------------------------------------------------------------------------------------
 
 def stdlib_document(relpath: str, text: str) -> str:
     return f"# {relpath}\n{text}"
+
+
+def write_docs(path: str, docs: Sequence[str]) -> None:
+    """Documents, each followed by ``<|endoftext|>`` (``read_train_docs`` reads them back)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for d in docs:
+            fh.write(d)
+            fh.write(DOC_SEP)
+
+
+_FILLER: Sequence[tuple[str, str]] = ()
+
+
+def _set_filler(filler: Sequence[tuple[str, str]]) -> None:
+    global _FILLER
+    _FILLER = filler
+
+
+def _retrieval_chunk(job: tuple[str, int, int, int, float]) -> list[str]:
+    seed, n, lo, hi, p_long = job
+    return retrieval_documents(seed, n, lo, hi, _FILLER, p_long=p_long)
+
+
+def parallel_retrieval_documents(seed: str, n: int, lo: int, hi: int, filler: Sequence[tuple[str, str]], *,
+                                 p_long: float = 0.0, workers: int | None = None, chunk: int = 200) -> list[str]:
+    """``retrieval_documents`` in chunks of ``chunk`` seeded ``f"{seed}-{i}"``, over ``workers`` processes: the
+    same documents for any number of workers. The workers are spawned, not forked: the caller may already run
+    JAX's threads."""
+    jobs = [(f"{seed}-{i}", min(chunk, n - i * chunk), lo, hi, p_long) for i in range(-(-n // chunk))]
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        _set_filler(filler)
+        try:
+            parts = [_retrieval_chunk(j) for j in jobs]
+        finally:
+            _set_filler(())
+    else:
+        # the workers never touch an accelerator: should an import start a JAX backend there, it is the CPU one
+        old = os.environ.get("JAX_PLATFORMS")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        try:
+            with mp.get_context("spawn").Pool(workers, initializer=_set_filler, initargs=(list(filler),)) as pool:
+                parts = pool.map(_retrieval_chunk, jobs)
+        finally:
+            if old is None:
+                os.environ.pop("JAX_PLATFORMS", None)
+            else:
+                os.environ["JAX_PLATFORMS"] = old
+    return [d for p in parts for d in p]
 
 
 def read_train_docs(path: str) -> Iterator[str]:
@@ -491,6 +606,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--n-needle", type=int, default=1000, help="training needle conversations")
     ap.add_argument("--n-eval-needle", type=int, default=100)
     ap.add_argument("--needle-tokens", default="256,512,1024,2048", help="comma-separated approximate lengths")
+    ap.add_argument("--n-retrieval", type=int, default=0,
+                    help="retrieval documents (retrieval.txt: each must stay whole inside one training row)")
+    ap.add_argument("--retrieval-tokens", default="128,1800", help="LO,HI approximate tokens of those")
+    ap.add_argument("--n-retrieval-long", type=int, default=0, help="long retrieval documents (retrieval_long.txt)")
+    ap.add_argument("--retrieval-long-tokens", default="1024,8000", help="LO,HI approximate tokens of those")
+    ap.add_argument("--workers", type=int, default=None, help="processes generating retrieval documents")
     ap.add_argument("--max-files", type=int, default=None, help="cap stdlib files per split (quick runs)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir to measure needle lengths (else estimated)")
     ap.add_argument("--stdlib", default=None, help="stdlib dir (default: this Python's)")
@@ -525,10 +646,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             prompt, ans = needle_example(rng, n_tok, tok, filler=train_files, n_distractors=rng.choice([0, 0, 1, 3]))
         docs.append(needle_chat_text(prompt, ans, rng, thinking=rng.random() < 0.5))
     rng.shuffle(docs)
-    with open(os.path.join(args.out, "train.txt"), "w", encoding="utf-8") as fh:
-        for d in docs:
-            fh.write(d)
-            fh.write(DOC_SEP)
+    write_docs(os.path.join(args.out, "train.txt"), docs)
+    n_retr = {}
+    for name, n, spec, p_long in (("retrieval", args.n_retrieval, args.retrieval_tokens, 0.0),
+                                  ("retrieval_long", args.n_retrieval_long, args.retrieval_long_tokens, 0.5)):
+        lo, hi = _parse_range(spec)
+        rdocs = parallel_retrieval_documents(f"{args.seed}-{name}", n, lo, hi, train_files, p_long=p_long,
+                                             workers=args.workers)
+        write_docs(os.path.join(args.out, f"{name}.txt"), rdocs)
+        n_retr[name] = len(rdocs)
 
     erng = random.Random(args.seed + 1_000_003)
     n_eval = {"stdlib": 0, "chat": 0, "needle": 0}
@@ -555,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   fh, indent=1)
     stats = {
         "train_docs": len(docs), "train_stdlib_files": len(train_files), "train_chat": args.n_chat,
-        "train_chat_thinking": n_think, "train_needle": args.n_needle,
+        "train_chat_thinking": n_think, "train_needle": args.n_needle, **{f"train_{k}": v for k, v in n_retr.items()},
         "train_bytes": os.path.getsize(os.path.join(args.out, "train.txt")),
         "train_functions": len(train_fns), "eval_functions": len(eval_fns),
         "eval": n_eval, "eval_bytes": os.path.getsize(os.path.join(args.out, "eval.jsonl")),

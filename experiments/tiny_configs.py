@@ -6,6 +6,10 @@ Presets (``PRESETS``) give every size knob of ``experiments/train_tiny.py``; com
   under 24 MB): vocabulary 4096, sequences of 2048; target hidden 256, 8 layers ``[GDN, GDN, GDN, attn] x 2``, 4/2
   attention heads x 64 with the output gate, GDN 2/6 heads x 64, ff 512; drafter 4 layers ``[S x 3, F]`` (window
   256, block 16, ff 384, target layers by the default rule); dense scorer hidden 128, 2 layers, 4/2 heads x 32.
+  Training (``train``): the target at 2048 (rows of stdlib + chat, each retrieval document whole in a row), then a
+  long phase ``target_long`` at 8448 on rows each holding a long retrieval document; the drafter (on the
+  target's rows, labels = the target's argmax, so retrieval haystacks are code to it); the scorer. Each phase's
+  ``minutes`` fits its step count to a time budget.
 * ``smoke`` - the same structure at toy width, a small corpus and a few steps (CPU, about a minute).
 
 The PFlash scorer is a plain Qwen3-style dense causal LM (reference §5): *plain* RMSNorm ``w * x / rms(x)`` (weights 1
@@ -28,8 +32,13 @@ from dflash_jax.models.dense import DenseConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
-        "data": {"max_files": None, "n_chat": 20000, "n_eval_chat": 500, "n_needle": 1000, "n_eval_needle": 100,
-                 "needle_tokens": "512,1024,2048", "vocab_size": 4096, "tok_max_mb": 16.0},
+        # retrieval: 8000 documents of ~128-1700 tokens (bench-format needles, 1-6 keys, 1-4 questions), each whole
+        # in a row of 2048; then 1500 of ~1024-7600 for the long phase (estimated lengths: a document longer than
+        # its row is dropped); held-out needle accuracy at 1K / 8K on the bench's own prompts
+        "data": {"max_files": None, "n_chat": 20000, "n_eval_chat": 500, "n_needle": 0, "n_eval_needle": 100,
+                 "needle_tokens": "512,1024,2048", "vocab_size": 4096, "tok_max_mb": 16.0,
+                 "n_retrieval": 8000, "retrieval_tokens": "128,1700", "n_retrieval_long": 1500,
+                 "retrieval_long_tokens": "1024,7600", "retrieval_eval": "1024,8192", "n_retrieval_eval": 16},
         "seq_len": 2048,
         "target": {"hidden_size": 256, "num_layers": 8, "full_attention_interval": 4, "num_heads": 4,
                    "num_kv_heads": 2, "head_dim": 64, "lin_num_k_heads": 2, "lin_num_v_heads": 6, "lin_k_dim": 64,
@@ -43,9 +52,13 @@ PRESETS: dict[str, dict[str, Any]] = {
             # "minutes": each phase's step count is fitted to this time budget on the machine it runs on
             # (train_tiny.run_phase); the report records the steps run.
             "target": {"steps": 3000, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
-                       "minutes": 3.0},
-            "drafter": {"steps": 2000, "batch": 8, "lr": 6e-4, "warmup": 0.04, "wd": 0.0, "clip": 1.0,
-                        "anchors": 128, "gamma": 7.0, "minutes": 2.2},
+                       "minutes": 3.0, "answer_weight": 1.0},
+            # then the target continues at 8192 + 256 tokens (the 8K bench prompt and its answer fit a row) on
+            # rows that each hold a long retrieval document
+            "target_long": {"seq_len": 8448, "steps": 1000, "batch": 4, "lr": 3e-4, "warmup": 0.05, "wd": 0.1,
+                            "clip": 1.0, "minutes": 1.0, "answer_weight": 4.0},
+            "drafter": {"steps": 4000, "batch": 8, "lr": 6e-4, "warmup": 0.04, "wd": 0.0, "clip": 1.0,
+                        "anchors": 128, "gamma": 7.0, "minutes": 2.0},
             "scorer": {"steps": 1500, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
                        "minutes": 0.5},
         },
@@ -54,8 +67,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "smoke": {
         "data": {"max_files": 6, "n_chat": 60, "n_eval_chat": 8, "n_needle": 4, "n_eval_needle": 2,
-                 "needle_tokens": "96", "vocab_size": 384, "tok_max_mb": 0.5},
-        "seq_len": 64,
+                 "needle_tokens": "96", "vocab_size": 384, "tok_max_mb": 0.5,
+                 "n_retrieval": 12, "retrieval_tokens": "8,24", "n_retrieval_long": 6,
+                 "retrieval_long_tokens": "40,90", "retrieval_eval": "160", "n_retrieval_eval": 2},
+        "seq_len": 256,
         "target": {"hidden_size": 32, "num_layers": 8, "full_attention_interval": 4, "num_heads": 2,
                    "num_kv_heads": 1, "head_dim": 16, "lin_num_k_heads": 1, "lin_num_v_heads": 3, "lin_k_dim": 16,
                    "lin_v_dim": 16, "intermediate_size": 64, "conv_kernel": 4, "rope_theta": 1e7,
@@ -65,7 +80,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scorer": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
                    "intermediate_size": 64, "rope_theta": 1e6, "max_position_embeddings": 1024},
         "train": {
-            "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0, "minutes": None},
+            "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0, "minutes": None,
+                       "answer_weight": 3.0},
+            "target_long": {"seq_len": 512, "steps": 4, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.1,
+                            "clip": 1.0, "answer_weight": 3.0, "minutes": None},
             "drafter": {"steps": 6, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.0, "clip": 1.0,
                         "anchors": 8, "gamma": 7.0},
             "scorer": {"steps": 6, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0},

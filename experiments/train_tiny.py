@@ -11,21 +11,27 @@ set unless ``--no-deterministic``, and a resumed run gives the same weights as a
 Phases (each checkpointed with orbax every ``ckpt_every`` steps under ``--work-dir``; ``--resume`` continues the
 latest checkpoint of a phase, a finished phase is not re-run):
 
-1. data: ``experiments/corpus.py`` (stdlib sources split by the fixed sha1 rule, chat, needle) and the BPE of
-   ``experiments/train_tokenizer.py`` trained on the corpus' train split; documents are tokenised, joined with
-   ``<|endoftext|>`` and packed into ``seq_len`` rows (train; eval per kind: stdlib / chat / needle). Cached in the
-   work dir, keyed by the data settings.
+1. data: ``experiments/corpus.py`` (stdlib sources split by the fixed sha1 rule, chat, retrieval documents) and
+   the BPE of ``experiments/train_tokenizer.py`` trained on the corpus' train split; documents are tokenised, joined
+   with ``<|endoftext|>`` and packed into ``seq_len`` rows (``pack_rows``: every retrieval document whole inside
+   one row, the stdlib + chat stream around it and in the plain rows), long retrieval documents into rows of the
+   long phase's length; eval rows per kind (stdlib / chat / needle) and the ``bench needle`` prompts with their
+   answers at ``data.retrieval_eval`` lengths. Cached in the work dir, keyed by the data settings.
 2. target: the real Qwen3.5/3.6 hybrid (``qwen36.forward`` with a fresh paged state per batch, so training runs the
    same code that serves) trained with next-token CE, AdamW + warmup + cosine + global-norm clipping; fp32 master
-   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step. Held-out perplexity.
+   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step; then ``target_long``
+   continues it on the long rows (8448 tokens in ``tiny``: the 8K bench prompt and its answer fit a row).
+   Held-out perplexity, and held-out needle accuracy (``make_retrieval_eval``: the bench's prompts, teacher forced)
+   after each of the two.
 3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``: random
    anchors, blocks of ``block_size``, decayed CE (gamma 7); labels are the target's teacher-forced argmax
    (``--drafter-labels target``, default) or the text (``data``). Held-out chain acceptance length tau: the
    drafter's argmax block at fixed anchors against the target's exact greedy continuation from the anchor.
 4. scorer: a tiny plain Qwen3 dense LM (``tiny_configs.dense_*``) with the same recipe as the target.
 5. export (HF layout) to ``--out/{target,drafter,scorer}`` + ``train_report.json`` (+ ``loss_curves.png`` when
-   matplotlib is installed); the exported target is reloaded with ``dflash_jax.load_target`` and checked against
-   the trained parameters.
+   matplotlib is installed); a target over ``--max-file-bytes`` (15 MiB) is written as index + shards, and any
+   other file over it is an error; the exported target is reloaded with ``dflash_jax.load_target`` and checked
+   against the trained parameters.
 
 Python API: ``main(argv) -> report dict``; ``save_target(path, cfg, params, dtype=None)``; ``target_hidden``;
 ``init_target``.
@@ -46,6 +52,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+_T_START = time.time()  # before importing JAX: --time-budget counts the whole process
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -84,12 +91,82 @@ class Data:
     train: np.ndarray                 # [N, T]
     eval: dict[str, np.ndarray]       # kind -> [M, T]
     meta: dict[str, Any]
+    train_long: np.ndarray | None = None                                     # [N2, T2] (the long phase's rows)
+    retrieval_eval: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    # context length -> (tokens [M, L], answer mask [M, L]): held-out ``bench needle`` prompts with their answers
 
 
 def _pack(docs: list[list[int]], sep: int, seq_len: int) -> np.ndarray:
     flat = np.fromiter((t for d in docs for t in (*d, sep)), dtype=np.int32)
     n = len(flat) // seq_len
     return flat[: n * seq_len].reshape(n, seq_len)
+
+
+def pack_rows(stream: list[list[int]], whole: list[list[int]], sep: int, seq_len: int, seed: int
+              ) -> tuple[np.ndarray, dict[str, int]]:
+    """Rows of ``seq_len`` tokens in which every document of ``whole`` (each followed by ``sep``) lies entire inside
+    one row, at a random offset, the rest of the row filled with the next tokens of the ``stream`` documents
+    (joined with ``sep``, cut anywhere); then the rest of the stream in plain rows. A retrieval document cut at a
+    row boundary would ask for a key the row does not hold and teach guessing. Documents of ``whole`` longer
+    than a row are dropped (counted). Returns (rows [N, seq_len] int32, counts)."""
+    rng = np.random.default_rng([seed, 11])
+    flat = np.fromiter((t for d in stream for t in (*d, sep)), dtype=np.int32)
+    rows: list[np.ndarray] = []
+    pos, dropped, n_whole_tokens = 0, 0, 0
+    bins: list[list[list[int]]] = []
+    room = 0
+    for d in whole:  # first fit in order: documents share a row while they fit
+        n = len(d) + 1
+        if n > seq_len:
+            dropped += 1
+            continue
+        if not bins or n > room:
+            bins.append([])
+            room = seq_len
+        bins[-1].append(d)
+        room -= n
+        n_whole_tokens += n
+    for docs in bins:
+        used = sum(len(d) + 1 for d in docs)
+        free = seq_len - used
+        if not len(flat):
+            fill = np.full(free, sep, np.int32)
+        else:  # the stream cycles when it runs out (pos then passes its end: no plain rows follow)
+            fill = flat[np.arange(pos, pos + free) % len(flat)]
+        pos += free
+        cut = int(rng.integers(0, free + 1))
+        parts = [fill[:cut]] + [np.asarray([*d, sep], np.int32) for d in docs] + [fill[cut:]]
+        rows.append(np.concatenate(parts))
+    rest = flat[pos:] if pos < len(flat) else flat[:0]
+    n = len(rest) // seq_len
+    if n:
+        rows.extend(rest[: n * seq_len].reshape(n, seq_len))
+    if not rows:
+        return np.zeros((0, seq_len), np.int32), {"rows": 0, "rows_with_whole_docs": 0, "whole_docs": 0,
+                                                  "whole_dropped": dropped, "whole_token_fraction": 0.0}
+    out = np.stack(rows).astype(np.int32)
+    return out, {"rows": int(len(out)), "rows_with_whole_docs": len(bins), "whole_docs": sum(map(len, bins)),
+                 "whole_dropped": dropped, "whole_token_fraction": round(n_whole_tokens / out.size, 4)}
+
+
+def retrieval_eval_rows(tok, files: Sequence[str], ctx: int, n: int, seed: int, row_len: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The ``bench needle`` prompts at ``ctx`` tokens (``needle.bench_prompts``: held-out filler, evenly spread
+    depths, ChatML with thinking off), each followed by its answer: (tokens [n, row_len] padded with 0, mask
+    [n, row_len] True at the positions whose next token is an answer token). A prompt is answered (teacher
+    forced) iff the argmax at every masked position is the next token - then greedy decoding writes the answer."""
+    from dflash_jax.bench import needle
+
+    rows = np.zeros((n, row_len), np.int32)
+    mask = np.zeros((n, row_len), bool)
+    for i, (ids, ans, _) in enumerate(needle.bench_prompts(tok, files, ctx, n, seed)):
+        a = tok.encode(ans)
+        if len(ids) + len(a) > row_len:
+            raise ValueError(f"needle prompt of {len(ids)} tokens + answer do not fit a row of {row_len}")
+        rows[i, :len(ids)] = ids
+        rows[i, len(ids):len(ids) + len(a)] = a
+        mask[i, len(ids) - 1:len(ids) + len(a) - 1] = True
+    return rows, mask
 
 
 def _encode_all(tok, texts: list[str], batch: int = 2048) -> list[list[int]]:
@@ -99,15 +176,23 @@ def _encode_all(tok, texts: list[str], batch: int = 2048) -> list[list[int]]:
     return out
 
 
-def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
-    """Corpus + tokenizer + packed token arrays, cached under ``work/data-<hash>``."""
+def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str, long_seq_len: int | None = None) -> Data:
+    """Corpus + tokenizer + packed token arrays, cached under ``work/data-<hash>``.
+
+    ``train``: rows of ``seq_len`` (stdlib + chat stream, each retrieval document whole in a row, ``pack_rows``);
+    ``train_long`` (with ``long_seq_len``): rows of ``long_seq_len``, each long retrieval document whole in a row,
+    filled with the stream; ``retrieval_eval``: the ``bench needle`` prompts at ``d["retrieval_eval"]`` lengths
+    with their answers (``retrieval_eval_rows``)."""
     from tokenizers import Tokenizer as HFTokenizer
 
+    from dflash_jax.models.tokenizer import Tokenizer
     from experiments import corpus
     from experiments.train_tokenizer import SPECIAL_TOKENS, train_bpe
 
     key = {"data": d, "seq_len": seq_len, "seed": seed, "stdlib": corpus.stdlib_dir(),
            "python": platform.python_version()}
+    if long_seq_len:
+        key["long_seq_len"] = long_seq_len
     h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     ddir = os.path.join(work, f"data-{h}")
     done = os.path.join(ddir, "data.json")
@@ -120,6 +205,10 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
                 "--needle-tokens", str(d["needle_tokens"])]
         if d.get("max_files") is not None:
             argv += ["--max-files", str(d["max_files"])]
+        argv += ["--n-retrieval", str(d.get("n_retrieval", 0)),
+                 "--retrieval-tokens", str(d.get("retrieval_tokens", "128,1800")),
+                 "--n-retrieval-long", str(d.get("n_retrieval_long", 0) if long_seq_len else 0),
+                 "--retrieval-long-tokens", str(d.get("retrieval_long_tokens", "1024,8000"))]
         log(f"[data] corpus: {' '.join(argv)}")
         stats = corpus.main(argv)
         t1 = time.time()
@@ -129,7 +218,30 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
         t2 = time.time()
         tok = HFTokenizer.from_file(os.path.join(tdir, "tokenizer.json"))
         sep = tok.token_to_id(corpus.DOC_SEP)
-        train = _pack(_encode_all(tok, list(corpus.read_train_docs(train_txt))), sep, seq_len)
+        stream = _encode_all(tok, list(corpus.read_train_docs(train_txt)))
+        whole = _encode_all(tok, list(corpus.read_train_docs(os.path.join(cdir, "retrieval.txt"))))
+        train, pack_stats = pack_rows(stream, whole, sep, seq_len, seed)
+        pack_stats = {"train": pack_stats}
+        if long_seq_len:
+            whole_long = _encode_all(tok, list(corpus.read_train_docs(os.path.join(cdir, "retrieval_long.txt"))))
+            # the stream from its middle, so the long rows do not repeat the first rows' filler
+            half = len(stream) // 2
+            train_long, pack_stats["train_long"] = pack_rows(stream[half:] + stream[:half], whole_long, sep,
+                                                             long_seq_len, seed + 1)
+            train_long = train_long[: pack_stats["train_long"]["rows_with_whole_docs"]]  # only rows with retrieval
+            np.save(os.path.join(ddir, "train_long.npy"), train_long.astype(np.uint16 if tok.get_vocab_size()
+                                                                            < 65536 else np.int32))
+        with open(os.path.join(cdir, "split.json")) as fh:
+            split = json.load(fh)
+        rtok = Tokenizer.from_dir(tdir)
+        files = [os.path.join(split["stdlib_dir"], f) for f in split["eval_files"]]
+        r_eval = {}
+        for ctx in (int(x) for x in str(d.get("retrieval_eval", "")).split(",") if x.strip()):
+            row_len = seq_len if ctx + 64 <= seq_len else (long_seq_len or ctx + 64)
+            rows, mask = retrieval_eval_rows(rtok, files, ctx, d.get("n_retrieval_eval", 16), seed, row_len)
+            np.save(os.path.join(ddir, f"retrieval_eval_{ctx}.npy"), rows)
+            np.save(os.path.join(ddir, f"retrieval_eval_{ctx}_mask.npy"), mask)
+            r_eval[ctx] = int(len(rows))
         ev: dict[str, list[str]] = {}
         with open(os.path.join(cdir, "eval.jsonl"), encoding="utf-8") as fh:
             for line in fh:
@@ -141,9 +253,9 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
         np.save(os.path.join(ddir, "train.npy"), train.astype(dtype))
         for k, v in evals.items():
             np.save(os.path.join(ddir, f"eval_{k}.npy"), v.astype(dtype))
-        with open(os.path.join(cdir, "split.json")) as fh:
-            split = json.load(fh)
         meta = {"key": key, "corpus_stats": stats, "split_rule": split["rule"], "stdlib_dir": split["stdlib_dir"],
+                "packing": pack_stats, "retrieval_eval": r_eval,
+                "train_long_seqs": int(len(train_long)) if long_seq_len else 0,
                 "eval_files": split["eval_files"], "n_train_files": split["n_train_files"],
                 "train_seqs": int(train.shape[0]), "train_tokens": int(train.size),
                 "eval_seqs": {k: int(v.shape[0]) for k, v in evals.items()},
@@ -152,16 +264,22 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str) -> Data:
                             "encode": round(t3 - t2, 1)}}
         with open(done, "w") as fh:
             json.dump(meta, fh, indent=1)
-        log(f"[data] {meta['train_tokens']:,} train tokens in {meta['train_seqs']} rows of {seq_len}; eval rows "
-            f"{meta['eval_seqs']}; vocab {meta['vocab_size']}; {sum(meta['seconds'].values()):.1f}s")
+        log(f"[data] {meta['train_tokens']:,} train tokens in {meta['train_seqs']} rows of {seq_len}; "
+            f"{meta['train_long_seqs']} long rows of {long_seq_len}; packing {json.dumps(pack_stats)}; eval rows "
+            f"{meta['eval_seqs']}; retrieval eval {r_eval}; vocab {meta['vocab_size']}; "
+            f"{sum(meta['seconds'].values()):.1f}s")
     else:
         log(f"[data] cached: {ddir}")
     with open(done) as fh:
         meta = json.load(fh)
     train = np.load(os.path.join(ddir, "train.npy")).astype(np.int32)
     evals = {k: np.load(os.path.join(ddir, f"eval_{k}.npy")).astype(np.int32) for k in meta["eval_seqs"]}
+    long_path = os.path.join(ddir, "train_long.npy")
+    train_long = np.load(long_path).astype(np.int32) if os.path.exists(long_path) else None
+    r_eval = {int(c): (np.load(os.path.join(ddir, f"retrieval_eval_{c}.npy")),
+                       np.load(os.path.join(ddir, f"retrieval_eval_{c}_mask.npy"))) for c in meta["retrieval_eval"]}
     meta["dir"] = ddir
-    return Data(tdir, meta["vocab_size"], meta["special_ids"], train, evals, meta)
+    return Data(tdir, meta["vocab_size"], meta["special_ids"], train, evals, meta, train_long, r_eval)
 
 
 def _spread(n: int, k: int) -> np.ndarray:
@@ -260,6 +378,32 @@ def next_token_ce(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(lg, axis=-1) - jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0]
 
 
+def assistant_mask(tokens: jax.Array, im_start: int, assistant: Sequence[int], im_end: int) -> jax.Array:
+    """[B, T] bool: the tokens of assistant turns' content - after ``<|im_start|>`` + the ``assistant`` role's
+    token ids, up to and including the turn's ``<|im_end|>`` (a row that starts inside a turn counts it only from
+    the next turn on)."""
+    b, t = tokens.shape
+    k = len(assistant)
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    padded = jnp.concatenate([tokens, jnp.full((b, k), -1, tokens.dtype)], axis=1)
+    start = tokens == im_start
+    for j, a in enumerate(assistant):
+        start &= padded[:, j + 1:j + 1 + t] == a
+    last_start = jax.lax.cummax(jnp.where(start, idx, -1), axis=1)
+    last_end = jax.lax.cummax(jnp.where(tokens == im_end, idx, -1), axis=1)
+    end_before = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), last_end[:, :-1]], axis=1)
+    return (last_start >= 0) & (last_start > end_before) & (idx > last_start + k)
+
+
+def weighted_next_token_ce(logits: jax.Array, tokens: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """Mean next-token CE, each target token weighted by ``weights`` [B, T] (None: the plain mean)."""
+    ce = next_token_ce(logits, tokens)
+    if weights is None:
+        return jnp.mean(ce)
+    w = weights[:, 1:].astype(F32)
+    return jnp.sum(ce * w) / jnp.sum(w)
+
+
 def n_params(tree: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
 
@@ -268,10 +412,19 @@ def n_params(tree: Any) -> int:
 # export
 # =====================================================================================================================
 
-def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None) -> None:
+#: Seconds --time-budget keeps per remaining phase for its compile, probe, evals (and the export at the end).
+PHASE_RESERVE_S = 30.0
+#: Largest exported file (bytes): bigger checkpoints are written as shards + ``model.safetensors.index.json``.
+MAX_FILE_BYTES = 15 * 2 ** 20
+
+
+def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None,
+                max_shard_bytes: int = MAX_FILE_BYTES) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the Qwen3.5/3.6 HF layout (what ``loader.load_params``
     reads): ``model.language_model.*`` + top-level ``lm_head.weight``; conv weights as ``[C, 1, K]``. ``dtype``
-    casts the matrices (default: their own dtype); norm weights, A_log and dt_bias are written in float32."""
+    casts the matrices (default: their own dtype); norm weights, A_log and dt_bias are written in float32.
+    Tensors over ``max_shard_bytes`` in all go to ``model-0000i-of-0000n.safetensors`` shards (each under the
+    limit, tensors in name order) listed by ``model.safetensors.index.json``, as HF writes large checkpoints."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -291,7 +444,38 @@ def save_target(path: str, cfg: TargetConfig, params: qwen36.Params, dtype=None)
     mdt = str(jnp.dtype(dtype or params["embed"].dtype))
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(tc.target_hf_dict_from_config(cfg, mdt), fh, indent=2)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    for f in os.listdir(path):  # a previous export's weights
+        if f.startswith("model") and (f.endswith(".safetensors") or f.endswith(".safetensors.index.json")):
+            os.remove(os.path.join(path, f))
+    total = sum(a.nbytes for a in tensors.values())
+    if total + 8192 <= max_shard_bytes:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        a = tensors[name]
+        if a.nbytes + 8192 > max_shard_bytes:
+            raise ValueError(f"tensor {name} ({a.nbytes} bytes) alone exceeds the shard limit {max_shard_bytes}")
+        if shards[-1] and size + a.nbytes + 8192 > max_shard_bytes:  # 8 KiB for the header
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += a.nbytes
+    weight_map = {}
+    for i, sh in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in sh})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, fh, indent=2)
+
+
+def _token_ids(tokenizer_dir: str, text: str) -> tuple[int, ...]:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return tuple(HFTokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids)
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
@@ -347,7 +531,8 @@ class PhaseResult:
 
 def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: Batches, hp: dict[str, Any], *,
               work: str, resume: bool, seed: int, log_every: int, ckpt_every: int, eval_fn: Callable | None = None,
-              eval_every: int = 0, tokens_per_step: int = 0, deadline: float | None = None) -> PhaseResult:
+              eval_every: int = 0, tokens_per_step: int = 0, deadline: float | None = None,
+              max_seconds: float | None = None) -> PhaseResult:
     """AdamW over ``loss_fn(params, frozen, batch, key) -> (loss, aux dict)`` for ``hp['steps']`` steps, with orbax
     checkpoints (params, optimizer state) every ``ckpt_every`` steps and at the end, and a JSON loss history.
     Past ``deadline`` (``time.time()``) it checkpoints and raises ``OutOfTime`` (continue with ``--resume``).
@@ -355,7 +540,8 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
     With ``hp["minutes"]``, the step count is fitted to that time budget: a few probe steps (on copies; the first
     one compiles) time a step, and the phase runs ``min(hp["steps"], what fits)`` steps with the schedule laid
     over that count. The fitted count is recorded (``PhaseResult.steps``, the history file) and reused on resume;
-    passing it as the phase's steps without ``minutes`` reproduces the run exactly."""
+    passing it as the phase's steps without ``minutes`` reproduces the run exactly. ``max_seconds`` (what the run's
+    ``--time-budget`` leaves this phase) caps that budget further."""
     import orbax.checkpoint as ocp
 
     steps = hp["steps"]
@@ -395,17 +581,22 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
 
     if hp.get("minutes") and resumed is None:
         p_, o_ = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
-        n_probe, t_probe = 6, None
+        n_probe, t_probe, t_compile = 6, None, time.perf_counter()
         for i in range(n_probe):
             if i == 1:
                 t_probe = time.perf_counter()
+                t_compile = t_probe - t_compile
             p_, o_, l_, *_ = train_step(p_, o_, frozen, jnp.asarray(batches(i)), jnp.int32(i), jnp.float32(0.0))
             jax.block_until_ready(l_)
         step_s = (time.perf_counter() - t_probe) / (n_probe - 1)
         del p_, o_
-        fit = int(60 * hp["minutes"] * 0.9 / step_s)
+        budget = 60 * hp["minutes"] * 0.9
+        capped = max_seconds is not None and max_seconds < budget
+        fit = int(max(0.0, min(budget, max_seconds) if capped else budget) / step_s)
         steps = max(1, min(steps, fit))
-        log(f"[{name}] {step_s * 1e3:.1f} ms/step: {steps} steps fit {hp['minutes']} min (configured {hp['steps']})")
+        log(f"[{name}] {step_s * 1e3:.1f} ms/step: {steps} steps fit {hp['minutes']} min (configured {hp['steps']}; "
+            f"compile + first step {t_compile:.1f}s)" +
+            (f"; capped to {max(0.0, max_seconds):.0f}s by --time-budget" if capped else ""))
     sched = make_schedule(hp, steps)
 
     def save(step: int) -> None:
@@ -501,6 +692,40 @@ def make_lm_eval(hidden_fn: Callable, sets: dict[str, np.ndarray], batch: int) -
             tot, cnt = tot + s, cnt + c
         out["ppl"] = math.exp(tot / max(cnt, 1))
         out["loss"] = tot / max(cnt, 1)
+        return out
+
+    return evaluate
+
+
+def make_retrieval_eval(hidden_fn: Callable, sets: dict[int, tuple[np.ndarray, np.ndarray]], batch: int
+                        ) -> Callable[[Any], dict[str, float]]:
+    """``evaluate(params)``: per context length, the fraction of held-out ``bench needle`` prompts answered
+    (``needle_acc_<ctx>``: the argmax is the answer's next token at every answer position, teacher forced, i.e.
+    greedy decoding writes the answer) and the fraction of answer tokens right (``needle_tok_<ctx>``)."""
+
+    @jax.jit
+    def hits(params, tokens, mask):
+        h = hidden_fn(params, tokens)
+        pred = jnp.argmax(jnp.einsum("btd,vd->btv", h[:, :-1], params["lm_head"].astype(h.dtype),
+                                     preferred_element_type=F32), axis=-1)
+        ok = (pred == tokens[:, 1:]) | ~mask[:, :-1]
+        return jnp.all(ok, axis=1), jnp.sum(ok & mask[:, :-1], axis=1)
+
+    def evaluate(params) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for ctx, (rows, mask) in sorted(sets.items()):
+            n = len(rows)
+            pad = -n % batch
+            rows_p = np.concatenate([rows, np.repeat(rows[:1], pad, 0)]) if pad else rows
+            mask_p = np.concatenate([mask, np.repeat(mask[:1], pad, 0)]) if pad else mask
+            full, tok_ok = [], []
+            for i in range(0, len(rows_p), batch):
+                a, b = jax.device_get(hits(params, jnp.asarray(rows_p[i:i + batch]), jnp.asarray(mask_p[i:i + batch])))
+                full.append(a)
+                tok_ok.append(b)
+            full, tok_ok = np.concatenate(full)[:n], np.concatenate(tok_ok)[:n]
+            out[f"needle_acc_{ctx}"] = float(np.mean(full))
+            out[f"needle_tok_{ctx}"] = float(np.sum(tok_ok) / max(1, int(mask.sum())))
         return out
 
     return evaluate
@@ -640,9 +865,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                     help="allow non-deterministic GPU reductions (default: XLA_FLAGS --xla_gpu_deterministic_ops, "
                          "so a rerun with the same seed reproduces the weights)")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="wall-clock budget of the whole process: each timed phase's step budget is cut to what is "
+                         "left after the later phases' budgets and a reserve for compiles, evals and the export, so "
+                         "the run ends (with its export) within it")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="wall-clock budget: past it the running phase checkpoints and the script exits with code 3 "
                          "(continue with --resume)")
+    ap.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES,
+                    help="largest exported file: the target is sharded above it, anything else over it is an error")
     ap.add_argument("--eval-every", type=int, help="held-out eval every N steps (0 = only at the end)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override any preset value, e.g. --set target.hidden_size=512 --set data.n_chat=5000")
@@ -751,7 +982,20 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
 
     # ---- data ----------------------------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    data = prepare_data(cfg["data"], T, seed, work)
+    hp_l = cfg["train"].get("target_long")
+    long_T = hp_l["seq_len"] if hp_l and hp_l.get("steps") else None
+    data = prepare_data(cfg["data"], T, seed, work, long_T)
+    order = ["target"] + (["target_long"] if long_T else []) + ["drafter"] + ([] if args.no_scorer else ["scorer"])
+
+    def time_cap(name: str) -> float | None:
+        """Seconds of steps the --time-budget leaves phase ``name``: the rest of the budget less the later phases'
+        step budgets and PHASE_RESERVE_S for each phase's compile / eval / labels and the export."""
+        if args.time_budget is None:
+            return None
+        later = order[order.index(name) + 1:]
+        reserve = sum(0.9 * 60 * (cfg["train"][n].get("minutes") or 0) for n in later)
+        return _T_START + args.time_budget - time.time() - reserve - PHASE_RESERVE_S * (len(later) + 1)
+
     t_data = time.perf_counter() - t0
     sp = data.special_ids
     ev_sets = eval_sets(data, cfg["eval"]["seqs"])
@@ -765,10 +1009,23 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     log(f"[target] {n_params(tp):,} parameters; layers {''.join('A' if t == FULL else 'G' for t in tcfg.layer_types)}")
     hp_t = cfg["train"]["target"]
 
-    def target_loss(params, frozen, tokens, key):
-        p = compute_params(params, cdtype)
-        h, _ = target_hidden(p, tcfg, tokens)
-        return jnp.mean(next_token_ce(qwen36.lm_logits(p, h), tokens)), {}
+    # assistant turns (the answers: retrieved keys, chat replies) weigh answer_weight times a text token in the
+    # target's loss: a retrieval document holds a handful of answer tokens among ~1000 haystack tokens
+    asst_ids = {"im_start": sp["<|im_start|>"], "im_end": sp["<|im_end|>"],
+                "assistant": _token_ids(data.tokenizer_dir, "assistant")}
+
+    def make_target_loss(answer_weight: float):
+        def target_loss(params, frozen, tokens, key):
+            p = compute_params(params, cdtype)
+            h, _ = target_hidden(p, tcfg, tokens)
+            w = None
+            if answer_weight != 1.0:
+                w = 1.0 + (answer_weight - 1.0) * assistant_mask(tokens, asst_ids["im_start"], asst_ids["assistant"],
+                                                                 asst_ids["im_end"])
+            return weighted_next_token_ce(qwen36.lm_logits(p, h), tokens, w), {}
+        return target_loss
+
+    target_loss = make_target_loss(float(hp_t.get("answer_weight", 1.0)))
 
     t_hidden = lambda p, tok: target_hidden(p, tcfg, tok)[0]
     ev_batch = max(1, min(hp_t["batch"], 16))
@@ -777,11 +1034,35 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     res_t = run_phase("target", tp, None, target_loss, Batches(data.train, hp_t["batch"], seed), hp_t, work=work,
                       resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
                       eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
-                      deadline=deadline)
+                      deadline=deadline, max_seconds=time_cap("target"))
     tp = res_t.params
+    r_eval_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4) if data.retrieval_eval else None
+    retrieval = {}
+    if r_eval_fn is not None:
+        t0 = time.perf_counter()
+        retrieval["after_target"] = r_eval_fn(compute_params(tp, cdtype))
+        log("[target] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval["after_target"].items())
+            + f" ({time.perf_counter() - t0:.1f}s)")
+    res_l = None
+    if long_T:
+        if data.train_long is None or not len(data.train_long):
+            raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
+        log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document")
+        res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0))),
+                          Batches(data.train_long, hp_l["batch"], seed + 3), hp_l, work=work, resume=args.resume,
+                          seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
+                          tokens_per_step=hp_l["batch"] * long_T, deadline=deadline,
+                          max_seconds=time_cap("target_long"))
+        tp = res_l.params
+        if r_eval_fn is not None:
+            t0 = time.perf_counter()
+            retrieval["after_target_long"] = r_eval_fn(compute_params(tp, cdtype))
+            log("[target_long] held-out retrieval: " + " ".join(
+                f"{k} {v:.3f}" for k, v in retrieval["after_target_long"].items()) +
+                f" ({time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     t_eval = target_eval(tp)
-    res_t.history["eval"].append({"step": res_t.steps, **t_eval})
+    (res_l or res_t).history["eval"].append({"step": (res_l or res_t).steps, **t_eval})
     log(f"[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
         f" ({time.perf_counter() - t0:.1f}s)")
 
@@ -824,7 +1105,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(data.train, hp_d["batch"], seed + 1), hp_d,
                       work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                       ckpt_every=cfg["ckpt_every"], eval_fn=drafter_eval, eval_every=cfg["eval"]["every"],
-                      tokens_per_step=hp_d["batch"] * T, deadline=deadline)
+                      tokens_per_step=hp_d["batch"] * T, deadline=deadline, max_seconds=time_cap("drafter"))
     dp = res_d.params
     d_eval = drafter_eval(dp)
     res_d.history["eval"].append({"step": res_d.steps, **d_eval})
@@ -851,7 +1132,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         res_s = run_phase("scorer", sparams, None, scorer_loss, Batches(data.train, hp_s["batch"], seed + 2), hp_s,
                           work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                           ckpt_every=cfg["ckpt_every"], eval_fn=scorer_eval, eval_every=cfg["eval"]["every"],
-                          tokens_per_step=hp_s["batch"] * T, deadline=deadline)
+                          tokens_per_step=hp_s["batch"] * T, deadline=deadline, max_seconds=time_cap("scorer"))
         s_eval = scorer_eval(res_s.params)
         res_s.history["eval"].append({"step": res_s.steps, **s_eval})
         log("[scorer] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in s_eval.items()))
@@ -859,7 +1140,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     # ---- export --------------------------------------------------------------------------------------------------
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    save_target(os.path.join(out, "target"), tcfg, tp, edtype)
+    save_target(os.path.join(out, "target"), tcfg, tp, edtype, args.max_file_bytes)
     _copy_tokenizer(data.tokenizer_dir, os.path.join(out, "target"))
     save_drafter(os.path.join(out, "drafter"), dcfg, jax.tree_util.tree_map(
         lambda x: x.astype(edtype) if x.ndim >= 2 else x, dp))
@@ -868,12 +1149,17 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
             lambda x: x.astype(edtype) if x.ndim >= 2 else x.astype(F32), res_s.params))
         _copy_tokenizer(data.tokenizer_dir, os.path.join(out, "scorer"))
     _readable(out)
+    too_big = [f"{os.path.relpath(os.path.join(d, f), out)} ({os.path.getsize(os.path.join(d, f))} bytes)"
+               for d, _, fs in os.walk(out) for f in fs if os.path.getsize(os.path.join(d, f)) > args.max_file_bytes]
+    if too_big:
+        raise RuntimeError(f"exported files over {args.max_file_bytes} bytes: {too_big}")
     check = verify_export(out, tcfg, tp, dcfg, dp, tau_rows[0, : min(T, 128)], edtype)
     t_export = time.perf_counter() - t0
     log(f"[export] {out}: " + " ".join(f"{k} {v}" for k, v in check.items()))
 
     # ---- report --------------------------------------------------------------------------------------------------
-    curves = {"target": res_t.history, "drafter": res_d.history}
+    curves = {"target": res_t.history} | ({"target_long": res_l.history} if res_l else {}) | {
+        "drafter": res_d.history}
     if res_s is not None:
         curves["scorer"] = res_s.history
     try:
@@ -904,7 +1190,11 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
             "work_dir": data.meta["dir"]},
         "target": {"config": tc.target_hf_dict_from_config(tcfg, args.export_dtype)["text_config"],
                    "parameters": n_params(tp), "held_out": t_eval, "train_loss": first_last(res_t.history),
-                   "timing": res_t.timing, "resumed_from": res_t.resumed_from, "hparams": hp_t},
+                   "timing": res_t.timing, "resumed_from": res_t.resumed_from, "hparams": hp_t,
+                   "retrieval": retrieval,
+                   "long": None if res_l is None else {
+                       "train_loss": first_last(res_l.history), "timing": res_l.timing,
+                       "resumed_from": res_l.resumed_from, "hparams": hp_l}},
         "drafter": {"config": dcfg.to_hf_dict(), "parameters": n_params(dp), "held_out": d_eval,
                     "held_out_at_init": tau_init, "train_loss": first_last(res_d.history), "timing": res_d.timing,
                     "resumed_from": res_d.resumed_from, "hparams": hp_d,
@@ -920,7 +1210,9 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     }
     with open(os.path.join(out, "train_report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
-    log(f"[done] {report['timing']['total_seconds']:.1f}s; target ppl {t_eval['ppl']:.3f}, drafter tau "
+    last_r = retrieval.get("after_target_long") or retrieval.get("after_target") or {}
+    log(f"[done] {report['timing']['total_seconds']:.1f}s; target ppl {t_eval['ppl']:.3f}" +
+        "".join(f", {k} {v:.2f}" for k, v in last_r.items() if k.startswith("needle_acc")) + ", drafter tau "
         f"{d_eval['tau']:.3f} (init {tau_init['tau']:.3f})" +
         (f", scorer ppl {s_eval['ppl']:.3f}" if s_eval else "") + f"; report {out}/train_report.json")
     return report

@@ -14,7 +14,7 @@ import dflash_jax as dj
 from dflash_jax.bench import acceptance
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import features
-from dflash_jax.models import dense, dflash
+from dflash_jax.models import dense, dflash, loader
 from dflash_jax.models.dflash_loader import load_drafter
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.serve.__main__ import SHIPPED
@@ -29,11 +29,13 @@ def _size(path: str) -> int:
 
 
 def test_the_set_is_complete_and_small():
-    for d, files in ((TARGET, ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")),
+    for d, files in ((TARGET, ("config.json", "tokenizer.json", "generation_config.json")),
                      (DRAFTER, ("config.json", "model.safetensors")),
                      (SCORER, ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"))):
         for f in files:
             assert os.path.exists(os.path.join(d, f)), f"{d}/{f} missing"
+    # the target's weights: one file, or shards listed by an index (each file small enough to ship)
+    assert loader.checkpoint_files(TARGET)
     assert _size(SHIPPED) <= 24_000_000
     with open(os.path.join(SHIPPED, "train_report.json")) as fh:
         rep = json.load(fh)

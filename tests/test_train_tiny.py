@@ -63,6 +63,18 @@ def test_smoke_run_trains_and_exports(smoke_run):
     for phase in ("target", "drafter", "scorer"):
         steps = report[phase]["hparams"]["steps"]
         assert (work / "ckpt" / phase / str(steps)).is_dir()
+    # the long phase ran on rows each holding a whole retrieval document; held-out needle accuracy before/after it
+    long = report["target"]["long"]
+    assert long["timing"]["steps_run"] == long["hparams"]["steps"]
+    assert (work / "ckpt" / "target_long" / str(long["hparams"]["steps"])).is_dir()
+    packing = report["data"]["packing"]
+    assert packing["train"]["whole_docs"] > 0 and packing["train_long"]["whole_docs"] > 0
+    assert report["data"]["train_long_seqs"] == packing["train_long"]["rows_with_whole_docs"]
+    for when in ("after_target", "after_target_long"):
+        r = report["target"]["retrieval"][when]
+        assert set(r) == {"needle_acc_160", "needle_tok_160"} and all(0.0 <= v <= 1.0 for v in r.values())
+    assert all(os.path.getsize(os.path.join(d, f)) <= train_tiny.MAX_FILE_BYTES
+               for d, _, fs in os.walk(out) for f in fs)
 
 
 def test_exported_set_loads_and_generates(smoke_run):

@@ -69,7 +69,8 @@ def needle_example(rng: random.Random, n_tokens_approx: int, tokenizer: Any = No
 
     Lines of ``filler`` (``[(name, text)]``) surround the line ``The secret key for <name> is <value>.`` inserted at
     relative ``depth`` (random when None); the prompt ends with the question. ``n_distractors`` other keys
-    (different names and values) are mixed in. The answer occurs exactly once in the prompt. Lengths are measured
+    (different names and values) are mixed in; ``meta["distractor_keys"]`` lists them as ``(name, value)``. The
+    answer occurs exactly once in the prompt. Lengths are measured
     with ``tokenizer`` when given, else estimated, and the filler is cut to land at or under ``n_tokens_approx``.
     """
     texts = list(filler)
@@ -123,7 +124,7 @@ def needle_example(rng: random.Random, n_tokens_approx: int, tokenizer: Any = No
                               depth=depth, return_meta=return_meta)
     if return_meta:
         return prompt, value, {"name": name, "depth": depth, "n_tokens": count_tokens(prompt, tokenizer),
-                               "distractors": len(distractors)}
+                               "distractors": len(distractors), "distractor_keys": distractors}
     return prompt, value
 
 
@@ -140,7 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _prompts(tok, files: Sequence[str], ctx: int, n: int, seed: int) -> list[tuple[list[int], str, float]]:
+def bench_prompts(tok, files: Sequence[str], ctx: int, n: int, seed: int) -> list[tuple[list[int], str, float]]:
+    """The bench's ``n`` prompts at ``ctx`` tokens: ``(ids, answer, depth)``, depths spread evenly, filler from
+    ``files``, rendered as a ChatML user turn with thinking off (ready for greedy decoding)."""
     from dflash_jax.models.chat import render_chat
 
     texts = []
@@ -180,7 +183,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     figures: dict[str, float] = {}
     per_prompt = []
     for ctx in args.context:
-        cases = _prompts(tok, files, ctx, args.n, args.seed)
+        cases = bench_prompts(tok, files, ctx, args.n, args.seed)
         t0 = time.perf_counter()
         outs = eng.generate([ids for ids, _, _ in cases], sp)
         hits = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs)]
