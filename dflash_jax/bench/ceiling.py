@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.bench import roofline
+from dflash_jax.bench.timing import timings
 from dflash_jax.config import FULL, TargetConfig
 from dflash_jax.models import quant
 from dflash_jax.models.qwen36 import acc_dtype, linear
@@ -99,13 +100,7 @@ def measure_ceiling(cfg: TargetConfig, params: dict[str, Any], batch: int, iters
     t0 = time.perf_counter()
     compiled = fn.lower(p, x).compile()
     compile_s = time.perf_counter() - t0
-    for _ in range(max(warmup, 0)):
-        jax.block_until_ready(compiled(p, x))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(p, x))
-        times.append(time.perf_counter() - t0)
+    times = timings(lambda: compiled(p, x), iters, warmup)
     sec = statistics.median(times)
     wbytes = roofline.weight_bytes(cfg, quant.weight_itemsize(params))
     return {

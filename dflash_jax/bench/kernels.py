@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from dflash_jax.bench import results
+from dflash_jax.bench.timing import median_seconds
 
 OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step")  # timing order: the first target first
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -330,13 +331,7 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
         return acc
 
     dyn = tuple(prob.args[j] for j in arrays)
-    jax.block_until_ready(loop(dyn, tables))
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(dyn, tables))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / steps
+    return median_seconds(lambda: loop(dyn, tables), repeats) / steps
 
 
 GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' region first

@@ -12,13 +12,12 @@ per-channel format through the Pallas kernel ``pallas_kernels.fp8_matmul``). Fig
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.bench import results
+from dflash_jax.bench.timing import median_seconds
 from dflash_jax.models import quant, qwen36
 
 SHAPES = {"mlp_gate": (17408, 5120), "mlp_down": (5120, 17408), "gdn_qkv": (10240, 5120),
@@ -47,13 +46,7 @@ def _weights(variant: str, shape: tuple[int, int], copies: int):
 
 
 def _time(fn, ws, x, iters: int) -> float:
-    jax.block_until_ready(fn(ws, x))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(ws, x))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: fn(ws, x), iters)
 
 
 def _step(ws, x):
