@@ -76,7 +76,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 def paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                             q_positions: jax.Array, scale: float, block_pages: int = 64) -> jax.Array:
     """:func:`paged_attention_reference`'s contract in blocks of ``block_pages`` pages with an online softmax,
-    visiting only the blocks up to the batch's furthest query position (a dynamic trip count), so a prefill
+    visiting only the blocks up to the batch's furthest query position (the others skipped), so a prefill
     chunk costs O(prefix) instead of O(page-table width)."""
     b, t, h, d = q.shape
     ps, hkv = k_pages.shape[1], k_pages.shape[2]
@@ -106,7 +106,12 @@ def paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 
     g = h // hkv
     init = (jnp.full((b, hkv, g, t), _NEG, acc), jnp.zeros((b, hkv, g, t), acc), jnp.zeros((b, hkv, g, t, d), acc))
-    _, l, o = jax.lax.fori_loop(0, need, body, init)
+    # a scan over every block with the ones past ``need`` skipped by a cond: the trip count stays static, so the
+    # function remains differentiable (training runs it), while the skipped blocks cost nothing
+    def step(carry, i):
+        return jax.lax.cond(i < need, body, lambda _, c: c, i, carry), None
+
+    (_, l, o), _ = jax.lax.scan(step, init, jnp.arange(n_blocks, dtype=jnp.int32))
     o = o / l[..., None]
     return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q.dtype)
 
