@@ -81,3 +81,22 @@ def test_quantization_flag_and_preset_value_are_checked(tmp_path):
 def test_hip_is_accepted_as_rocm():
     ns = _resolve("--model", MODEL, "--target-device", "hip:0", "--draft-device", "rocm:0")  # one platform
     assert (ns.target_device, ns.draft_device) == ("hip:0", "rocm:0")
+
+
+def test_draft_residency_and_thinking_defaults_and_checks(tmp_path):
+    """The issue's server defaults: drafter/scorer resident for the server's life, thinking on (Qwen3.6's default);
+    a preset cannot slip in a value argparse would refuse."""
+    ns = _resolve("--model", MODEL)
+    assert ns.draft_residency == "persistent" and ns.enable_thinking is True
+    assert _resolve("--model", MODEL, "--enable-thinking", "false").enable_thinking is False
+    assert _resolve("--model", MODEL, "--config", os.path.join(ROOT, "configs", "h200.yaml")).enable_thinking is True
+    preset = tmp_path / "p.yaml"
+    preset.write_text("enable-thinking: false\n")  # YAML reads a bool
+    assert _resolve("--model", MODEL, "--config", str(preset)).enable_thinking is False
+    for text, needle in (("draft-residency: swap\n", "only 'persistent'"),
+                         ("enable-thinking: maybe\n", "--enable-thinking must be true or false")):
+        preset.write_text(text)
+        with pytest.raises(StartupError, match=needle):
+            _resolve("--model", MODEL, "--config", str(preset))
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        _resolve("--model", MODEL, "--draft-residency", "swap")

@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="independent batch replicas over M groups of --tensor-parallel devices")
     ap.add_argument("--ddtree", action="store_true", default=None, help="DDTree speculative decoding")
     ap.add_argument("--ddtree-budget", type=int, default=None)
-    ap.add_argument("--draft-residency", choices=("persistent",), default=None)
+    ap.add_argument("--draft-residency", choices=("persistent",), default=None,
+                    help="persistent (the only mode): the drafter and the PFlash scorer stay loaded on the device for "
+                         "the server's life, next to the target")
     ap.add_argument("--prefill-compression", choices=("off", "auto", "always"), default=None)
     ap.add_argument("--prefill-drafter", default=None, help="PFlash scorer: a dense Qwen3 checkpoint directory")
     ap.add_argument("--prefill-keep-ratio", type=float, default=None, help="fraction of a long prompt kept (0.05)")
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales, quantized "
                          "as they load (an FP8 checkpoint stays FP8 either way)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
-                    help="server default for chat_template_kwargs.enable_thinking")
+                    help="server default for chat_template_kwargs.enable_thinking (true: Qwen3.6's own default)")
     ap.add_argument("--host", default=None)
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set DFLASH_API_KEY)")
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
+            "draft_residency": "persistent",
             "ddtree_budget": 22, "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys",
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
@@ -141,6 +144,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.prefill_drafter and not os.path.isdir(ns.prefill_drafter):
         raise StartupError(f"--prefill-drafter {ns.prefill_drafter}: not a directory")
     ns.kvflash = _kvflash_flag(ns.kvflash)
+    if ns.draft_residency != "persistent":  # a preset bypasses argparse's choices
+        raise StartupError(f"--draft-residency {ns.draft_residency}: only 'persistent' is supported (drafter and "
+                           "scorer stay on the device; the seed's swapped/snapshot-cache residencies are not built)")
+    thinking = str(ns.enable_thinking).strip().lower()
+    if thinking not in ("true", "false"):
+        raise StartupError(f"--enable-thinking must be true or false, got {ns.enable_thinking!r}")
+    ns.enable_thinking = thinking == "true"
     for spec in (ns.target_device, ns.draft_device):
         if spec:
             _platform(spec)
@@ -291,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         pflash = (opts, scorer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
-                    default_thinking=args.enable_thinking in (True, "true"), pflash=pflash)
+                    default_thinking=args.enable_thinking, pflash=pflash)
     commit = "fast-rollback" if args.fast_rollback else "replay"
     mode = (f"ddtree(budget={args.ddtree_budget}, drafter={args.drafter}, mode=packed-verify-{commit}, "
             f"cohort_yield_min={args.cohort_yield_min}, cohort_reprobe_tokens={args.cohort_reprobe_tokens})"
@@ -302,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     kvf = (f"{kr['pool_tokens']}-token resident pool ({kr['pool_pages']} pages, scoring={kr['scoring']}, "
            f"host={kr['host_memory_kind']} {kr['host_bytes'] / 2**30:.2f} GiB)" if kr else "off")
     print(f"features: spec_mode={mode}, prefill_compression={pf}, kvflash={kvf}, "
+          f"draft_residency={args.draft_residency}, enable_thinking={str(args.enable_thinking).lower()}, "
           f"max_concurrency={args.max_concurrency}", flush=True)
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",

@@ -17,8 +17,13 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.tpot = Histogram("dflash_tpot_seconds", "Time per output token after the first", registry=r,
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1))
-        self.accept_len = Histogram("dflash_acceptance_length", "Tokens emitted per speculative step", registry=r,
-                                    buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
+        self.accept_len = Histogram("dflash_acceptance_length",
+                                    "Tokens emitted per speculative step (one observation per request: its mean)",
+                                    registry=r, buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
+        self.draft_steps = Counter("dflash_spec_draft_steps", "Speculative (DDTree) rounds of finished requests",
+                                   registry=r)
+        self.accepted_tokens = Counter("dflash_spec_accepted_tokens",
+                                       "Drafted tokens the target accepted (finished requests)", registry=r)
         self.cohort_yield = Gauge("dflash_cohort_yield_events", "Cohorts switched to AR by the yield guard so far",
                                   registry=r)
         self.kv_pages_in = Counter("dflash_kv_pages_in", "KV pages brought back to the device", registry=r)
