@@ -118,7 +118,7 @@ def test_models_and_health(server, client):
     assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
 
 
-def test_completion_non_streaming_with_usage_logprobs_and_telemetry(client):
+def test_completion_non_streaming_with_usage_logprobs_and_telemetry(server, client):
     r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0, logprobs=3)
     c = r.choices[0]
     assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 6 and r.usage.total_tokens == 10
@@ -131,6 +131,9 @@ def test_completion_non_streaming_with_usage_logprobs_and_telemetry(client):
     assert tel["effective_prompt_tokens"] == 4 and tel["spec_mode"] == "ar"
     for k in ("draft_steps", "accepted_tokens", "kv_pages_in", "kv_pages_out"):
         assert tel[k] == 0
+    with open(server["log"].name) as f:  # the telemetry is logged too, one line per request
+        logged = [json.loads(line.split(": ", 2)[2]) for line in f if "finished (length, 6 tokens)" in line]
+    assert any(t["effective_prompt_tokens"] == 4 and t["spec_mode"] == "ar" for t in logged)
 
 
 def test_streaming_equals_non_streaming_and_usage_is_exact(client):

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", help="model id reported by the API (default: the directory name)")
     ap.add_argument("--drafter", help="DFlash drafter checkpoint directory")
     ap.add_argument("--target-device", default=None, help="cpu:0, cuda:0, rocm:0 (hip:0 = rocm:0)")
-    ap.add_argument("--draft-device", default=None)
+    ap.add_argument("--draft-device", default=None,
+                    help="must be the target's device: the drafter and scorer run next to the target")
     ap.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                     help="split the target over N devices (Megatron tensor parallelism; multi-host via "
                          "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
@@ -154,7 +155,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for spec in (ns.target_device, ns.draft_device):
         if spec:
             _platform(spec)
-    if ns.draft_device and ns.target_device and _platform(ns.draft_device) != _platform(ns.target_device):
+    if ns.draft_device and ns.target_device and _device_key(ns.draft_device) != _device_key(ns.target_device):
         raise StartupError(f"--target-device {ns.target_device} and --draft-device {ns.draft_device}: "
                            "mixed-device target/draft placement is not supported; use one device")
     if not (os.path.isdir(ns.model) or ns.model.endswith(".gguf") and os.path.isfile(ns.model)):
@@ -199,7 +200,12 @@ def _platform(spec: str) -> str:
     return DEVICE_PREFIXES[name]
 
 
-def _select_device(spec: str | None):
+def _device_key(spec: str) -> tuple[str, int]:
+    """``cuda:1`` -> ("gpu", 1); ``hip`` -> ("gpu", 0)."""
+    return _platform(spec), int(spec.partition(":")[2] or 0)
+
+
+def _select_device(spec: str | None, flag: str = "--target-device"):
     import jax
 
     if spec is None:
@@ -209,9 +215,9 @@ def _select_device(spec: str | None):
     try:
         devs = jax.devices(plat)
     except RuntimeError as e:
-        raise StartupError(f"--target-device {spec}: no {plat} backend available ({e})") from e
+        raise StartupError(f"{flag} {spec}: no {plat} backend available ({e})") from e
     if idx >= len(devs):
-        raise StartupError(f"--target-device {spec}: only {len(devs)} {plat} device(s) present")
+        raise StartupError(f"{flag} {spec}: only {len(devs)} {plat} device(s) present")
     return devs[idx]
 
 
@@ -238,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                            f"devices) with JAX_COORDINATOR_ADDRESS unset")
     tp, dp = int(args.tensor_parallel), int(args.data_parallel)
     device = _select_device(args.target_device)
+    if args.draft_device and _select_device(args.draft_device, "--draft-device") != device:
+        raise StartupError(f"--draft-device {args.draft_device} is not the target's device ({device}): mixed-device "
+                           "target/draft placement is not supported; drop --draft-device or name the same device")
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     t0 = time.perf_counter()
     with jax.default_device(device):

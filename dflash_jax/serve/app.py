@@ -130,7 +130,10 @@ class Server:
             if item.finish_reason is not None:
                 return item
 
-    def _record(self, o: RequestOutput) -> None:
+    def _record(self, o: RequestOutput, prep: dict[str, Any]) -> None:
+        """Metrics of a finished request; its telemetry is logged (one line per request)."""
+        log.info("request %d finished (%s, %d tokens): %s", o.request_id, o.finish_reason, len(o.token_ids),
+                 json.dumps(_telemetry(o, prep), default=str))
         self.metrics.completion_tokens.inc(len(o.token_ids))
         if o.stats.get("ttft_s") is not None:
             self.metrics.ttft.observe(o.stats["ttft_s"])
@@ -180,7 +183,7 @@ class Server:
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, prep, chat=False))
-        outs = await self._gather(request, subs)
+        outs = await self._gather(request, subs, prep)
         choices = []
         for i, o in enumerate(outs):
             c = {"index": i, "text": self._text(o), "finish_reason": o.finish_reason, "telemetry": _telemetry(o, prep),
@@ -214,7 +217,7 @@ class Server:
         if req.stream:
             return _sse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req, prep,
                                      chat=True, thinking=thinking, tools=tools))
-        outs = await self._gather(request, subs)
+        outs = await self._gather(request, subs, prep)
         choices = []
         for i, o in enumerate(outs):
             msg = self._assistant_message(self._text(o), thinking, tools)
@@ -239,7 +242,7 @@ class Server:
         return msg
 
     # ---- shared pieces ---------------------------------------------------------------------------
-    async def _gather(self, request: Request, subs) -> list[RequestOutput]:
+    async def _gather(self, request: Request, subs, prep: dict[str, Any]) -> list[RequestOutput]:
         try:
             outs = await asyncio.gather(*(self._final(request, rid, q) for rid, q in subs))
         except BaseException:
@@ -247,7 +250,7 @@ class Server:
                 self.runner.abort(rid)
             raise
         for o in outs:
-            self._record(o)
+            self._record(o, prep)
         return list(outs)
 
     def _text(self, o: RequestOutput) -> str:
@@ -367,7 +370,7 @@ class Server:
                         yield chunk(i, {}, "tool_calls" if calls else o.finish_reason, o)
                 if done:
                     finals[i] = o
-                    self._record(o)
+                    self._record(o, prep)
             if include_usage:
                 yield json.dumps({"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                                   "usage": self._usage(len(prompt), list(finals.values()))})
