@@ -441,7 +441,8 @@ def test_speculative_metrics_move_after_requests(shipped):
     assert m1["dflash_acceptance_length_sum"] - m0["dflash_acceptance_length_sum"] >= 3  # >= 1 token per round
     assert m1["dflash_spec_draft_steps_total"] - m0["dflash_spec_draft_steps_total"] >= 3
     assert m1["dflash_spec_accepted_tokens_total"] >= m0["dflash_spec_accepted_tokens_total"]
-    assert m1["dflash_cohort_yield_events"] - m0["dflash_cohort_yield_events"] >= 1
+    assert m1["dflash_cohort_yield_events_total"] - m0["dflash_cohort_yield_events_total"] >= 1
+    assert m1["dflash_cohort_reprobes_total"] == 0  # --cohort-reprobe-tokens 0: a yielded request stays AR
     assert m1["dflash_completion_tokens_total"] - m0["dflash_completion_tokens_total"] == 18
 
 

@@ -389,8 +389,9 @@ class Server:
         m.free_pages.set(sum(p.num_free for p in eng.pools))
         m.total_pages.set(sum(p.n_pages - 1 for p in eng.pools))
         m.free_slots.set(len(eng.free_slots))
-        m.engine_faults.set(self.runner.faults)
-        m.cohort_yield.set(eng.counters["cohort_yield"])
+        m.sync(m.engine_faults, self.runner.faults)
+        m.sync(m.cohort_yield, eng.counters["cohort_yield"])
+        m.sync(m.cohort_reprobes, eng.counters["cohort_reprobe"])
 
 
 def build_app(server: Server) -> FastAPI:

@@ -24,8 +24,10 @@ class Metrics:
                                    registry=r)
         self.accepted_tokens = Counter("dflash_spec_accepted_tokens",
                                        "Drafted tokens the target accepted (finished requests)", registry=r)
-        self.cohort_yield = Gauge("dflash_cohort_yield_events", "Cohorts switched to AR by the yield guard so far",
-                                  registry=r)
+        self.cohort_yield = Counter("dflash_cohort_yield_events", "Cohorts switched to AR by the yield guard",
+                                    registry=r)
+        self.cohort_reprobes = Counter("dflash_cohort_reprobes", "Yielded requests that probed DDTree again",
+                                       registry=r)
         self.kv_pages_in = Counter("dflash_kv_pages_in", "KV pages brought back to the device", registry=r)
         self.kv_pages_out = Counter("dflash_kv_pages_out", "KV pages moved to host memory", registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for admission", registry=r)
@@ -33,4 +35,12 @@ class Metrics:
         self.free_pages = Gauge("dflash_kv_free_pages", "Free KV pages in the pool", registry=r)
         self.total_pages = Gauge("dflash_kv_total_pages", "Usable KV pages in the pool", registry=r)
         self.free_slots = Gauge("dflash_free_slots", "Free recurrent-state slots", registry=r)
-        self.engine_faults = Gauge("dflash_engine_faults", "Engine steps that raised", registry=r)
+        self.engine_faults = Counter("dflash_engine_faults", "Engine steps that raised", registry=r)
+        self._seen: dict[int, float] = {}
+
+    def sync(self, counter: Counter, total: float) -> None:
+        """Advance ``counter`` to ``total``, a running count kept elsewhere (the engine's counters)."""
+        delta = total - self._seen.get(id(counter), 0.0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[id(counter)] = total
