@@ -228,6 +228,13 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "echo": True}, 400, "echo"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "tool_choice": "banana"}, 400, "tool_choice"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "tool_choice": "required"}, 400, "needs tools"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     "not among the tools"),
 ]
 
 
@@ -369,6 +376,11 @@ def _check_tools(client, model: str) -> None:
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20
     assert client.chat.completions.create(**kw, tools=tools, tool_choice="none").usage.prompt_tokens == \
         plain.usage.prompt_tokens
+    other = {"type": "function", "function": {"name": "mul", "description": "Multiply.", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number"}}}}}
+    named = client.chat.completions.create(**kw, tools=[other, *tools],
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+    assert named.usage.prompt_tokens == r.usage.prompt_tokens  # only the named function is offered
     _stream_matches(client, **kw, tools=tools)
 
 

@@ -201,7 +201,7 @@ class Server:
         kwargs = req.chat_template_kwargs or {}
         thinking = bool(kwargs.get("enable_thinking", self.default_thinking))
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = req.tools if req.tool_choice != "none" else None
+        tools = self._offered_tools(req)
         try:
             prompt = tok.apply_chat_template(messages, enable_thinking=thinking, tools=tools)
         except ValueError as e:
@@ -227,6 +227,32 @@ class Server:
             choices.append(c)
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(len(prompt), outs)}
+
+    @staticmethod
+    def _offered_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
+        """The tools the chat template lists, by ``tool_choice``: "auto" (default) all, "none" none, a named function
+        only that one. "required" lists all; that a call is made is not enforced (no constrained decoding)."""
+        choice = req.tool_choice
+        if choice is None or choice in ("auto", "required"):
+            if choice == "required" and not req.tools:
+                raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+            return req.tools
+        if choice == "none":
+            return None
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                    '"function": {"name": ...}}', param="tool_choice")
+            named = [t for t in req.tools or () if isinstance(t, dict)
+                     and isinstance(t.get("function"), dict) and t["function"].get("name") == name]
+            if not named:
+                raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools",
+                               param="tool_choice")
+            return named
+        raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                       param="tool_choice")
 
     def _assistant_message(self, text: str, thinking: bool, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
         """The final assistant message; tool calls are parsed only for a request with tools (typed by their
