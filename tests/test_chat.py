@@ -3,8 +3,11 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dflash_jax.models.chat import TOOLS_INSTRUCTIONS, TOOLS_PREAMBLE, parse_assistant, render_chat
+from dflash_jax.models.chat import (TOOLS_INSTRUCTIONS, TOOLS_PREAMBLE, parse_assistant, partial_assistant,
+                                    render_chat)
 
 USER = [{"role": "user", "content": "Hello!"}]
 
@@ -184,6 +187,41 @@ def test_parse_thinking_edge_cases():
     # an unparseable tool call stays in content
     r, c, calls = parse_assistant("a </think> <tool_call>not a call</tool_call>", thinking=True)
     assert r == "a" and c == "<tool_call>not a call</tool_call>" and calls == []
+
+
+_PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>", "<function=f>", "<parameter=x>\n1\n",
+           "</parameter>", "</function>", '{"name": "g", "arguments": {}}', "<", "</", "<thi", "\n", "\n\n", " ",
+           "  ", "a", "b c", "[1, ", "}", "é",
+           "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+           '<tool_call>\n{"name": "g", "arguments": {"y": 2}}\n</tool_call>', "<think>\nr\n</think>\n\n"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(_PIECES), max_size=14), thinking=st.booleans(), tools=st.booleans(),
+       data=st.data())
+def test_streamed_parts_are_prefixes_of_the_parsed_message(pieces, thinking, tools, data):
+    """What a stream sends for any prefix of a generation (split anywhere, even inside a marker) is a prefix of the
+    final message's reasoning and content, and the finished text gives exactly the final parts, so the joined
+    deltas equal the non-streamed message."""
+    text = "".join(pieces)
+    reasoning, content, _ = parse_assistant(text, thinking=thinking, parse_tools=tools)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6))) + [len(text)]
+    for k in cuts:
+        r, c = partial_assistant(text[:k], thinking=thinking, parse_tools=tools)
+        assert (reasoning or "").startswith(r) and content.startswith(c), (text[:k], r, c)
+
+
+def test_partial_holds_back_markers_whitespace_and_tool_calls():
+    assert partial_assistant("x\n</thi", thinking=True) == ("x", "")
+    assert partial_assistant("x\n</think>\n\n[1, ", thinking=True) == ("x", "[1,")
+    assert parse_assistant("x\n</think>\n\n[1, ", thinking=True) == ("x", "[1,", [])
+    assert partial_assistant("Sure.\n<tool_call>\n<function=f>", thinking=False) == ("", "Sure.")
+    assert partial_assistant("Sure.\n<tool_call>\n<function=f>", thinking=False, parse_tools=False) == (
+        "", "Sure.\n<tool_call>\n<function=f>")
+    assert partial_assistant("<think>a", thinking=False) == ("", "")  # a block or plain text: not known yet
+    # a request without tools gets the call text as content, never a silently dropped call
+    gen = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    assert parse_assistant(gen, thinking=False, parse_tools=False) == (None, gen, [])
 
 
 @pytest.mark.parametrize("messages, tools, match", [

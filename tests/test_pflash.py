@@ -123,15 +123,18 @@ def test_off_and_short_prompts_untouched(t, mode, min_tokens):
         assert np.all(np.diff(r.kept_indices) > 0)
 
 
-def test_auto_mode_skips_tool_requests_and_no_gain_prompts():
+def test_tool_requests_are_never_compressed_and_auto_skips_no_gain_prompts():
     ids = np.arange(4096) % 100
     auto = PFlashOptions(mode="auto", min_tokens=1024, keep_ratio=0.05)
-    assert pflash.compress(ids, _never, auto, tool_request=True).reason == "tools"
+    always = PFlashOptions(mode="always", min_tokens=1024, keep_ratio=0.05)
+    for o in (auto, always):  # the scorer is not even run
+        r = pflash.compress(ids, _never, o, tool_request=True)
+        assert r.reason == "tools" and not r.compressed and r.effective_tokens == 4096
+        np.testing.assert_array_equal(r.effective_ids, ids)
     mk = np.zeros(4096, bool)
     mk[::20] = True  # protected tokens everywhere: nothing to gain
     assert pflash.compress(ids, _never, auto, must_keep=mk).reason == "no_gain"
-    always = PFlashOptions(mode="always", min_tokens=1024, keep_ratio=0.05)
-    r = pflash.compress(ids, _ramp, always, tool_request=True, must_keep=mk)
+    r = pflash.compress(ids, _ramp, always, must_keep=mk)
     assert r.compressed and r.effective_tokens == 4096  # every chunk holds a protected token
     r = pflash.compress(ids, _ramp, auto)
     assert r.compressed and r.reason == "compressed" and r.ratio < 0.3

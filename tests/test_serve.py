@@ -118,7 +118,7 @@ def test_models_and_health(server, client):
     assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
 
 
-def test_completion_non_streaming_with_usage_logprobs_and_telemetry(client):
+def test_completion_non_streaming_with_usage_logprobs_and_telemetry(server, client):
     r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0, logprobs=3)
     c = r.choices[0]
     assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 6 and r.usage.total_tokens == 10
@@ -131,6 +131,9 @@ def test_completion_non_streaming_with_usage_logprobs_and_telemetry(client):
     assert tel["effective_prompt_tokens"] == 4 and tel["spec_mode"] == "ar"
     for k in ("draft_steps", "accepted_tokens", "kv_pages_in", "kv_pages_out"):
         assert tel[k] == 0
+    with open(server["log"].name) as f:  # the telemetry is logged too, one line per request
+        logged = [json.loads(line.split(": ", 2)[2]) for line in f if "finished (length, 6 tokens)" in line]
+    assert any(t["effective_prompt_tokens"] == 4 and t["spec_mode"] == "ar" for t in logged)
 
 
 def test_streaming_equals_non_streaming_and_usage_is_exact(client):
@@ -177,6 +180,30 @@ def test_chat_completion_with_reasoning_split(client):
     assert all(len(x.top_logprobs) == 2 for x in t.choices[0].logprobs.content)
 
 
+def _stream_matches(client, **kw):
+    """The same greedy chat request streamed and not: the joined content / reasoning_content deltas equal the
+    message exactly (whitespace included) and the streamed tool calls are the message's. Returns the message."""
+    r = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    msg = r.choices[0].message
+    assert "".join(d.content or "" for d in deltas) == (msg.content or "")
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == \
+        ((msg.model_extra or {}).get("reasoning_content") or "")
+    assert [(tc.function.name, tc.function.arguments) for d in deltas for tc in (d.tool_calls or [])] == \
+        [(tc.function.name, tc.function.arguments) for tc in (msg.tool_calls or [])]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    return msg
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_streamed_chat_equals_non_streamed_exactly(client, thinking):
+    for n in (3, 7, 12):  # cut at different points: trailing whitespace, partial markers
+        _stream_matches(client, model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=n,
+                        temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": thinking},
+                                                   "ignore_eos": True})
+
+
 def test_sampling_is_reproducible_with_a_seed(client):
     a = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=8, temperature=1.0, seed=123)
     b = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=8, temperature=1.0, seed=123)
@@ -201,6 +228,13 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "echo": True}, 400, "echo"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "tool_choice": "banana"}, 400, "tool_choice"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "tool_choice": "required"}, 400, "needs tools"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     "not among the tools"),
 ]
 
 
@@ -325,13 +359,16 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     pytest.fail("server did not come up")
 
 
+ADD_TOOL = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+
+
 def _check_tools(client, model: str) -> None:
     """Tools through the server (the Qwen tool preamble is ~250 tokens with the shipped tokenizer, ~950 with the
     test one: too long for the module server). Tools reach the chat template (the prompt grows by the tool
     preamble; tool_choice "none" drops them) and the streamed answer of a tool request equals the non-streamed one
     (tool-call parsing itself: tests/test_chat.py)."""
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
-        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    tools = ADD_TOOL
     kw = dict(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0,
               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     plain = client.chat.completions.create(**kw)
@@ -339,42 +376,86 @@ def _check_tools(client, model: str) -> None:
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20
     assert client.chat.completions.create(**kw, tools=tools, tool_choice="none").usage.prompt_tokens == \
         plain.usage.prompt_tokens
-    s = list(client.chat.completions.create(**kw, tools=tools, stream=True))
-    # the non-streamed message is stripped of surrounding whitespace (parse_assistant); the stream is not
-    assert "".join((ch.choices[0].delta.content or "") for ch in s if ch.choices).strip() == \
-        (r.choices[0].message.content or "")
-    streamed_calls = [tc.function.name for ch in s if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert streamed_calls == [tc.function.name for tc in (r.choices[0].message.tool_calls or [])]
+    other = {"type": "function", "function": {"name": "mul", "description": "Multiply.", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number"}}}}}
+    named = client.chat.completions.create(**kw, tools=[other, *tools],
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+    assert named.usage.prompt_tokens == r.usage.prompt_tokens  # only the named function is offered
+    _stream_matches(client, **kw, tools=tools)
 
 
-def test_no_arguments_serve_the_shipped_model_set():
-    """`python -m dflash_jax.serve` alone serves the shipped tiny set: chat works with the real client, the
-    model id is the shipped target's, greedy text equals the target's own greedy continuation, and chat with
-    tools works (``_check_tools``)."""
+@pytest.fixture(scope="module")
+def shipped():
+    """``python -m dflash_jax.serve --ddtree``: no model given, so the shipped tiny target with its own drafter."""
+    proc, base = _spawn(["--ddtree", "--max-concurrency", "2", "--max-model-len", "512"])
+    yield openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0), base
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def test_the_shipped_model_set_is_served_by_default(shipped):
+    """With no --model the shipped set is served: chat works with the real client, the model id is the shipped
+    target's, greedy text (speculative, with the shipped drafter) equals the target's own greedy continuation, and
+    chat with tools works (``_check_tools``)."""
     import dflash_jax as dj
     from dflash_jax.models.tokenizer import Tokenizer
     from dflash_jax.serve.__main__ import SHIPPED
 
-    proc, base = _spawn(["--max-concurrency", "2", "--max-model-len", "512"])
-    try:
-        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-        (m,) = c.models.list().data
-        assert m.id == "target"
-        msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-        r = c.chat.completions.create(model=m.id, messages=msgs, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 12 and r.choices[0].message.content is not None
-        prompt = "def add(a, b):\n"
-        r = c.completions.create(model=m.id, prompt=prompt, max_tokens=8, temperature=0,
-                                 extra_body={"ignore_eos": True})
-        path = os.path.join(SHIPPED, "target")
-        tok = Tokenizer.from_dir(path)
-        want = dj.load_target(path).greedy(tok.encode(prompt), 8)
-        assert r.choices[0].text == tok.decode(want)
-        _check_tools(c, m.id)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    c, _ = shipped
+    (m,) = c.models.list().data
+    assert m.id == "target"
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    r = c.chat.completions.create(model=m.id, messages=msgs, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].message.content is not None
+    prompt = "def add(a, b):\n"
+    r = c.completions.create(model=m.id, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].model_extra["telemetry"]["draft_steps"] >= 1
+    path = os.path.join(SHIPPED, "target")
+    tok = Tokenizer.from_dir(path)
+    want = dj.load_target(path).greedy(tok.encode(prompt), 8)
+    assert r.choices[0].text == tok.decode(want)
+    _check_tools(c, m.id)
+
+
+def test_shipped_model_stream_equals_non_stream_with_trailing_whitespace(shipped):
+    """The shipped target answers "hello" (thinking off, 8 tokens) with text ending in "[1, ": the streamed content
+    must equal the message exactly, trailing space handled the same way in both."""
+    c, _ = shipped
+    kw = dict(model="target", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+    raw = c.completions.create(model="target", prompt=_chat_prompt("hello", thinking=False), max_tokens=8,
+                               temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    assert raw != raw.rstrip()  # the case this test is about is still produced by the shipped model
+    assert _stream_matches(c, **kw).content == raw.strip()
+    kw["extra_body"] = {"ignore_eos": True}  # thinking on (the server default): reasoning_content too
+    assert _stream_matches(c, **kw).model_extra.get("reasoning_content") is not None
+
+
+def _chat_prompt(content: str, *, thinking: bool) -> list[int]:
+    from dflash_jax.models.tokenizer import Tokenizer
+    from dflash_jax.serve.__main__ import SHIPPED
+
+    tok = Tokenizer.from_dir(os.path.join(SHIPPED, "target"))
+    return tok.apply_chat_template([{"role": "user", "content": content}], enable_thinking=thinking)
+
+
+def test_speculative_metrics_move_after_requests(shipped):
+    """/metrics of a --ddtree server: the acceptance-length histogram, draft rounds, accepted tokens and the
+    cohort-yield events (the shipped drafter emits fewer than the default 6 tokens per request in a first round, so
+    each cohort yields to AR) all move with requests."""
+    c, base = shipped
+    m0 = _metrics({"base": base})
+    for p in ("def add(a, b):\n", "import os\n", "class A:\n"):
+        c.completions.create(model="target", prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    m1 = _metrics({"base": base})
+    assert m1["dflash_acceptance_length_count"] - m0["dflash_acceptance_length_count"] == 3
+    assert m1["dflash_acceptance_length_sum"] - m0["dflash_acceptance_length_sum"] >= 3  # >= 1 token per round
+    assert m1["dflash_spec_draft_steps_total"] - m0["dflash_spec_draft_steps_total"] >= 3
+    assert m1["dflash_spec_accepted_tokens_total"] >= m0["dflash_spec_accepted_tokens_total"]
+    assert m1["dflash_cohort_yield_events_total"] - m0["dflash_cohort_yield_events_total"] >= 1
+    assert m1["dflash_cohort_reprobes_total"] == 0  # --cohort-reprobe-tokens 0: a yielded request stays AR
+    assert m1["dflash_completion_tokens_total"] - m0["dflash_completion_tokens_total"] == 18
 
 
 def test_ddtree_flags_start_a_speculative_server(tmp_path):
@@ -442,6 +523,17 @@ def test_prefill_compression_bills_raw_and_prefills_effective(tmp_path):
         short = c.completions.create(model=MODEL, prompt=long_prompt[:20], max_tokens=2, temperature=0)
         st = short.choices[0].model_extra["telemetry"]
         assert st["pflash"] == "short" and st["effective_prompt_tokens"] == 20 == short.usage.prompt_tokens
+        # tool-calling requests are never compressed, even with "always": tools offered, or tool turns in the history
+        filler = "the quick brown fox " * 60
+        tool_turns = [{"role": "user", "content": filler * 5},
+                      {"role": "assistant", "content": "", "tool_calls": [
+                          {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+        for kw in (dict(messages=[{"role": "user", "content": filler}], tools=ADD_TOOL), dict(messages=tool_turns)):
+            r = c.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, **kw)
+            tel = r.choices[0].model_extra["telemetry"]
+            assert r.usage.prompt_tokens >= 1024  # over --prefill-min-tokens: compressed if it were not for tools
+            assert tel["pflash"] == "tools" and tel["effective_prompt_tokens"] == r.usage.prompt_tokens
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

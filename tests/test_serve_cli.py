@@ -29,6 +29,7 @@ def _resolve(*argv):
     (("--model", MODEL, "--target-device", "cuda:0", "--draft-device", "cpu:0"), "mixed-device"),
     (("--model", MODEL, "--target-device", "tpu:0"), "not understood"),
     (("--model", MODEL, "--target-device", "hip:0", "--draft-device", "cpu:0"), "mixed-device"),
+    (("--model", MODEL, "--target-device", "cuda:0", "--draft-device", "cuda:1"), "mixed-device"),
     (("--model", MODEL, "--max-concurrency", "0"), "--max-concurrency"),
     (("--model", MODEL, "--tensor-parallel", "0"), "--tensor-parallel and --data-parallel must be >= 1"),
     (("--model", MODEL, "--tensor-parallel", "2", "--target-device", "cpu:0"), "drop --target-device"),
@@ -79,5 +80,36 @@ def test_quantization_flag_and_preset_value_are_checked(tmp_path):
 
 
 def test_hip_is_accepted_as_rocm():
-    ns = _resolve("--model", MODEL, "--target-device", "hip:0", "--draft-device", "rocm:0")  # one platform
-    assert (ns.target_device, ns.draft_device) == ("hip:0", "rocm:0")
+    ns = _resolve("--model", MODEL, "--target-device", "hip:0", "--draft-device", "rocm")  # one device
+    assert (ns.target_device, ns.draft_device) == ("hip:0", "rocm")
+
+
+def test_draft_residency_and_thinking_defaults_and_checks(tmp_path):
+    """The issue's server defaults: drafter/scorer resident for the server's life, thinking on (Qwen3.6's default);
+    a preset cannot slip in a value argparse would refuse."""
+    ns = _resolve("--model", MODEL)
+    assert ns.draft_residency == "persistent" and ns.enable_thinking is True
+    assert _resolve("--model", MODEL, "--enable-thinking", "false").enable_thinking is False
+    assert _resolve("--model", MODEL, "--config", os.path.join(ROOT, "configs", "h200.yaml")).enable_thinking is True
+    preset = tmp_path / "p.yaml"
+    preset.write_text("enable-thinking: false\n")  # YAML reads a bool
+    assert _resolve("--model", MODEL, "--config", str(preset)).enable_thinking is False
+    for text, needle in (("draft-residency: swap\n", "only 'persistent'"),
+                         ("enable-thinking: maybe\n", "--enable-thinking must be true or false")):
+        preset.write_text(text)
+        with pytest.raises(StartupError, match=needle):
+            _resolve("--model", MODEL, "--config", str(preset))
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        _resolve("--model", MODEL, "--draft-residency", "swap")
+
+
+def test_draft_device_other_than_the_target_is_refused_at_start():
+    """Only --draft-device given: it is compared with the device the target lands on (here the first of two CPU
+    devices), before any model is loaded."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "dflash_jax.serve", "--model", MODEL, "--draft-device", "cpu:1"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "--draft-device cpu:1 is not the target's device" in r.stderr, r.stderr

@@ -389,8 +389,8 @@ def _parse_tool_call_body(body: str, types: dict[str, dict[str, Any]]) -> dict[s
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def parse_assistant(text: str, *, thinking: bool, tools: Sequence[Mapping[str, Any]] | None = None
-                    ) -> tuple[str | None, str, list[dict[str, Any]]]:
+def parse_assistant(text: str, *, thinking: bool, tools: Sequence[Mapping[str, Any]] | None = None,
+                    parse_tools: bool = True) -> tuple[str | None, str, list[dict[str, Any]]]:
     """Split generated assistant text into ``(reasoning_content, content, tool_calls)``.
 
     ``text`` is what the model produced after the generation prompt (which, with thinking on, already ended in
@@ -399,26 +399,26 @@ def parse_assistant(text: str, *, thinking: bool, tools: Sequence[Mapping[str, A
     reasoning is None unless the text nonetheless opens with a complete ``<think>…</think>`` block.
     ``tool_calls`` are OpenAI dicts (``id``, ``type: "function"``, ``function: {name, arguments (JSON string)}``);
     parameter values of the XML form are typed by the ``tools`` schemas when given, else read as JSON when they
-    parse as JSON (strings otherwise). Unparseable ``<tool_call>`` blocks are left in ``content``.
+    parse as JSON (strings otherwise). Unparseable ``<tool_call>`` blocks are left in ``content``; with
+    ``parse_tools=False`` (a request without tools) no tool call is parsed and all of it is content.
+    Reasoning and content are trimmed of surrounding whitespace, as the chat template trims them when the turn is
+    sent back; ``partial_assistant`` gives the parts of an unfinished generation that a stream may send already.
     """
-    for stop in (IM_END, ENDOFTEXT):
-        k = text.find(stop)
-        if k >= 0:
-            text = text[:k]
+    text = _cut_at_end(text)
     reasoning: str | None = None
     rest = text
     if thinking:
         if THINK_END in text:
             r, rest = text.split(THINK_END, 1)
-            r = r.lstrip()
-            reasoning = (r[len(THINK_START):] if r.startswith(THINK_START) else r).strip()
+            reasoning = _drop_think_start(r).strip()
         else:
-            r = text.lstrip()
-            return (r[len(THINK_START):] if r.startswith(THINK_START) else r).strip(), "", []
+            return _drop_think_start(text).strip(), "", []
     elif text.lstrip().startswith(THINK_START) and THINK_END in text:
         r, rest = text.split(THINK_END, 1)
-        reasoning = r.lstrip()[len(THINK_START):].strip()
+        reasoning = _drop_think_start(r).strip()
 
+    if not parse_tools:
+        return reasoning, rest.strip(), []
     types = _param_types(tools)
     calls: list[dict[str, Any]] = []
     pieces: list[str] = []
@@ -433,3 +433,49 @@ def parse_assistant(text: str, *, thinking: bool, tools: Sequence[Mapping[str, A
     pieces.append(rest[pos:])
     content = "".join(pieces).strip() if calls else rest.strip()
     return reasoning, content, calls
+
+
+_MARKERS = (THINK_START, THINK_END, TOOL_CALL_START, IM_END, ENDOFTEXT)
+
+
+def _cut_at_end(text: str) -> str:
+    for stop in (IM_END, ENDOFTEXT):
+        k = text.find(stop)
+        if k >= 0:
+            text = text[:k]
+    return text
+
+
+def _drop_think_start(r: str) -> str:
+    r = r.lstrip()
+    return r[len(THINK_START):] if r.startswith(THINK_START) else r
+
+
+def partial_assistant(text: str, *, thinking: bool, parse_tools: bool = True) -> tuple[str, str]:
+    """``(reasoning, content)`` of an unfinished generation that are prefixes of what ``parse_assistant`` returns
+    for the finished text, whatever follows (None reasoning counts as ""): what a stream may send so far.
+
+    Held back: a tail that may still become a marker (``</thi``), everything from the first ``<tool_call>`` on
+    (calls are sent parsed when the generation ends), trailing whitespace (trimmed if nothing follows it), and,
+    with thinking off, a text that opens with ``<think>`` until its ``</think>`` shows whether it is a block.
+    """
+    text = _cut_at_end(text)
+    for m in _MARKERS:  # a tail that is a proper prefix of a marker
+        for k in range(min(len(m) - 1, len(text)), 0, -1):
+            if text.endswith(m[:k]):
+                text = text[:-k]
+                break
+    if thinking or THINK_END in text and text.lstrip().startswith(THINK_START):
+        if THINK_END not in text:
+            r = text.lstrip()
+            return ("" if THINK_START.startswith(r) else _drop_think_start(r).strip()), ""
+        r, rest = text.split(THINK_END, 1)
+        reasoning = _drop_think_start(r).strip()
+    else:
+        s = text.lstrip()
+        if THINK_START.startswith(s) or s.startswith(THINK_START):  # may still open a <think> block
+            return "", ""
+        reasoning, rest = "", text
+    if parse_tools and TOOL_CALL_START in rest:
+        rest = rest[:rest.index(TOOL_CALL_START)]
+    return reasoning, rest.strip()

@@ -16,8 +16,9 @@ Pipeline (``compress``):
    re-numbered, as lucebox does; ``kept_indices`` gives the original positions for a SpecPrefill-style variant).
 
 Modes: ``off`` never compresses; ``always`` compresses every prompt of at least ``min_tokens`` tokens; ``auto`` does
-the same but leaves tool-calling requests alone and skips prompts where the forced chunks alone would keep more than
-``auto_max_ratio`` of the prompt (the scoring pass would not pay for itself).
+the same but skips prompts where the forced chunks alone would keep more than ``auto_max_ratio`` of the prompt (the
+scoring pass would not pay for itself). Tool-calling requests are never compressed, in either mode (reference §5: a
+dropped chunk of a tool schema or result breaks the call the agent waits for).
 """
 
 from __future__ import annotations
@@ -322,7 +323,7 @@ class DenseScorer:
 class CompressionResult:
     """What ``compress`` did. ``effective_ids`` is what the target prefills; ``kept_indices`` their original
     positions; ``ratio = effective_tokens / raw_tokens``; ``scoring_s`` the scorer's wall time (0 if not run).
-    ``reason``: "compressed", "off", "short" (< min_tokens), "tools" (auto mode, tool request) or "no_gain"
+    ``reason``: "compressed", "off", "short" (< min_tokens), "tools" (a tool-calling request) or "no_gain"
     (auto mode, forced chunks alone exceed auto_max_ratio)."""
 
     effective_ids: np.ndarray
@@ -350,7 +351,7 @@ def compress(prompt_ids: Any, scorer: Scorer, options: PFlashOptions, *, must_ke
     """Compress a prompt with ``scorer`` under ``options`` (see the module docstring for the modes).
 
     ``must_keep`` [T] bool marks tokens that are never dropped (e.g. ``protected_mask``); ``tool_request`` says the
-    request carries tools (auto mode then leaves it alone).
+    request carries tools or tool turns: it is never compressed (reason "tools"), in any mode.
     """
     if not isinstance(options, PFlashOptions):
         raise PFlashError(f"options must be PFlashOptions, got {type(options).__name__}")
@@ -363,11 +364,11 @@ def compress(prompt_ids: Any, scorer: Scorer, options: PFlashOptions, *, must_ke
     o = options
     if o.mode == "off":
         return _untouched(ids, "off")
+    if tool_request:
+        return _untouched(ids, "tools")
     if t < o.min_tokens:
         return _untouched(ids, "short")
     if o.mode == "auto":
-        if tool_request:
-            return _untouched(ids, "tools")
         forced = _forced_chunks(t, o.chunk, o.head_tokens, o.tail_tokens, mk)
         if _chunk_sizes(t, o.chunk)[forced].sum() > o.auto_max_ratio * t:
             return _untouched(ids, "no_gain")

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", help="model id reported by the API (default: the directory name)")
     ap.add_argument("--drafter", help="DFlash drafter checkpoint directory")
     ap.add_argument("--target-device", default=None, help="cpu:0, cuda:0, rocm:0 (hip:0 = rocm:0)")
-    ap.add_argument("--draft-device", default=None)
+    ap.add_argument("--draft-device", default=None,
+                    help="must be the target's device: the drafter and scorer run next to the target")
     ap.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                     help="split the target over N devices (Megatron tensor parallelism; multi-host via "
                          "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
@@ -45,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="independent batch replicas over M groups of --tensor-parallel devices")
     ap.add_argument("--ddtree", action="store_true", default=None, help="DDTree speculative decoding")
     ap.add_argument("--ddtree-budget", type=int, default=None)
-    ap.add_argument("--draft-residency", choices=("persistent",), default=None)
+    ap.add_argument("--draft-residency", choices=("persistent",), default=None,
+                    help="persistent (the only mode): the drafter and the PFlash scorer stay loaded on the device for "
+                         "the server's life, next to the target")
     ap.add_argument("--prefill-compression", choices=("off", "auto", "always"), default=None)
     ap.add_argument("--prefill-drafter", default=None, help="PFlash scorer: a dense Qwen3 checkpoint directory")
     ap.add_argument("--prefill-keep-ratio", type=float, default=None, help="fraction of a long prompt kept (0.05)")
@@ -75,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales, quantized "
                          "as they load (an FP8 checkpoint stays FP8 either way)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
-                    help="server default for chat_template_kwargs.enable_thinking")
+                    help="server default for chat_template_kwargs.enable_thinking (true: Qwen3.6's own default)")
     ap.add_argument("--host", default=None)
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set DFLASH_API_KEY)")
@@ -84,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
+            "draft_residency": "persistent",
             "ddtree_budget": 22, "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys",
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
@@ -141,10 +145,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.prefill_drafter and not os.path.isdir(ns.prefill_drafter):
         raise StartupError(f"--prefill-drafter {ns.prefill_drafter}: not a directory")
     ns.kvflash = _kvflash_flag(ns.kvflash)
+    if ns.draft_residency != "persistent":  # a preset bypasses argparse's choices
+        raise StartupError(f"--draft-residency {ns.draft_residency}: only 'persistent' is supported (drafter and "
+                           "scorer stay on the device; the seed's swapped/snapshot-cache residencies are not built)")
+    thinking = str(ns.enable_thinking).strip().lower()
+    if thinking not in ("true", "false"):
+        raise StartupError(f"--enable-thinking must be true or false, got {ns.enable_thinking!r}")
+    ns.enable_thinking = thinking == "true"
     for spec in (ns.target_device, ns.draft_device):
         if spec:
             _platform(spec)
-    if ns.draft_device and ns.target_device and _platform(ns.draft_device) != _platform(ns.target_device):
+    if ns.draft_device and ns.target_device and _device_key(ns.draft_device) != _device_key(ns.target_device):
         raise StartupError(f"--target-device {ns.target_device} and --draft-device {ns.draft_device}: "
                            "mixed-device target/draft placement is not supported; use one device")
     if not (os.path.isdir(ns.model) or ns.model.endswith(".gguf") and os.path.isfile(ns.model)):
@@ -189,7 +200,12 @@ def _platform(spec: str) -> str:
     return DEVICE_PREFIXES[name]
 
 
-def _select_device(spec: str | None):
+def _device_key(spec: str) -> tuple[str, int]:
+    """``cuda:1`` -> ("gpu", 1); ``hip`` -> ("gpu", 0)."""
+    return _platform(spec), int(spec.partition(":")[2] or 0)
+
+
+def _select_device(spec: str | None, flag: str = "--target-device"):
     import jax
 
     if spec is None:
@@ -199,9 +215,9 @@ def _select_device(spec: str | None):
     try:
         devs = jax.devices(plat)
     except RuntimeError as e:
-        raise StartupError(f"--target-device {spec}: no {plat} backend available ({e})") from e
+        raise StartupError(f"{flag} {spec}: no {plat} backend available ({e})") from e
     if idx >= len(devs):
-        raise StartupError(f"--target-device {spec}: only {len(devs)} {plat} device(s) present")
+        raise StartupError(f"{flag} {spec}: only {len(devs)} {plat} device(s) present")
     return devs[idx]
 
 
@@ -228,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                            f"devices) with JAX_COORDINATOR_ADDRESS unset")
     tp, dp = int(args.tensor_parallel), int(args.data_parallel)
     device = _select_device(args.target_device)
+    if args.draft_device and _select_device(args.draft_device, "--draft-device") != device:
+        raise StartupError(f"--draft-device {args.draft_device} is not the target's device ({device}): mixed-device "
+                           "target/draft placement is not supported; drop --draft-device or name the same device")
     dtype = args.dtype or ("bfloat16" if device.platform == "gpu" else "float32")
     t0 = time.perf_counter()
     with jax.default_device(device):
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         pflash = (opts, scorer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
-                    default_thinking=args.enable_thinking in (True, "true"), pflash=pflash)
+                    default_thinking=args.enable_thinking, pflash=pflash)
     commit = "fast-rollback" if args.fast_rollback else "replay"
     mode = (f"ddtree(budget={args.ddtree_budget}, drafter={args.drafter}, mode=packed-verify-{commit}, "
             f"cohort_yield_min={args.cohort_yield_min}, cohort_reprobe_tokens={args.cohort_reprobe_tokens})"
@@ -302,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     kvf = (f"{kr['pool_tokens']}-token resident pool ({kr['pool_pages']} pages, scoring={kr['scoring']}, "
            f"host={kr['host_memory_kind']} {kr['host_bytes'] / 2**30:.2f} GiB)" if kr else "off")
     print(f"features: spec_mode={mode}, prefill_compression={pf}, kvflash={kvf}, "
+          f"draft_residency={args.draft_residency}, enable_thinking={str(args.enable_thinking).lower()}, "
           f"max_concurrency={args.max_concurrency}", flush=True)
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",

@@ -130,7 +130,10 @@ class Server:
             if item.finish_reason is not None:
                 return item
 
-    def _record(self, o: RequestOutput) -> None:
+    def _record(self, o: RequestOutput, prep: dict[str, Any]) -> None:
+        """Metrics of a finished request; its telemetry is logged (one line per request)."""
+        log.info("request %d finished (%s, %d tokens): %s", o.request_id, o.finish_reason, len(o.token_ids),
+                 json.dumps(_telemetry(o, prep), default=str))
         self.metrics.completion_tokens.inc(len(o.token_ids))
         if o.stats.get("ttft_s") is not None:
             self.metrics.ttft.observe(o.stats["ttft_s"])
@@ -138,6 +141,8 @@ class Server:
             self.metrics.tpot.observe(o.stats["tpot_s"])
         if o.stats.get("mean_accept_len") is not None:
             self.metrics.accept_len.observe(o.stats["mean_accept_len"])
+        self.metrics.draft_steps.inc(o.stats.get("draft_steps", 0))
+        self.metrics.accepted_tokens.inc(o.stats.get("accepted_tokens", 0))
         self.metrics.kv_pages_in.inc(o.stats.get("kv_pages_in", 0))
         self.metrics.kv_pages_out.inc(o.stats.get("kv_pages_out", 0))
 
@@ -178,7 +183,7 @@ class Server:
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, prep, chat=False))
-        outs = await self._gather(request, subs)
+        outs = await self._gather(request, subs, prep)
         choices = []
         for i, o in enumerate(outs):
             c = {"index": i, "text": self._text(o), "finish_reason": o.finish_reason, "telemetry": _telemetry(o, prep),
@@ -196,23 +201,26 @@ class Server:
         kwargs = req.chat_template_kwargs or {}
         thinking = bool(kwargs.get("enable_thinking", self.default_thinking))
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = req.tools if req.tool_choice != "none" else None
+        tools = self._offered_tools(req)
         try:
             prompt = tok.apply_chat_template(messages, enable_thinking=thinking, tools=tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         stops = req.stop_list()
-        effective, prep = await self._prepare(prompt, tools=bool(tools))
+        # a tool-calling request (tools offered, or tool turns in the history) is never compressed (issue: "requests
+        # with tools are never prompt-compressed"), whatever --prefill-compression says
+        tool_request = bool(req.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        effective, prep = await self._prepare(prompt, tools=tool_request)
         subs = await self._start(effective, self._sampling(req, stops), req.n)
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req, prep,
-                                     chat=True, thinking=thinking, tools=bool(tools)))
-        outs = await self._gather(request, subs)
+                                     chat=True, thinking=thinking, tools=tools))
+        outs = await self._gather(request, subs, prep)
         choices = []
         for i, o in enumerate(outs):
-            msg = self._assistant_message(self._text(o), thinking, bool(tools))
+            msg = self._assistant_message(self._text(o), thinking, tools)
             finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
             c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o, prep),
                  "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
@@ -220,19 +228,47 @@ class Server:
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(len(prompt), outs)}
 
-    def _assistant_message(self, text: str, thinking: bool, tools: bool) -> dict[str, Any]:
+    @staticmethod
+    def _offered_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
+        """The tools the chat template lists, by ``tool_choice``: "auto" (default) all, "none" none, a named function
+        only that one. "required" lists all; that a call is made is not enforced (no constrained decoding)."""
+        choice = req.tool_choice
+        if choice is None or choice in ("auto", "required"):
+            if choice == "required" and not req.tools:
+                raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+            return req.tools
+        if choice == "none":
+            return None
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                    '"function": {"name": ...}}', param="tool_choice")
+            named = [t for t in req.tools or () if isinstance(t, dict)
+                     and isinstance(t.get("function"), dict) and t["function"].get("name") == name]
+            if not named:
+                raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools",
+                               param="tool_choice")
+            return named
+        raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
+                       param="tool_choice")
+
+    def _assistant_message(self, text: str, thinking: bool, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The final assistant message; tool calls are parsed only for a request with tools (typed by their
+        schemas), otherwise the model's call text stays content."""
         from dflash_jax.models.chat import parse_assistant
 
-        reasoning, content, calls = parse_assistant(text, thinking=thinking)
+        reasoning, content, calls = parse_assistant(text, thinking=thinking, tools=tools, parse_tools=bool(tools))
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
-        if tools and calls:
+        if calls:
             msg["tool_calls"] = calls
         return msg
 
     # ---- shared pieces ---------------------------------------------------------------------------
-    async def _gather(self, request: Request, subs) -> list[RequestOutput]:
+    async def _gather(self, request: Request, subs, prep: dict[str, Any]) -> list[RequestOutput]:
         try:
             outs = await asyncio.gather(*(self._final(request, rid, q) for rid, q in subs))
         except BaseException:
@@ -240,7 +276,7 @@ class Server:
                 self.runner.abort(rid)
             raise
         for o in outs:
-            self._record(o)
+            self._record(o, prep)
         return list(outs)
 
     def _text(self, o: RequestOutput) -> str:
@@ -272,7 +308,12 @@ class Server:
 
     async def _stream(self, request: Request, cid: str, obj: str, prompt: list[int], subs, stops, req,
                       prep: dict[str, Any], *,
-                      chat: bool, thinking: bool = False, tools: bool = False) -> AsyncIterator[str]:
+                      chat: bool, thinking: bool = False,
+                      tools: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
+        """SSE chunks. Chat deltas are cut from ``partial_assistant`` of the text so far and, at the end, from the
+        final message, so the joined deltas equal the non-streamed message exactly."""
+        from dflash_jax.models.chat import partial_assistant
+
         created = int(time.time())
         sent_text = [0] * len(subs)
         sent_tok = [0] * len(subs)
@@ -307,7 +348,6 @@ class Server:
                 for i in range(len(subs)):
                     yield chunk(i, {"role": "assistant", "content": ""}, None)
             sent_r = [0] * len(subs)  # reasoning characters streamed per choice (chat with thinking)
-            hold = stops + (("</think>",) if chat and thinking else ()) + (("<tool_call>",) if tools else ())
             while len(finals) < len(subs):
                 i, item = await merged.get()
                 if isinstance(item, BaseException):
@@ -316,9 +356,7 @@ class Server:
                 o = item
                 text = self._text(o)
                 done = o.finish_reason is not None
-                upto = len(text) if done else len(text) - _holdback(text, hold)
-                if chat and tools and "<tool_call>" in text and not done:
-                    upto = min(upto, text.index("<tool_call>"))  # tool calls are sent parsed, at the end
+                upto = len(text) if done else len(text) - _holdback(text, stops)
                 visible = text[:max(upto, 0)]
                 lp = None
                 if chat and req.logprobs and len(o.token_ids) > sent_tok[i]:
@@ -333,13 +371,13 @@ class Server:
                     if piece or done or lp:
                         yield chunk(i, piece, o.finish_reason if done else None, o if done else None, lp)
                 else:
-                    reasoning, content = "", visible
-                    if thinking:
-                        end = visible.find("</think>")
-                        reasoning = visible if end < 0 else visible[:end]
-                        content = "" if end < 0 else visible[end + len("</think>"):].lstrip("\n")
-                    if tools and "<tool_call>" in content:
-                        content = content[:content.index("<tool_call>")]
+                    calls = []
+                    if done:
+                        msg = self._assistant_message(text, thinking, tools)
+                        reasoning, content = msg.get("reasoning_content") or "", msg["content"]
+                        calls = msg.get("tool_calls") or []
+                    else:
+                        reasoning, content = partial_assistant(visible, thinking=thinking, parse_tools=bool(tools))
                     deltas = []
                     if reasoning[sent_r[i]:]:
                         deltas.append({"reasoning_content": reasoning[sent_r[i]:]})
@@ -347,11 +385,8 @@ class Server:
                     if content[sent_text[i]:]:
                         deltas.append({"content": content[sent_text[i]:]})
                         sent_text[i] = len(content)
-                    calls = []
-                    if done and tools:
-                        calls = self._assistant_message(text, thinking, tools).get("tool_calls") or []
-                        if calls:
-                            deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+                    if calls:
+                        deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
                     if lp is not None and not deltas:
                         deltas.append({})
                     for d in deltas:
@@ -361,7 +396,7 @@ class Server:
                         yield chunk(i, {}, "tool_calls" if calls else o.finish_reason, o)
                 if done:
                     finals[i] = o
-                    self._record(o)
+                    self._record(o, prep)
             if include_usage:
                 yield json.dumps({"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                                   "usage": self._usage(len(prompt), list(finals.values()))})
@@ -380,8 +415,9 @@ class Server:
         m.free_pages.set(sum(p.num_free for p in eng.pools))
         m.total_pages.set(sum(p.n_pages - 1 for p in eng.pools))
         m.free_slots.set(len(eng.free_slots))
-        m.engine_faults.set(self.runner.faults)
-        m.cohort_yield.set(eng.counters["cohort_yield"])
+        m.sync(m.engine_faults, self.runner.faults)
+        m.sync(m.cohort_yield, eng.counters["cohort_yield"])
+        m.sync(m.cohort_reprobes, eng.counters["cohort_reprobe"])
 
 
 def build_app(server: Server) -> FastAPI:
