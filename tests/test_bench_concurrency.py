@@ -260,3 +260,22 @@ def test_recipe_full_runs_ddtree_pflash_kvflash(tmp_path, capsys):
     (row,) = [r for r in extra["feature_matrix"] if r.startswith("| c2.ddtree")]
     cells = row.split(" | ")
     assert cells[3].startswith("proved") and "48-token pool" in cells[4] and "raw" in cells[5]
+
+
+def test_oracle_draft_forces_acceptance_and_stays_lossless(tmp_path, capsys):
+    # fixture drafter: block 8 -> 7 proposed positions, budget 6: tau 5 keeps each with q ~ 0.9
+    rc = main(_args(tmp_path, "--oracle-tau", "5", "--cohort-yield-min", "0", "--concurrency", "2", "--repeats", "1",
+                    "--output-len", "24", "--no-progress"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rec = _result(tmp_path)
+    figs, extra = rec["figures"], rec["extra"]
+    assert extra["oracle"]["tau"] == 5 and "FORCED ACCEPTANCE" in extra["oracle"]["label"]
+    assert "ORACLE DRAFT" in out and any("ORACLE DRAFT" in r for r in extra["feature_matrix"])
+    assert figs["c2.ddtree.accept_per_step"] > 3  # the random drafter alone accepts ~nothing
+    assert figs["reproducible"] == 1  # ddtree output equals AR greedy: verification is the real one
+
+
+def test_oracle_needs_the_ar_mode(tmp_path, capsys):
+    assert main(_args(tmp_path, "--oracle-tau", "5", "--modes", "ddtree")) == 2
+    assert "--oracle-tau needs both modes" in capsys.readouterr().out

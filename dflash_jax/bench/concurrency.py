@@ -47,6 +47,14 @@ Method (the engine API, not the HTTP server):
   page outscores a resident one). ``--kvflash-compare`` adds an unbounded AR case per C (mode ``ar_unbounded``) for the
   ``kvflash_vs_unbounded`` figure. Page-in bandwidth through the engine's page-in path and a plain pinned
   host->device copy are measured once per case on the idle engine (``kv_page_in_gbs``, ``kv_page_in_ratio``).
+* Oracle draft (``--oracle-tau T``, FORCED ACCEPTANCE, labelled so in every table and the JSON): for shapes without
+  a trained pair (random weights), every ddtree round verifies, instead of the drafter's tree, the target's own greedy
+  continuation as recorded by the same concurrency's ar case (same prompts), each position kept with the probability q
+  that makes a chain of ``block_size - 1`` expect T tokens per round (``bench.spec.chain_keep_prob``), else a random
+  id (``EngineOptions.spec_oracle`` -> ``spec_steps.oracle_step``; seeded per request and position). Verification,
+  acceptance and commit are the engine's real ones; the ar vs ddtree hash comparison still checks losslessness. Where
+  the output leaves the recorded continuation (near-tied logits in low precision, KVFlash pressure) the proposals
+  stop matching and the measured ``accept_per_step`` says so.
 * Progress: a line on stderr per case (repeat, tokens done of requested), unless ``--no-progress``.
 * Reproducibility: sha256 of each request's greedy token ids (decimal ids joined by ``,``, UTF-8), compared
   across repeats, across concurrencies (same prompt) and between ar and ddtree (lossless). Reported as the
@@ -62,6 +70,7 @@ import os
 import sys
 import time
 import traceback
+import zlib
 from typing import Callable
 
 import jax
@@ -117,6 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="feature recipe: full = DDTree + PFlash + KVFlash; strix_halo (or a server preset path) = "
                         "that preset's flags mapped onto this benchmark")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--oracle-tau", type=float, default=0.0, metavar="T",
+                   help="FORCED ACCEPTANCE: ddtree rounds verify the ar case's greedy continuation, corrupted to an "
+                        "expected T tokens per round, instead of the drafter's tree (0 = off; needs both modes)")
     p.add_argument("--kvflash", type=_kvflash_arg, default=None, metavar="N|auto",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests (auto: "
                         "80%% of free device memory)")
@@ -409,7 +421,8 @@ def run_batch(eng: Engine, prompts: list[list[int]], output_len: int, seed: int,
         st = dict(o.stats)
         i = index[rid]
         r = {"index": i, "prompt_len": len(prompts[i]), "n_tokens": len(o.token_ids), "finish": o.finish_reason,
-             "sha256": token_hash(o.token_ids), "stats": st}
+             "sha256": token_hash(o.token_ids), "stats": st, "engine_prompt": list(o.prompt_token_ids),
+             "token_ids": list(o.token_ids)}
         if prep is not None:
             r.update(pflash=preps[i], prompt_tokens_billed=len(prompts[i]),
                      engine_prompt_tokens=len(o.prompt_token_ids))
@@ -450,8 +463,22 @@ def _median(vals):
     return float(np.median(vals)) if vals else None
 
 
+def make_oracle(truth: dict[tuple[int, ...], list[int]], keep: float, depth: int, vocab: int, seed: int):
+    """``EngineOptions.spec_oracle``: the recorded greedy continuation ``truth[prompt]`` after the tokens so far,
+    ``depth`` ids, each kept with probability ``keep`` else uniform in [0, vocab) (also past the recording, and for
+    prompts without one); seeded by (seed, position, prompt) so every repeat proposes the same."""
+
+    def oracle(prompt: list[int], tokens: list[int]) -> list[int]:
+        t, pos = truth.get(tuple(prompt), []), len(tokens)
+        rng = np.random.default_rng([seed, pos, zlib.crc32(np.asarray(prompt, np.int32).tobytes())])
+        return [t[pos + d] if pos + d < len(t) and rng.random() < keep else int(rng.integers(0, vocab))
+                for d in range(depth)]
+
+    return oracle
+
+
 def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, args, max_len: int,
-             prep: Prep | None = None, progress: Progress | None = None) -> dict:
+             prep: Prep | None = None, progress: Progress | None = None, oracle=None) -> dict:
     """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches (each prompt through
     ``prep`` before it is submitted, if given)."""
     spec = SpecConfig(budget=args.budget) if mode == "ddtree" else None
@@ -461,6 +488,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
                          kvflash_scoring=args.kvflash_scoring,
                          batch_buckets=None if args.all_buckets else (-(-c // args.data_parallel),),
+                         spec_oracle=oracle if mode == "ddtree" else None,
                          **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
     t0 = time.perf_counter()
@@ -552,7 +580,7 @@ def reproducibility(cases: list[dict]) -> dict[str, list[dict]]:
 
 # ---- reports -----------------------------------------------------------------------------------------------------
 def feature_matrix(plan: list[tuple[int, str]], cases: dict, unavailable: dict[str, str] | None = None,
-                   kvflash: int | str | None = None, pflash: bool = False) -> list[str]:
+                   kvflash: int | str | None = None, pflash: bool = False, oracle_tau: float = 0.0) -> list[str]:
     """Markdown: one row per case; a cell per feature (requested or not) and for token accounting.
     ``unavailable``: requested features that cannot run (feature -> why): their cells say so."""
     unavailable = unavailable or {}
@@ -570,6 +598,8 @@ def feature_matrix(plan: list[tuple[int, str]], cases: dict, unavailable: dict[s
             n = cs["n_requests"]
             ok = f"FAILED ({len(cs['proof'])} proofs missing)" if cs["proof"] else f"proved {n}/{n}"
             cells = [ok, "off"] if ar_like else ["off", ok]
+            if oracle_tau and mode == "ddtree":
+                cells[1] += f" (ORACLE DRAFT: forced acceptance, tau {oracle_tau:g})"
             if kv_on:
                 kv = [b.get("kvflash", {}) for b in cs["batches"]]
                 moved = "/".join(f"{k.get('pages_in', 0)}:{k.get('pages_out', 0)}" for k in kv)
@@ -591,10 +621,11 @@ def feature_matrix(plan: list[tuple[int, str]], cases: dict, unavailable: dict[s
     return lines
 
 
-def summary_table(conc: list[int], figures: dict) -> list[str]:
+def summary_table(conc: list[int], figures: dict, oracle_tau: float = 0.0) -> list[str]:
     g = lambda k: figures.get(k)
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"
-    lines = ["| C | AR output-window tok/s | DDTree output-window tok/s | DDTree goodput vs AR | Accepted/step "
+    dd = f"DDTree (ORACLE DRAFT, tau {oracle_tau:g})" if oracle_tau else "DDTree"
+    lines = [f"| C | AR output-window tok/s | {dd} output-window tok/s | DDTree goodput vs AR | Accepted/step "
              "| AR TTFT p50 s | DDTree TTFT p50 s | AR TPOT ms | DDTree TPOT ms | yield events |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in conc:
@@ -666,6 +697,8 @@ def _check_args(args) -> str | None:
         return f"--kvflash {args.kvflash}: the resident pool must hold at least one page ({args.page_size} tokens)"
     if args.kvflash_compare and args.kvflash is None:
         return "--kvflash-compare needs --kvflash N"
+    if args.oracle_tau and not {"ar", "ddtree"} <= set(args.modes):
+        return "--oracle-tau needs both modes: the ar case records the greedy continuation the ddtree case is given"
     return None
 
 
@@ -742,13 +775,34 @@ def run(args: argparse.Namespace, command: str) -> int:
               f"{popts.head_tokens}, tail {popts.tail_tokens}; scorer {args.scorer or args.random_scorer} warmed on "
               f"every prompt in {time.perf_counter() - t0:.1f}s", flush=True)
     progress = Progress(len(plan), enabled=not args.no_progress)
+    keep = None
+    if args.oracle_tau:
+        from dflash_jax.bench.spec import chain_keep_prob
+
+        depth = drafter[0].block_size - 1
+        try:
+            keep = chain_keep_prob(args.oracle_tau, min(depth, args.budget))
+        except ValueError as e:
+            print(f"FAIL: --oracle-tau: {e}")
+            return 2
+        print(f"ORACLE DRAFT (forced acceptance): ddtree rounds verify the ar case's greedy continuation, each of "
+              f"{depth} positions kept with probability {keep:.3f} (expected {args.oracle_tau:g} tokens per round)",
+              flush=True)
+    truth: dict[int, dict[tuple[int, ...], list[int]]] = {}  # C -> engine prompt -> ar greedy tokens
 
     cases: dict[tuple[int, str], dict] = {}
     for c, mode in plan:
         t0 = time.perf_counter()
         progress.case(f"c{c}.{mode}")
+        oracle = None
+        if keep is not None and mode == "ddtree":
+            oracle = make_oracle(truth.get(c, {}), keep, drafter[0].block_size - 1, cfg.vocab_size, args.seed)
         try:
-            cs = run_case(target, drafter, mode, c, prompts[:c], warm_prompts[:c], args, max_len, prep, progress)
+            if oracle is not None and len(truth.get(c, {})) < c:
+                raise RuntimeError(f"--oracle-tau: the c{c}.ar case recorded no greedy continuation for "
+                                   f"{c - len(truth.get(c, {}))} of the {c} prompts")
+            cs = run_case(target, drafter, mode, c, prompts[:c], warm_prompts[:c], args, max_len, prep, progress,
+                          oracle)
             progress.end(f"done in {time.perf_counter() - t0:.1f}s")
         except Exception as e:  # recorded; the run fails closed at the end
             progress.end("ERROR")
@@ -757,6 +811,8 @@ def run(args: argparse.Namespace, command: str) -> int:
             cases[(c, mode)] = cs
             continue
         cases[(c, mode)] = cs
+        if mode == "ar" and cs["batches"]:
+            truth[c] = {tuple(r["engine_prompt"]): r["token_ids"] for r in cs["batches"][-1]["requests"]}
         fg = cs["figures"]
         status = "ok" if not cs["proof"] and not cs["accounting"] else "FAILED"
         acc = "" if mode == "ar" or fg.get("accept_per_step") is None else f", accept/step {fg['accept_per_step']:.2f}"
@@ -787,9 +843,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     figures["recompiles_after_warmup"] = sum(cs.get("recompiles", 0) for cs in case_list)
 
     print("\nfeature matrix:")
-    print("\n".join(feature_matrix(plan, cases, {}, args.kvflash, args.pflash)))
+    print("\n".join(feature_matrix(plan, cases, {}, args.kvflash, args.pflash, args.oracle_tau)))
     print()
-    print("\n".join(summary_table(conc, figures)))
+    print("\n".join(summary_table(conc, figures, args.oracle_tau)))
     print()
     results.print_table(figures)
     if figures["reproducible"]:
@@ -828,7 +884,10 @@ def run(args: argparse.Namespace, command: str) -> int:
             "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "prompt_distribution": dist, "prompt_lens": [len(p) for p in prompts],
             "hash": "sha256 of the decimal token ids joined by ',' (UTF-8)",
-            "feature_matrix": feature_matrix(plan, cases, {}, args.kvflash, args.pflash),
+            "feature_matrix": feature_matrix(plan, cases, {}, args.kvflash, args.pflash, args.oracle_tau),
+            "oracle": {"tau": args.oracle_tau, "keep_prob": keep,
+                       "label": "FORCED ACCEPTANCE: ddtree rounds verified the ar case's greedy continuation "
+                                "(corrupted to the expected tau), not the drafter's tree"} if keep is not None else None,
             "recipe": {"name": args.recipe, "preset": getattr(args, "recipe_preset", None), "notes": notes}
             if args.recipe else None,
             "pflash": {"mode": args.pflash_mode, "keep_ratio": args.pflash_keep_ratio,
