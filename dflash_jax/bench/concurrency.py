@@ -24,8 +24,9 @@ Method (the engine API, not the HTTP server):
   available" before any work. Any of these makes the exit status non-zero and no result file is written.
 * PFlash (``--pflash``, scorer ``--scorer PATH | --random-scorer CONFIG``): every case compresses each request's
   prompt once, just before submitting it (``prefill.pflash.compress``, mode ``--pflash-mode``, ``--pflash-keep-ratio``,
-  ``--pflash-min-tokens``, ``--pflash-chunk``, ``--pflash-head-tokens``, ``--pflash-tail-tokens``; no ``must_keep``: the prompts are
-  random ids without chat structure), as the server does before admission; the engine gets the effective prompt.
+  ``--pflash-min-tokens``, ``--pflash-chunk``, ``--pflash-head-tokens``, ``--pflash-tail-tokens``; no
+  ``must_keep``: the prompts are random ids without chat structure), as the server does before admission; the
+  engine gets the effective prompt.
   Before the first case every distinct prompt is scored once untimed (compiles the scorer's shapes). Per request the
   proof is: raw -> effective tokens recorded, the engine prefilled exactly the effective prompt, and a prompt of at
   least ``--pflash-min-tokens`` was compressed (effective < raw), a shorter one passed through unchanged; per batch
@@ -704,7 +705,8 @@ def _check_args(args) -> str | None:
 
 def _pflash_options(args) -> PFlashOptions:
     return PFlashOptions(mode=args.pflash_mode, keep_ratio=args.pflash_keep_ratio, min_tokens=args.pflash_min_tokens,
-                         chunk=args.pflash_chunk, head_tokens=args.pflash_head_tokens, tail_tokens=args.pflash_tail_tokens)
+                         chunk=args.pflash_chunk, head_tokens=args.pflash_head_tokens,
+                         tail_tokens=args.pflash_tail_tokens)
 
 
 def _unavailable(args) -> dict[str, str]:
@@ -887,11 +889,13 @@ def run(args: argparse.Namespace, command: str) -> int:
             "feature_matrix": feature_matrix(plan, cases, {}, args.kvflash, args.pflash, args.oracle_tau),
             "oracle": {"tau": args.oracle_tau, "keep_prob": keep,
                        "label": "FORCED ACCEPTANCE: ddtree rounds verified the ar case's greedy continuation "
-                                "(corrupted to the expected tau), not the drafter's tree"} if keep is not None else None,
+                                "(corrupted to the expected tau), not the drafter's tree"}
+            if keep is not None else None,
             "recipe": {"name": args.recipe, "preset": getattr(args, "recipe_preset", None), "notes": notes}
             if args.recipe else None,
             "pflash": {"mode": args.pflash_mode, "keep_ratio": args.pflash_keep_ratio,
-                       "min_tokens": args.pflash_min_tokens, "chunk": args.pflash_chunk, "head_tokens": args.pflash_head_tokens,
+                       "min_tokens": args.pflash_min_tokens, "chunk": args.pflash_chunk,
+                       "head_tokens": args.pflash_head_tokens,
                        "tail_tokens": args.pflash_tail_tokens, "scorer": args.scorer or args.random_scorer,
                        "billing": "raw prompt tokens (prompt_tokens_billed); prompt_tokens_effective = prefilled"}
             if args.pflash else None,
