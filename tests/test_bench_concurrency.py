@@ -7,7 +7,7 @@ import pytest
 
 from conftest import FIXTURES
 from dflash_jax.bench.__main__ import main
-from dflash_jax.bench.concurrency import prove
+from dflash_jax.bench.concurrency import map_preset, prove, prove_pflash
 
 pytestmark = pytest.mark.xdist_group("bench_concurrency")
 
@@ -22,6 +22,21 @@ def _drafter(tmp_path) -> str:
         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "block_size": 8,
         "dflash_config": {"mask_token_id": 250, "target_layer_ids": [0, 1, 2]}}))
     return str(p)
+
+
+def _scorer(tmp_path) -> str:
+    p = tmp_path / "scorer.json"
+    p.write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 4096}))
+    return str(p)
+
+
+# PFlash over 24-60 token prompts: those of >= 32 tokens are compressed to about a quarter (8-token chunks)
+PFLASH = ("--pflash", "--pflash-keep-ratio", "0.25", "--pflash-min-tokens", "32", "--pflash-chunk", "8",
+          "--pflash-head-tokens", "8",
+          "--pflash-tail-tokens", "8", "--prompt-len-min", "24", "--prompt-len-max", "60")
 
 
 def _args(tmp_path, *extra):
@@ -141,3 +156,126 @@ def test_modes_flag_runs_only_the_chosen_modes(tmp_path, capsys):
     figs = json.loads(res.read_text())["figures"]
     assert figs["c1.ar.tok_s"] > 0 and not any(k.startswith("c1.ddtree.") and v is not None
                                                  for k, v in figs.items())
+
+
+def _result(tmp_path) -> dict:
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
+    return json.loads(res.read_text())
+
+
+def test_pflash_case_proves_compression_per_request_and_bills_raw(tmp_path, capsys):
+    rc = main(_args(tmp_path, *PFLASH, "--random-scorer", _scorer(tmp_path), "--concurrency", "2", "--repeats", "1"))
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out
+    rec = _result(tmp_path)
+    figs, extra = rec["figures"], rec["extra"]
+    assert extra["pflash"]["min_tokens"] == 32 and extra["accounting"] == "passed"
+    assert "raw" in extra["feature_matrix"][2] and "compressed" in extra["feature_matrix"][2]
+    assert "[case 2/2 c2.ddtree]" in cap.err  # the progress line
+    lens = extra["prompt_lens"][:2]
+    for mode in ("ar", "ddtree"):
+        k = f"c2.{mode}"
+        assert figs[f"{k}.prompt_tokens_billed"] == sum(lens)
+        assert figs[f"{k}.prompt_tokens_effective"] < figs[f"{k}.prompt_tokens_billed"]
+        assert figs[f"{k}.pflash_compressed"] == sum(n >= 32 for n in lens) >= 1
+    for cs in extra["cases"]:
+        for r in cs["repeats"][0]["requests"]:
+            assert r["raw_prompt_tokens"] == r["prompt_len"] == r["prompt_tokens_billed"]
+            assert r["effective_prompt_tokens"] == r["engine_prompt_tokens"]
+            if r["prompt_len"] >= 32:
+                assert r["pflash"] == "compressed" and r["effective_prompt_tokens"] < r["prompt_len"]
+            else:
+                assert r["pflash"] == "short" and r["effective_prompt_tokens"] == r["prompt_len"]
+            assert r["tokens"] == 8
+    assert figs["reproducible"] == 1
+
+
+def test_pflash_proof_fails_closed():
+    r = {"prompt_len": 40, "engine_prompt_tokens": 12,
+         "pflash": {"raw_prompt_tokens": 40, "effective_prompt_tokens": 12, "pflash": "compressed"}}
+    assert prove_pflash(r, 32) is None
+    assert "no compression record" in prove_pflash({**r, "pflash": None}, 32)
+    assert "was not compressed" in prove_pflash(
+        {**r, "engine_prompt_tokens": 40, "pflash": {**r["pflash"], "effective_prompt_tokens": 40}}, 32)
+    assert "engine prefilled 40" in prove_pflash({**r, "engine_prompt_tokens": 40}, 32)
+    assert "below the minimum" in prove_pflash(r, 64)
+    short = {"prompt_len": 20, "engine_prompt_tokens": 20,
+             "pflash": {"raw_prompt_tokens": 20, "effective_prompt_tokens": 20, "pflash": "short"}}
+    assert prove_pflash(short, 32) is None
+
+
+def test_pflash_missing_proof_fails_the_run(tmp_path, capsys, monkeypatch):
+    from dflash_jax.bench import concurrency
+
+    def no_compression(scorer, options):  # a prep that forgets to compress
+        return lambda p: (p, {"raw_prompt_tokens": len(p), "effective_prompt_tokens": len(p), "pflash": "off",
+                              "pflash_scoring_s": 0.0, "pflash_ratio": 1.0})
+
+    monkeypatch.setattr(concurrency, "pflash_prep", no_compression)
+    rc = main(_args(tmp_path, *PFLASH, "--random-scorer", _scorer(tmp_path), "--concurrency", "1", "--repeats", "1",
+                    "--modes", "ar", "--prompt-len-min", "40"))
+    out = capsys.readouterr().out
+    assert rc != 0 and "PASS" not in out
+    assert "c1.ar: proof: repeat 0 request 0: PFlash not proved" in out
+    assert "no prompt of the batch was compressed" in out
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_")]
+
+
+def test_recipe_strix_halo_maps_the_seed_flags():
+    from dflash_jax.bench.concurrency import CONFIGS
+    from dflash_jax.serve.__main__ import read_preset
+
+    want, notes, bad = map_preset(read_preset(os.path.join(CONFIGS, "strix_halo.yaml")))
+    assert bad == []
+    assert want == {"budget": 22, "pflash": True, "pflash_mode": "auto", "kvflash": "auto"}
+    assert any(n.startswith("target-device: hip:0") for n in notes) and any("persistent" in n for n in notes)
+    assert map_preset({"ddtree": False})[0] == {"modes": ["ar"]}
+    assert "fast-rollback" in map_preset({"fast_rollback": True})[2][0]
+    assert "kv-dtype" in map_preset({"kv_dtype": "fp8"})[2][0]
+
+
+def test_recipe_fails_closed_before_any_work(tmp_path, capsys):
+    # the full recipe without a scorer, and a preset flag this benchmark cannot run: both fail before loading
+    rc = main(_args(tmp_path, "--recipe", "full"))
+    out = capsys.readouterr().out
+    assert rc == 2 and "FAIL: --pflash requested: not run: feature not available (PFlash needs a scorer" in out
+    assert "| c1.ddtree | - | off | not run | not run | not run: feature not available | not run |" in out
+    preset = tmp_path / "p.yaml"
+    preset.write_text("ddtree: true\nfast-rollback: true\n")
+    rc = main(_args(tmp_path, "--recipe", str(preset)))
+    out = capsys.readouterr().out
+    assert rc == 2 and "fast-rollback" in out and "PASS" not in out
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_")]
+
+
+def test_recipe_full_runs_ddtree_pflash_kvflash(tmp_path, capsys):
+    rc = main(_args(tmp_path, "--recipe", "full", *PFLASH, "--random-scorer", _scorer(tmp_path), "--kvflash", "48",
+                    "--kvflash-scoring", "lru", "--concurrency", "2", "--repeats", "1", "--modes", "ddtree",
+                    "--no-progress"))
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out
+    assert "[case" not in cap.err
+    extra = _result(tmp_path)["extra"]
+    assert extra["recipe"]["name"] == "full" and extra["kvflash"]["pool_tokens"] == 48
+    (row,) = [r for r in extra["feature_matrix"] if r.startswith("| c2.ddtree")]
+    cells = row.split(" | ")
+    assert cells[3].startswith("proved") and "48-token pool" in cells[4] and "raw" in cells[5]
+
+
+def test_oracle_draft_forces_acceptance_and_stays_lossless(tmp_path, capsys):
+    # fixture drafter: block 8 -> 7 proposed positions, budget 6: tau 5 keeps each with q ~ 0.9
+    rc = main(_args(tmp_path, "--oracle-tau", "5", "--cohort-yield-min", "0", "--concurrency", "2", "--repeats", "1",
+                    "--output-len", "24", "--no-progress"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rec = _result(tmp_path)
+    figs, extra = rec["figures"], rec["extra"]
+    assert extra["oracle"]["tau"] == 5 and "FORCED ACCEPTANCE" in extra["oracle"]["label"]
+    assert "ORACLE DRAFT" in out and any("ORACLE DRAFT" in r for r in extra["feature_matrix"])
+    assert figs["c2.ddtree.accept_per_step"] > 3  # the random drafter alone accepts ~nothing
+    assert figs["reproducible"] == 1  # ddtree output equals AR greedy: verification is the real one
+
+
+def test_oracle_needs_the_ar_mode(tmp_path, capsys):
+    assert main(_args(tmp_path, "--oracle-tau", "5", "--modes", "ddtree")) == 2
+    assert "--oracle-tau needs both modes" in capsys.readouterr().out

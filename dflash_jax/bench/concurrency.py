@@ -19,9 +19,27 @@ Method (the engine API, not the HTTP server):
 * Fail closed: every request of every case must prove its mode from ``RequestOutput.stats`` (ddtree:
   ``spec_mode`` in {ddtree, yielded}, ``draft_steps >= 1``, ``accepted_tokens`` and ``mean_accept_len`` reported;
   ar: ``spec_mode == "ar"`` and ``draft_steps == 0``) and exact token accounting (each request
-  ``--output-len`` tokens, finish ``length``; case total = the sum = C * output-len). Requested features this
-  engine does not have (``--pflash``) are reported "not run: feature not available". Any of these makes the exit
-  status non-zero and no result file is written.
+  ``--output-len`` tokens, finish ``length``; case total = the sum = C * output-len). A requested feature that
+  cannot run (PFlash without a scorer, a recipe flag the benchmark cannot map) is reported "not run: feature not
+  available" before any work. Any of these makes the exit status non-zero and no result file is written.
+* PFlash (``--pflash``, scorer ``--scorer PATH | --random-scorer CONFIG``): every case compresses each request's
+  prompt once, just before submitting it (``prefill.pflash.compress``, mode ``--pflash-mode``, ``--pflash-keep-ratio``,
+  ``--pflash-min-tokens``, ``--pflash-chunk``, ``--pflash-head-tokens``, ``--pflash-tail-tokens``; no
+  ``must_keep``: the prompts are random ids without chat structure), as the server does before admission; the
+  engine gets the effective prompt.
+  Before the first case every distinct prompt is scored once untimed (compiles the scorer's shapes). Per request the
+  proof is: raw -> effective tokens recorded, the engine prefilled exactly the effective prompt, and a prompt of at
+  least ``--pflash-min-tokens`` was compressed (effective < raw), a shorter one passed through unchanged; per batch
+  at least one prompt was compressed. Billing stays on the raw prompt: ``prompt_tokens_billed`` (raw, what the
+  server's usage reports) and ``prompt_tokens_effective`` are both recorded and checked per case; ``pflash_scoring_s``
+  is the median scorer time per request (TTFT counts from submission, after scoring).
+* Recipes (``--recipe``): ``full`` = DDTree + PFlash + KVFlash (``--kvflash`` N, else ``auto``); a server preset
+  (``strix_halo`` = ``configs/strix_halo.yaml``, or a YAML path) is read by the server's own preset reader and its
+  flags mapped onto the benchmark's (``map_preset``: ddtree, budget, prefill compression and its scorer / ratio /
+  minimum, kvflash and its scoring, cohort yield, page size, prefill chunk, dtype, max model len, parallelism).
+  Device and server-only flags are recorded as not applied (the benchmark runs on JAX's default backend); flags of
+  features the benchmark cannot run (fast rollback, re-probing, a quantized KV format) fail closed. A flag given on
+  the command line wins over the recipe.
 * KVFlash (``--kvflash N``): every ar/ddtree case runs with a resident pool of N tokens (``--kvflash-scoring``).
   Per request, the proof is its residency telemetry (``kvflash`` set, pages in/out, wait, decisions) and, when the
   request was under pressure (the batch's histories exceed the pool and its own history exceeds its fair share
@@ -30,6 +48,15 @@ Method (the engine API, not the HTTP server):
   page outscores a resident one). ``--kvflash-compare`` adds an unbounded AR case per C (mode ``ar_unbounded``) for the
   ``kvflash_vs_unbounded`` figure. Page-in bandwidth through the engine's page-in path and a plain pinned
   host->device copy are measured once per case on the idle engine (``kv_page_in_gbs``, ``kv_page_in_ratio``).
+* Oracle draft (``--oracle-tau T``, FORCED ACCEPTANCE, labelled so in every table and the JSON): for shapes without
+  a trained pair (random weights), every ddtree round verifies, instead of the drafter's tree, the target's own greedy
+  continuation as recorded by the same concurrency's ar case (same prompts), each position kept with the probability q
+  that makes a chain of ``block_size - 1`` expect T tokens per round (``bench.spec.chain_keep_prob``), else a random
+  id (``EngineOptions.spec_oracle`` -> ``spec_steps.oracle_step``; seeded per request and position). Verification,
+  acceptance and commit are the engine's real ones; the ar vs ddtree hash comparison still checks losslessness. Where
+  the output leaves the recorded continuation (near-tied logits in low precision, KVFlash pressure) the proposals
+  stop matching and the measured ``accept_per_step`` says so.
+* Progress: a line on stderr per case (repeat, tokens done of requested), unless ``--no-progress``.
 * Reproducibility: sha256 of each request's greedy token ids (decimal ids joined by ``,``, UTF-8), compared
   across repeats, across concurrencies (same prompt) and between ar and ddtree (lossless). Reported as the
   ``reproducible`` figure and a mismatch list; it fails the run only with ``--require-reproducible``.
@@ -41,26 +68,29 @@ import argparse
 import gc
 import hashlib
 import os
+import sys
 import time
 import traceback
+import zlib
+from typing import Callable
 
 import jax
 import numpy as np
 
 from dflash_jax.bench import results
-from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
+from dflash_jax.bench.sources import (add_scorer_arguments, add_source_arguments, load_drafter_source,
+                                      load_scorer_source, load_target_source, parallel_options)
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.spec_steps import SpecConfig
+from dflash_jax.prefill.pflash import PFlashError, PFlashOptions, compress
 from dflash_jax.target import Target
 
 MODES = ("ar", "ddtree")
 WARMUP_TOKENS = 8
 NOT_AVAILABLE = "not run: feature not available"
-# features the benchmark can be asked for that the engine does not implement yet: flag -> reason
-UNAVAILABLE_FEATURES = {
-    "pflash": "PFlash prompt compression is not implemented in the engine",
-}
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+RECIPES = ("full", "strix_halo")
 KV_KEYS = ("kv_pages_in", "kv_pages_out", "kv_bytes_in", "kv_bytes_out", "kv_wait_s", "kv_deferred_steps",
            "kv_score_decisions", "kv_lru_decisions", "kv_score_fallbacks", "kv_clean_evictions",
            "kv_resident_pages", "kv_logical_pages")
@@ -82,9 +112,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--prefill-batch", type=int, default=4)
-    p.add_argument("--pflash", action="store_true", help="request PFlash (not available: fails closed)")
-    p.add_argument("--kvflash", type=int, default=None, metavar="N",
-                   help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests")
+    p.add_argument("--pflash", action="store_true",
+                   help="every case compresses each prompt with PFlash before submitting it (needs a scorer)")
+    add_scorer_arguments(p, required=False)
+    p.add_argument("--pflash-mode", choices=("always", "auto"), default="always")
+    p.add_argument("--pflash-keep-ratio", type=float, default=PFlashOptions.keep_ratio,
+                   help="fraction of a compressed prompt kept (the server's --prefill-keep-ratio)")
+    p.add_argument("--pflash-min-tokens", type=int, default=PFlashOptions.min_tokens,
+                   help="shorter prompts are never compressed (the server's --prefill-min-tokens)")
+    p.add_argument("--pflash-chunk", type=int, default=PFlashOptions.chunk, help="selection granularity in tokens")
+    p.add_argument("--pflash-head-tokens", type=int, default=PFlashOptions.head_tokens, help="always-kept head")
+    p.add_argument("--pflash-tail-tokens", type=int, default=PFlashOptions.tail_tokens, help="always-kept tail")
+    p.add_argument("--recipe", default=None, metavar="full|strix_halo|PRESET.yaml",
+                   help="feature recipe: full = DDTree + PFlash + KVFlash; strix_halo (or a server preset path) = "
+                        "that preset's flags mapped onto this benchmark")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--oracle-tau", type=float, default=0.0, metavar="T",
+                   help="FORCED ACCEPTANCE: ddtree rounds verify the ar case's greedy continuation, corrupted to an "
+                        "expected T tokens per round, instead of the drafter's tree (0 = off; needs both modes)")
+    p.add_argument("--kvflash", type=_kvflash_arg, default=None, metavar="N|auto",
+                   help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests (auto: "
+                        "80%% of free device memory)")
     p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="decoding modes to run per concurrency (default both; speedup figures need both)")
@@ -95,6 +143,105 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --kvflash: also run an unbounded AR case per concurrency (mode ar_unbounded)")
     p.add_argument("--require-reproducible", action="store_true",
                    help="fail unless every greedy hash agrees across repeats, concurrencies and modes")
+
+
+def _kvflash_arg(v: str) -> int | str:
+    return "auto" if str(v).lower() == "auto" else int(v)
+
+
+# ---- recipes ---------------------------------------------------------------------------------------------------------
+# server preset flags that say where or how to serve, not what runs: recorded, not applied
+PRESET_NOT_APPLIED = ("target_device", "draft_device", "host", "port", "api_key", "served_model_name",
+                      "enable_thinking", "max_concurrency", "model", "drafter")
+# server preset flag -> the benchmark's dest, copied as is
+PRESET_COPIED = {"ddtree_budget": "budget", "prefill_keep_ratio": "pflash_keep_ratio",
+                 "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
+                 "cohort_yield_min": "cohort_yield_min", "page_size": "page_size", "prefill_chunk": "prefill_chunk",
+                 "dtype": "dtype", "max_model_len": "max_model_len", "quantization": "quantization",
+                 "tensor_parallel": "tensor_parallel", "data_parallel": "data_parallel"}
+
+
+def map_preset(preset: dict) -> tuple[dict, list[str], list[str]]:
+    """A server preset (``serve.__main__.read_preset``) -> (benchmark settings ``{dest: value}``, notes, failures).
+
+    A failure names a flag whose feature this benchmark cannot run; a note names one recorded but not applied."""
+    out: dict = {}
+    notes, bad = [], []
+    for k, v in preset.items():
+        if v is None:
+            continue
+        if k in PRESET_COPIED:
+            out[PRESET_COPIED[k]] = v
+        elif k in PRESET_NOT_APPLIED:
+            notes.append(f"{k.replace('_', '-')}: {v} recorded, not applied (the benchmark runs on JAX's default "
+                         f"backend with the engine API; its --concurrency sweep sets the batch)")
+        elif k == "ddtree":
+            if not v:
+                out["modes"] = ["ar"]
+        elif k == "draft_residency":
+            if v != "persistent":
+                bad.append(f"draft-residency {v!r}: only 'persistent' exists")
+            notes.append("draft-residency: persistent (the drafter stays resident for each engine's life: the only "
+                         "mode the engine has)")
+        elif k == "prefill_compression":
+            if v in ("auto", "always"):
+                out["pflash"], out["pflash_mode"] = True, v
+            elif v != "off":
+                bad.append(f"prefill-compression {v!r}: want off, auto or always")
+        elif k == "prefill_drafter":
+            out["scorer"] = v
+        elif k == "kvflash":
+            s = str(v).strip().lower()
+            if s not in ("off", "none", "false", "0"):
+                try:
+                    out["kvflash"] = _kvflash_arg(s)
+                except ValueError:
+                    bad.append(f"kvflash {v!r}: want off, auto or a pool size in tokens")
+        elif k == "fast_rollback":
+            if v:
+                bad.append("fast-rollback: the benchmark runs replay commits only (fast rollback serves one "
+                           "sequence, the sweep many)")
+        elif k == "cohort_reprobe_tokens":
+            if int(v):
+                bad.append(f"cohort-reprobe-tokens {v}: not run by this benchmark")
+        elif k == "kv_dtype":
+            if v != "bf16":
+                bad.append(f"kv-dtype {v}: quantized KV pages are not run by this benchmark")
+        else:
+            bad.append(f"{k.replace('_', '-')}: no mapping onto this benchmark")
+    return out, notes, bad
+
+
+def apply_recipe(args: argparse.Namespace, defaults: dict) -> tuple[list[str], list[str]]:
+    """Set ``args`` from ``--recipe`` where the command line left the default (``defaults``: dest -> parser default).
+    Returns (notes, failures)."""
+    if args.recipe is None:
+        return [], []
+    if args.recipe == "full":
+        want = {"pflash": True, "kvflash": "auto"}
+        notes, bad = ["recipe full: DDTree + PFlash + KVFlash (AR cases, if run, are the paired baseline with the "
+                      "same PFlash / KVFlash)"], []
+        if "ddtree" not in args.modes:
+            bad.append("recipe full needs the ddtree mode (drop --modes or include ddtree)")
+    else:
+        from dflash_jax.serve.__main__ import read_preset
+
+        path = os.path.join(CONFIGS, f"{args.recipe}.yaml") if args.recipe in RECIPES else args.recipe
+        if not os.path.isfile(path):
+            return [], [f"--recipe {args.recipe}: no preset file {path} (known: {', '.join(RECIPES)} or a YAML path)"]
+        try:
+            preset = read_preset(path)
+        except SystemExit as e:
+            return [], [str(e.code)]
+        want, notes, bad = map_preset(preset)
+        notes = [f"recipe {args.recipe} ({path}): {n}" for n in notes]
+        args.recipe_preset = {k.replace("_", "-"): v for k, v in preset.items()}
+    for k, v in want.items():
+        if k == "scorer" and (args.scorer or args.random_scorer):
+            continue
+        if getattr(args, k) == defaults.get(k):
+            setattr(args, k, v)
+    return notes, bad
 
 
 # ---- prompts, hashes, proofs ---------------------------------------------------------------------------------
@@ -123,6 +270,30 @@ def prove_kvflash(stats: dict, pressured: bool) -> str | None:
     return None
 
 
+def prove_pflash(r: dict, min_tokens: int) -> str | None:
+    """None if request ``r`` (``run_batch``'s record) proves PFlash ran for it: its compression record is present, the
+    engine prefilled exactly the effective prompt, and a prompt of >= ``min_tokens`` raw tokens was compressed
+    (effective < raw) while a shorter one passed through whole."""
+    pf = r.get("pflash")
+    if not pf:
+        return "PFlash not proved: no compression record"
+    raw, eff = pf.get("raw_prompt_tokens"), pf.get("effective_prompt_tokens")
+    if not isinstance(raw, int) or not isinstance(eff, int):
+        return f"PFlash not proved: raw -> effective tokens not recorded ({raw!r} -> {eff!r})"
+    if raw != r["prompt_len"]:
+        return f"PFlash not proved: raw_prompt_tokens {raw} != the prompt's {r['prompt_len']} tokens"
+    if r.get("engine_prompt_tokens") != eff:
+        return f"PFlash not proved: the engine prefilled {r.get('engine_prompt_tokens')} tokens, effective is {eff}"
+    if raw >= min_tokens:
+        if pf.get("pflash") != "compressed" or eff >= raw:
+            return (f"PFlash not proved: a {raw}-token prompt (>= --pflash-min-tokens {min_tokens}) was not compressed "
+                    f"(reason {pf.get('pflash')!r}, {raw} -> {eff} tokens; lower --pflash-keep-ratio, --pflash-chunk "
+                    "or the head/tail tokens, or use --pflash-mode always)")
+    elif pf.get("pflash") != "short" or eff != raw:
+        return f"PFlash not proved: a {raw}-token prompt below the minimum went {raw} -> {eff} ({pf.get('pflash')!r})"
+    return None
+
+
 def prove(mode: str, stats: dict) -> str | None:
     """None if ``stats`` prove that ``mode`` ran for this request, else why not."""
     need = ("spec_mode", "draft_steps", "accepted_tokens", "mean_accept_len")
@@ -147,8 +318,16 @@ def prove(mode: str, stats: dict) -> str | None:
 
 
 def account(outs: list[dict], c: int, output_len: int) -> list[str]:
-    """Exact token accounting of one batch; returns the failures."""
+    """Exact token accounting of one batch (completion tokens; with PFlash, billed = raw prompt tokens and the
+    effective total = what the engine prefilled); returns the failures."""
     bad = []
+    if outs and "pflash" in outs[0]:
+        billed = sum(o["prompt_tokens_billed"] for o in outs)
+        if billed != sum(o["prompt_len"] for o in outs):
+            bad.append(f"billed {billed} prompt tokens, raw prompts hold {sum(o['prompt_len'] for o in outs)}")
+        eff = sum(o["pflash"].get("effective_prompt_tokens") or 0 for o in outs)
+        if eff != sum(o["engine_prompt_tokens"] for o in outs):
+            bad.append(f"effective prompt tokens {eff} != {sum(o['engine_prompt_tokens'] for o in outs)} prefilled")
     if len(outs) != c:
         bad.append(f"{len(outs)} requests finished, {c} submitted")
     for o in outs:
@@ -161,12 +340,63 @@ def account(outs: list[dict], c: int, output_len: int) -> list[str]:
 
 
 # ---- one batch, one case -------------------------------------------------------------------------------------
-def run_batch(eng: Engine, prompts: list[list[int]], output_len: int, seed: int) -> dict:
-    """Submit all prompts at once, step to completion; per-request outputs in prompt order plus the window."""
+class Progress:
+    """One updating line on stderr: ``[case k/n c4.ddtree] repeat 2/3 [####....] 96/256 tokens``."""
+
+    def __init__(self, n_cases: int, enabled: bool = True) -> None:
+        self.n, self.k, self.enabled, self.name, self.last = n_cases, 0, enabled, "", 0.0
+
+    def case(self, name: str) -> None:
+        self.k, self.name = self.k + 1, name
+
+    def update(self, phase: str, done: int, total: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self.last < 0.2):
+            return
+        self.last = now
+        w = 20
+        fill = w * done // max(total, 1)
+        sys.stderr.write(f"\r[case {self.k}/{self.n} {self.name}] {phase} [{'#' * fill}{'.' * (w - fill)}] "
+                         f"{done}/{total} tokens ")
+        sys.stderr.flush()
+
+    def end(self, msg: str = "") -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r[case {self.k}/{self.n} {self.name}] {msg}\n")
+            sys.stderr.flush()
+
+
+Prep = Callable[[list[int]], tuple[list[int], dict]]
+"""A prompt -> (the effective prompt the engine gets, its compression record)."""
+
+
+def pflash_prep(scorer, options: PFlashOptions) -> Prep:
+    """PFlash compression of one prompt (``compress``, no ``must_keep``), as the server runs it before admission."""
+
+    def prep(prompt: list[int]) -> tuple[list[int], dict]:
+        res = compress(prompt, scorer, options)
+        return [int(t) for t in res.effective_ids], res.telemetry()
+
+    return prep
+
+
+def run_batch(eng: Engine, prompts: list[list[int]], output_len: int, seed: int, prep: Prep | None = None,
+              progress: Progress | None = None, phase: str = "") -> dict:
+    """Submit all prompts at once (each through ``prep`` first, if given), step to completion; per-request outputs
+    in prompt order plus the window."""
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, seed=seed, ignore_eos=True)
     yields0 = eng.counters["cohort_yield"]
-    ids = [eng.submit(p, sp) for p in prompts]
+    ids, preps = [], []
+    for p in prompts:
+        if prep is None:
+            ids.append(eng.submit(p, sp))
+            continue
+        eff, tel = prep(p)
+        preps.append(tel)
+        ids.append(eng.submit(eff, sp))
     index = {rid: i for i, rid in enumerate(ids)}
+    n_done: dict[int, int] = {}
+    want = output_len * len(ids)
     first_seen: dict[int, float] = {}
     done: dict[int, tuple[float, object]] = {}
     while len(done) < len(ids):
@@ -175,18 +405,29 @@ def run_batch(eng: Engine, prompts: list[list[int]], output_len: int, seed: int)
         for o in outs:
             if o.request_id not in index:
                 continue
+            n_done[o.request_id] = len(o.token_ids)
             if o.token_ids and o.request_id not in first_seen:
                 first_seen[o.request_id] = now
             if o.finish_reason is not None:
                 done[o.request_id] = (now, o)
+        if progress is not None:
+            progress.update(phase, sum(n_done.values()), want)
         if not eng.has_work() and len(done) < len(ids):
             raise RuntimeError("engine went idle with requests unfinished")
+    if progress is not None:
+        progress.update(phase, sum(n_done.values()), want, force=True)
     reqs = []
     for rid in ids:
         t_fin, o = done[rid]
         st = dict(o.stats)
-        reqs.append({"index": index[rid], "prompt_len": len(prompts[index[rid]]), "n_tokens": len(o.token_ids),
-                     "finish": o.finish_reason, "sha256": token_hash(o.token_ids), "stats": st})
+        i = index[rid]
+        r = {"index": i, "prompt_len": len(prompts[i]), "n_tokens": len(o.token_ids), "finish": o.finish_reason,
+             "sha256": token_hash(o.token_ids), "stats": st, "engine_prompt": list(o.prompt_token_ids),
+             "token_ids": list(o.token_ids)}
+        if prep is not None:
+            r.update(pflash=preps[i], prompt_tokens_billed=len(prompts[i]),
+                     engine_prompt_tokens=len(o.prompt_token_ids))
+        reqs.append(r)
     firsts = [first_seen[r] for r in ids if r in first_seen]
     window = (max(t for t, _ in done.values()) - min(firsts)) if firsts else 0.0
     return {"requests": reqs, "window_s": window, "cohort_yield_events": eng.counters["cohort_yield"] - yields0}
@@ -209,6 +450,12 @@ def batch_figures(b: dict, mode: str) -> dict[str, float | None]:
     if mode == "ddtree":
         acc = [r["stats"]["mean_accept_len"] for r in reqs if r["stats"].get("mean_accept_len") is not None]
         f["accept_per_step"] = float(np.mean(acc)) if acc else None
+    if reqs and "pflash" in reqs[0]:
+        raw = sum(r["prompt_tokens_billed"] for r in reqs)
+        eff = sum(r["pflash"]["effective_prompt_tokens"] for r in reqs)
+        f.update(prompt_tokens_billed=raw, prompt_tokens_effective=eff, pflash_kept_fraction=eff / raw,
+                 pflash_compressed=sum(r["pflash"]["pflash"] == "compressed" for r in reqs),
+                 pflash_scoring_s=float(np.median([r["pflash"]["pflash_scoring_s"] for r in reqs])))
     return f
 
 
@@ -217,8 +464,24 @@ def _median(vals):
     return float(np.median(vals)) if vals else None
 
 
-def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, args, max_len: int) -> dict:
-    """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches."""
+def make_oracle(truth: dict[tuple[int, ...], list[int]], keep: float, depth: int, vocab: int, seed: int):
+    """``EngineOptions.spec_oracle``: the recorded greedy continuation ``truth[prompt]`` after the tokens so far,
+    ``depth`` ids, each kept with probability ``keep`` else uniform in [0, vocab) (also past the recording, and for
+    prompts without one); seeded by (seed, position, prompt) so every repeat proposes the same."""
+
+    def oracle(prompt: list[int], tokens: list[int]) -> list[int]:
+        t, pos = truth.get(tuple(prompt), []), len(tokens)
+        rng = np.random.default_rng([seed, pos, zlib.crc32(np.asarray(prompt, np.int32).tobytes())])
+        return [t[pos + d] if pos + d < len(t) and rng.random() < keep else int(rng.integers(0, vocab))
+                for d in range(depth)]
+
+    return oracle
+
+
+def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, args, max_len: int,
+             prep: Prep | None = None, progress: Progress | None = None, oracle=None) -> dict:
+    """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches (each prompt through
+    ``prep`` before it is submitted, if given)."""
     spec = SpecConfig(budget=args.budget) if mode == "ddtree" else None
     kvflash = args.kvflash if mode != "ar_unbounded" else None
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
@@ -226,27 +489,36 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
                          kvflash_scoring=args.kvflash_scoring,
                          batch_buckets=None if args.all_buckets else (-(-c // args.data_parallel),),
+                         spec_oracle=oracle if mode == "ddtree" else None,
                          **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
     t0 = time.perf_counter()
     eng.warmup()
     compile_s = time.perf_counter() - t0
-    case = {"mode": mode, "c": c, "compile_s": compile_s, "batches": [], "accounting": [], "proof": []}
+    case = {"mode": mode, "c": c, "compile_s": compile_s, "batches": [], "accounting": [], "proof": [],
+            "kvflash_pool_tokens": eng.kvflash_pool_tokens}
     if eng.kvf is not None:
         bw, eng.state, eng.dkv = eng.kvf.bandwidth(eng.state, eng.dkv)
         case["kv_bandwidth"] = bw
-    warm = run_batch(eng, warm_prompts, WARMUP_TOKENS, args.seed)
+    warm = run_batch(eng, warm_prompts, WARMUP_TOKENS, args.seed, prep, progress, "warm-up")
     case["accounting"] += [f"warm-up: {m}" for m in account(warm["requests"], c, WARMUP_TOKENS)]
     compiles0, lazy0 = compile_count(), eng.counters["lazy_compiles"]
     for rep in range(args.repeats):
-        b = run_batch(eng, prompts, args.output_len, args.seed)
+        b = run_batch(eng, prompts, args.output_len, args.seed, prep, progress, f"repeat {rep + 1}/{args.repeats}")
         case["accounting"] += [f"repeat {rep}: {m}" for m in account(b["requests"], c, args.output_len)]
         for r in b["requests"]:
             why = prove(mode, r["stats"])
             if why:
                 case["proof"].append(f"repeat {rep} request {r['index']}: {why}")
+            why = prove_pflash(r, args.pflash_min_tokens) if prep is not None else None
+            if why:
+                case["proof"].append(f"repeat {rep} request {r['index']}: {why}")
+        if prep is not None and not any(r["pflash"].get("pflash") == "compressed" for r in b["requests"]):
+            case["proof"].append(f"repeat {rep}: PFlash not proved: no prompt of the batch was compressed (lengths "
+                                 f"{[r['prompt_len'] for r in b['requests']]}, --pflash-min-tokens "
+                                 f"{args.pflash_min_tokens})")
         if eng.kvf is not None:
-            hist = [r["prompt_len"] + r["n_tokens"] for r in b["requests"]]
+            hist = [r.get("engine_prompt_tokens", r["prompt_len"]) + r["n_tokens"] for r in b["requests"]]
             pressured = sum(hist) > eng.kvflash_pool_tokens
             b["kvflash_pressure"] = pressured
             for r, h in zip(b["requests"], hist):
@@ -308,11 +580,12 @@ def reproducibility(cases: list[dict]) -> dict[str, list[dict]]:
 
 
 # ---- reports -----------------------------------------------------------------------------------------------------
-def feature_matrix(plan: list[tuple[int, str]], cases: dict, requested: list[str],
-                   kvflash: int | None = None) -> list[str]:
-    """Markdown: one row per case; a cell per feature (requested or not) and for token accounting."""
-    lines = ["| case | requests | ar | ddtree | kvflash | " + " | ".join(UNAVAILABLE_FEATURES) + " | accounting |",
-             "|---|---|---|---|---|" + "---|" * len(UNAVAILABLE_FEATURES) + "---|"]
+def feature_matrix(plan: list[tuple[int, str]], cases: dict, unavailable: dict[str, str] | None = None,
+                   kvflash: int | str | None = None, pflash: bool = False, oracle_tau: float = 0.0) -> list[str]:
+    """Markdown: one row per case; a cell per feature (requested or not) and for token accounting.
+    ``unavailable``: requested features that cannot run (feature -> why): their cells say so."""
+    unavailable = unavailable or {}
+    lines = ["| case | requests | ar | ddtree | kvflash | pflash | accounting |", "|---|---|---|---|---|---|---|"]
     for c, mode in plan:
         cs = cases.get((c, mode))
         ar_like = mode in ("ar", "ar_unbounded")
@@ -320,28 +593,40 @@ def feature_matrix(plan: list[tuple[int, str]], cases: dict, requested: list[str
         if cs is None or "error" in cs:
             run_cell = "not run" if cs is None else "ERROR"
             cells = [run_cell if ar_like else "off", run_cell if mode == "ddtree" else "off",
-                     run_cell if kv_on else "off"]
+                     run_cell if kv_on else "off", run_cell if pflash else "off"]
             acc, n = run_cell, "-"
         else:
             n = cs["n_requests"]
             ok = f"FAILED ({len(cs['proof'])} proofs missing)" if cs["proof"] else f"proved {n}/{n}"
             cells = [ok, "off"] if ar_like else ["off", ok]
+            if oracle_tau and mode == "ddtree":
+                cells[1] += f" (ORACLE DRAFT: forced acceptance, tau {oracle_tau:g})"
             if kv_on:
                 kv = [b.get("kvflash", {}) for b in cs["batches"]]
                 moved = "/".join(f"{k.get('pages_in', 0)}:{k.get('pages_out', 0)}" for k in kv)
-                cells.append(f"{ok}, {kvflash}-token pool, pages in:out per repeat {moved}")
+                cells.append(f"{ok}, {cs.get('kvflash_pool_tokens')}-token pool, pages in:out per repeat {moved}")
+            else:
+                cells.append("off")
+            if pflash:
+                f = cs["figures"]
+                cells.append(f"{ok}, raw {int(f['prompt_tokens_billed'])} -> effective "
+                             f"{int(f['prompt_tokens_effective'])} tokens per repeat, "
+                             f"{int(f['pflash_compressed'])}/{c} compressed")
             else:
                 cells.append("off")
             acc = f"FAILED ({len(cs['accounting'])})" if cs["accounting"] else "passed"
-        feats = [NOT_AVAILABLE if f in requested else "not requested" for f in UNAVAILABLE_FEATURES]
-        lines.append(f"| c{c}.{mode} | {n} | " + " | ".join(cells + feats) + f" | {acc} |")
+        for i, feat in ((2, "kvflash"), (3, "pflash")):
+            if feat in unavailable:
+                cells[i] = NOT_AVAILABLE
+        lines.append(f"| c{c}.{mode} | {n} | " + " | ".join(cells) + f" | {acc} |")
     return lines
 
 
-def summary_table(conc: list[int], figures: dict) -> list[str]:
+def summary_table(conc: list[int], figures: dict, oracle_tau: float = 0.0) -> list[str]:
     g = lambda k: figures.get(k)
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"
-    lines = ["| C | AR output-window tok/s | DDTree output-window tok/s | DDTree goodput vs AR | Accepted/step "
+    dd = f"DDTree (ORACLE DRAFT, tau {oracle_tau:g})" if oracle_tau else "DDTree"
+    lines = [f"| C | AR output-window tok/s | {dd} output-window tok/s | DDTree goodput vs AR | Accepted/step "
              "| AR TTFT p50 s | DDTree TTFT p50 s | AR TPOT ms | DDTree TPOT ms | yield events |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in conc:
@@ -409,14 +694,41 @@ def _check_args(args) -> str | None:
         return "need 1 <= --prompt-len-min <= --prompt-len-max"
     if args.repeats < 1 or min(args.concurrency) < 1:
         return "--repeats and every --concurrency must be >= 1"
-    if args.kvflash is not None and args.kvflash < args.page_size:
+    if isinstance(args.kvflash, int) and args.kvflash < args.page_size:
         return f"--kvflash {args.kvflash}: the resident pool must hold at least one page ({args.page_size} tokens)"
     if args.kvflash_compare and args.kvflash is None:
         return "--kvflash-compare needs --kvflash N"
+    if args.oracle_tau and not {"ar", "ddtree"} <= set(args.modes):
+        return "--oracle-tau needs both modes: the ar case records the greedy continuation the ddtree case is given"
     return None
 
 
+def _pflash_options(args) -> PFlashOptions:
+    return PFlashOptions(mode=args.pflash_mode, keep_ratio=args.pflash_keep_ratio, min_tokens=args.pflash_min_tokens,
+                         chunk=args.pflash_chunk, head_tokens=args.pflash_head_tokens,
+                         tail_tokens=args.pflash_tail_tokens)
+
+
+def _unavailable(args) -> dict[str, str]:
+    """Requested features that cannot run (feature -> why), found before any work."""
+    out = {}
+    if args.pflash:
+        if not (args.scorer or args.random_scorer):
+            out["pflash"] = "PFlash needs a scorer: --scorer PATH or --random-scorer CONFIG"
+        else:
+            try:
+                _pflash_options(args)
+            except PFlashError as e:
+                out["pflash"] = str(e)
+    return out
+
+
 def run(args: argparse.Namespace, command: str) -> int:
+    defaults_parser = argparse.ArgumentParser()
+    add_arguments(defaults_parser)
+    notes, recipe_bad = apply_recipe(args, {k: defaults_parser.get_default(k) for k in vars(args)})
+    for n in notes:
+        print(n)
     conc = sorted(dict.fromkeys(args.concurrency))
     modes = tuple(m for m in MODES if m in args.modes)
     modes += ("ar_unbounded",) if args.kvflash is not None and args.kvflash_compare else ()
@@ -425,12 +737,14 @@ def run(args: argparse.Namespace, command: str) -> int:
     if bad:
         print(f"FAIL: {bad}")
         return 2
-    requested = [f for f in UNAVAILABLE_FEATURES if getattr(args, f)]
-    if requested:  # fail closed before any work: these cases cannot be run, so nothing is reported as passed
+    unavailable = _unavailable(args)
+    if unavailable or recipe_bad:  # fail closed before any work: nothing is reported as passed
         print("feature matrix:")
-        print("\n".join(feature_matrix(plan, {}, requested)))
-        for f in requested:
-            print(f"FAIL: --{f} requested: {NOT_AVAILABLE} ({UNAVAILABLE_FEATURES[f]})")
+        print("\n".join(feature_matrix(plan, {}, unavailable, args.kvflash, args.pflash)))
+        for f, why in unavailable.items():
+            print(f"FAIL: --{f} requested: {NOT_AVAILABLE} ({why})")
+        for why in recipe_bad:
+            print(f"FAIL: --recipe {args.recipe}: {NOT_AVAILABLE} ({why})")
         return 2
 
     t0 = time.perf_counter()
@@ -446,18 +760,61 @@ def run(args: argparse.Namespace, command: str) -> int:
             f"uniform in [0, {cfg.vocab_size}), numpy default_rng({args.seed}); warm-up prompts: rng({args.seed + 1})")
     print(f"loaded in {load_s:.1f}s; {dist}")
     print(f"prompt lengths (request i at every C): {[len(p) for p in prompts]}", flush=True)
+    prep = None
+    if args.pflash:
+        scorer = load_scorer_source(args, cfg.vocab_size)
+        if scorer.cfg.vocab_size < cfg.vocab_size:
+            print(f"FAIL: --pflash: {NOT_AVAILABLE} (the scorer's vocabulary ({scorer.cfg.vocab_size}) does not cover "
+                  f"the target's ({cfg.vocab_size}); use a scorer of the target's tokenizer family)")
+            return 2
+        popts = _pflash_options(args)
+        prep = pflash_prep(scorer, popts)
+        t0 = time.perf_counter()
+        for p in {tuple(p): None for p in prompts + warm_prompts}:  # compiles the scorer's shapes, untimed
+            prep(list(p))
+        print(f"PFlash: mode {popts.mode}, keep_ratio {popts.keep_ratio}, min_tokens {popts.min_tokens}, chunk "
+              f"{popts.chunk}, head "
+              f"{popts.head_tokens}, tail {popts.tail_tokens}; scorer {args.scorer or args.random_scorer} warmed on "
+              f"every prompt in {time.perf_counter() - t0:.1f}s", flush=True)
+    progress = Progress(len(plan), enabled=not args.no_progress)
+    keep = None
+    if args.oracle_tau:
+        from dflash_jax.bench.spec import chain_keep_prob
+
+        depth = drafter[0].block_size - 1
+        try:
+            keep = chain_keep_prob(args.oracle_tau, min(depth, args.budget))
+        except ValueError as e:
+            print(f"FAIL: --oracle-tau: {e}")
+            return 2
+        print(f"ORACLE DRAFT (forced acceptance): ddtree rounds verify the ar case's greedy continuation, each of "
+              f"{depth} positions kept with probability {keep:.3f} (expected {args.oracle_tau:g} tokens per round)",
+              flush=True)
+    truth: dict[int, dict[tuple[int, ...], list[int]]] = {}  # C -> engine prompt -> ar greedy tokens
 
     cases: dict[tuple[int, str], dict] = {}
     for c, mode in plan:
         t0 = time.perf_counter()
+        progress.case(f"c{c}.{mode}")
+        oracle = None
+        if keep is not None and mode == "ddtree":
+            oracle = make_oracle(truth.get(c, {}), keep, drafter[0].block_size - 1, cfg.vocab_size, args.seed)
         try:
-            cs = run_case(target, drafter, mode, c, prompts[:c], warm_prompts[:c], args, max_len)
+            if oracle is not None and len(truth.get(c, {})) < c:
+                raise RuntimeError(f"--oracle-tau: the c{c}.ar case recorded no greedy continuation for "
+                                   f"{c - len(truth.get(c, {}))} of the {c} prompts")
+            cs = run_case(target, drafter, mode, c, prompts[:c], warm_prompts[:c], args, max_len, prep, progress,
+                          oracle)
+            progress.end(f"done in {time.perf_counter() - t0:.1f}s")
         except Exception as e:  # recorded; the run fails closed at the end
+            progress.end("ERROR")
             cs = {"mode": mode, "c": c, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
             print(f"c{c} {mode}: ERROR {cs['error']}", flush=True)
             cases[(c, mode)] = cs
             continue
         cases[(c, mode)] = cs
+        if mode == "ar" and cs["batches"]:
+            truth[c] = {tuple(r["engine_prompt"]): r["token_ids"] for r in cs["batches"][-1]["requests"]}
         fg = cs["figures"]
         status = "ok" if not cs["proof"] and not cs["accounting"] else "FAILED"
         acc = "" if mode == "ar" or fg.get("accept_per_step") is None else f", accept/step {fg['accept_per_step']:.2f}"
@@ -488,9 +845,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     figures["recompiles_after_warmup"] = sum(cs.get("recompiles", 0) for cs in case_list)
 
     print("\nfeature matrix:")
-    print("\n".join(feature_matrix(plan, cases, [], args.kvflash)))
+    print("\n".join(feature_matrix(plan, cases, {}, args.kvflash, args.pflash, args.oracle_tau)))
     print()
-    print("\n".join(summary_table(conc, figures)))
+    print("\n".join(summary_table(conc, figures, args.oracle_tau)))
     print()
     results.print_table(figures)
     if figures["reproducible"]:
@@ -529,7 +886,19 @@ def run(args: argparse.Namespace, command: str) -> int:
             "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "prompt_distribution": dist, "prompt_lens": [len(p) for p in prompts],
             "hash": "sha256 of the decimal token ids joined by ',' (UTF-8)",
-            "feature_matrix": feature_matrix(plan, cases, [], args.kvflash),
+            "feature_matrix": feature_matrix(plan, cases, {}, args.kvflash, args.pflash, args.oracle_tau),
+            "oracle": {"tau": args.oracle_tau, "keep_prob": keep,
+                       "label": "FORCED ACCEPTANCE: ddtree rounds verified the ar case's greedy continuation "
+                                "(corrupted to the expected tau), not the drafter's tree"}
+            if keep is not None else None,
+            "recipe": {"name": args.recipe, "preset": getattr(args, "recipe_preset", None), "notes": notes}
+            if args.recipe else None,
+            "pflash": {"mode": args.pflash_mode, "keep_ratio": args.pflash_keep_ratio,
+                       "min_tokens": args.pflash_min_tokens, "chunk": args.pflash_chunk,
+                       "head_tokens": args.pflash_head_tokens,
+                       "tail_tokens": args.pflash_tail_tokens, "scorer": args.scorer or args.random_scorer,
+                       "billing": "raw prompt tokens (prompt_tokens_billed); prompt_tokens_effective = prefilled"}
+            if args.pflash else None,
             "kvflash": {"pool_tokens": args.kvflash, "scoring": args.kvflash_scoring,
                         "compare_unbounded": args.kvflash_compare} if args.kvflash is not None else None,
             "accounting": "passed", "reproducibility": repro,
@@ -540,6 +909,9 @@ def run(args: argparse.Namespace, command: str) -> int:
                        "repeats": [{"figures": b["figures"], "window_s": b["window_s"],
                                     "requests": [{"i": r["index"], "prompt_len": r["prompt_len"],
                                                   "tokens": r["n_tokens"], "sha256": r["sha256"],
+                                                  **({"prompt_tokens_billed": r["prompt_tokens_billed"],
+                                                      "engine_prompt_tokens": r["engine_prompt_tokens"],
+                                                      **r["pflash"]} if "pflash" in r else {}),
                                                   **{k: r["stats"].get(k) for k in (
                                                       "ttft_s", "tpot_s", "spec_mode", "draft_steps",
                                                       "draft_nodes", "accepted_tokens", "mean_accept_len",

@@ -25,24 +25,19 @@ import argparse
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import results
-from dflash_jax.bench.sources import add_target_arguments, load_target_source
+from dflash_jax.bench.sources import (add_scorer_arguments, add_target_arguments, load_scorer_source,
+                                      load_target_source)
 from dflash_jax.engine.compile import CompileWatch
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
-from dflash_jax.models import dense
-from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions, compress
+from dflash_jax.prefill.pflash import PFlashOptions, compress
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--scorer", help="dense scorer checkpoint directory")
-    src.add_argument("--random-scorer", metavar="CONFIG", help="dense scorer config.json given random weights "
-                     "(its vocabulary is widened to the target's when smaller)")
+    add_scorer_arguments(p)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--context", type=int, nargs="+", default=[32768])
     p.add_argument("--keep-ratio", type=float, default=0.05)
@@ -61,21 +56,6 @@ def label(ctx: int) -> str:
     return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
 
 
-def _scorer(args: argparse.Namespace, vocab: int) -> DenseScorer:
-    dtype = jnp.dtype(args.dtype)
-    if args.scorer:
-        return DenseScorer.from_pretrained(args.scorer, dtype=dtype, prefill_chunk=args.scorer_chunk,
-                                           attention=args.scorer_attention)
-    import json
-
-    with open(args.random_scorer) as fh:
-        raw = json.load(fh)
-    raw["vocab_size"] = max(int(raw["vocab_size"]), vocab)
-    cfg = dense.DenseConfig.from_hf_dict(raw)
-    return DenseScorer(dense.init_params(cfg, jax.random.key(2), dtype), cfg, prefill_chunk=args.scorer_chunk,
-                       attention=args.scorer_attention)
-
-
 def _ttft(eng: Engine, ids: list[int]) -> float:
     t0 = time.perf_counter()
     eng.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -84,7 +64,8 @@ def _ttft(eng: Engine, ids: list[int]) -> float:
 
 def run(args: argparse.Namespace, command: str) -> int:
     target = load_target_source(args)
-    scorer = _scorer(args, target.config.vocab_size)
+    scorer = load_scorer_source(args, target.config.vocab_size, prefill_chunk=args.scorer_chunk,
+                                attention=args.scorer_attention)
     opts = PFlashOptions(mode="always", keep_ratio=args.keep_ratio, min_tokens=1, head_tokens=args.head_tokens,
                          tail_tokens=args.tail_tokens)
     max_len = -(-(max(args.context) + 64) // args.prefill_chunk) * args.prefill_chunk

@@ -1,5 +1,6 @@
-"""The target / drafter sources shared by the benchmarks: ``--model | --random-weights`` and
-``--drafter | --random-drafter`` (each pair mutually exclusive and required), and loading what they name."""
+"""The target / drafter / scorer sources shared by the benchmarks: ``--model | --random-weights``,
+``--drafter | --random-drafter`` and ``--scorer | --random-scorer`` (each pair mutually exclusive), and loading what
+they name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.models import dflash, quant, qwen36
+from dflash_jax.models import dense, dflash, quant, qwen36
 from dflash_jax.sharding import Layout, initialize_distributed
 from dflash_jax.target import Target, load_target
 
@@ -84,3 +85,31 @@ def load_drafter_source(args: argparse.Namespace):
         return load_drafter(args.drafter, dtype=dtype, quantization=q)
     dcfg = DrafterConfig.from_file(args.random_drafter)
     return dcfg, dflash.init_params(dcfg, jax.random.key(1), dtype, quantization=q)
+
+
+def add_scorer_arguments(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """``--scorer CHECKPOINT`` | ``--random-scorer CONFIG`` (one required when ``required``), the PFlash scorer."""
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--scorer", help="PFlash dense scorer checkpoint directory")
+    src.add_argument("--random-scorer", metavar="CONFIG", help="dense scorer config.json given random weights "
+                     "(its vocabulary is widened to the target's when smaller)")
+
+
+def load_scorer_source(args: argparse.Namespace, vocab: int, prefill_chunk: int = 512, attention: str = "auto"):
+    """The ``DenseScorer`` of ``--scorer``, or of the ``--random-scorer`` config with random weights (key 2, its
+    vocabulary widened to ``vocab`` when smaller); None when neither is given."""
+    from dflash_jax.prefill.pflash import DenseScorer
+
+    dtype = jnp.dtype(args.dtype)
+    if getattr(args, "scorer", None):
+        return DenseScorer.from_pretrained(args.scorer, dtype=dtype, prefill_chunk=prefill_chunk, attention=attention)
+    if not getattr(args, "random_scorer", None):
+        return None
+    import json
+
+    with open(args.random_scorer) as fh:
+        raw = json.load(fh)
+    raw["vocab_size"] = max(int(raw["vocab_size"]), vocab)
+    cfg = dense.DenseConfig.from_hf_dict(raw)
+    return DenseScorer(dense.init_params(cfg, jax.random.key(2), dtype), cfg, prefill_chunk=prefill_chunk,
+                       attention=attention)

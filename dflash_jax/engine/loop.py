@@ -170,6 +170,9 @@ class EngineOptions:
     # adaptive cohort-yield: a yielded request probes DDTree again after this many AR tokens (0 = never); a probe
     # round under cohort_yield_min yields again with the wait doubled
     cohort_reprobe_tokens: int = 0
+    # forced acceptance, benchmarks only: (prompt, tokens so far) -> block_size - 1 proposed token ids that every
+    # speculative round verifies as a chain instead of the drafter's tree (spec_steps.oracle_step)
+    spec_oracle: Callable[[list[int], list[int]], Sequence[int]] | None = None
     # KVFlash bounded residency: None/"off" = every page resident; "auto" = a pool sized from free device memory;
     # an int = a resident pool of that many tokens shared by all running sequences (their histories live on host)
     kvflash: int | str | None = None
@@ -515,7 +518,8 @@ class Engine:
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         if kind == "spec":
             inp = SpecInput(root=i32(b), start=i32(b), slots=i32(b), active=jax.ShapeDtypeStruct((b,), jnp.bool_),
-                            page_table=i32(b, self.width))
+                            page_table=i32(b, self.width),
+                            proposal=None if self.options.spec_oracle is None else i32(b, self.dcfg.block_size - 1))
         else:
             inp = StepInput(tokens=i32(b, t), positions=i32(b, t), n_valid=i32(b), slots=i32(b),
                             page_table=i32(b, self.width))
@@ -769,6 +773,7 @@ class Engine:
         rows = self._reside(rows, [(r.n_cached, r.n_cached + self.spec_span) for r in rows])
         if not rows:
             return []
+        oracle, depth = self.options.spec_oracle, self.dcfg.block_size - 1
 
         def make(k: int, g: list[int], b: int):
             rs = [rows[i] for i in g]
@@ -777,7 +782,9 @@ class Engine:
                             start=np.array([r.n_cached for r in rs] + [0] * pad, np.int32),
                             slots=np.array([r.slot for r in rs] + [0] * pad, np.int32),
                             active=np.array([True] * len(rs) + [False] * pad),
-                            page_table=self.pools[k].page_tables([r.rid for r in rs] + [None] * pad, self.width))
+                            page_table=self.pools[k].page_tables([r.rid for r in rs] + [None] * pad, self.width),
+                            proposal=None if oracle is None else np.array(
+                                [list(oracle(r.prompt, r.tokens)) for r in rs] + [[0] * depth] * pad, np.int32))
             return inp, self._row_sampling(rs, b)
 
         b, (inp, samp), take = self._by_replica(rows, self.decode_buckets, make)

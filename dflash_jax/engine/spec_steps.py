@@ -33,13 +33,15 @@ class SpecConfig:
 @dataclasses.dataclass(frozen=True)
 class SpecInput:
     """[B] per row: the pending root token, its position (= tokens in the cache), slot, and whether the row is
-    real; page_table [B, W]."""
+    real; page_table [B, W]. ``proposal [B, L]`` (benchmarks only, ``EngineOptions.spec_oracle``): when given,
+    ``spec_step`` verifies these proposals as a chain instead of drafting (``oracle_step``)."""
 
     root: jax.Array
     start: jax.Array
     slots: jax.Array
     active: jax.Array
     page_table: jax.Array
+    proposal: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -132,6 +134,8 @@ def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, 
               dkv: DraftKV, inp: SpecInput, samp: SamplingArrays):
     """One speculative round for B rows -> (state', dkv', SpecOutput). Lossless: the emitted tokens are
     distributed exactly as the target's own (greedy rows: identical to AR greedy)."""
+    if inp.proposal is not None:
+        return oracle_step(cfg, dcfg, spec, params, dparams, state, dkv, inp, samp, inp.proposal)
     tree = draft_tree(cfg, dcfg, spec, params, dparams, dkv, inp)
     return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree, spec.fast_rollback)
 

@@ -92,25 +92,33 @@ DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
 
+def read_preset(path: str, known: set[str] | None = None) -> dict:
+    """The flags of a YAML preset (``configs/*.yaml``) as ``{dest: value}`` (``--ddtree-budget`` -> ``ddtree_budget``);
+    every name must be one of this parser's flags (``known``: their dests, default ``build_parser()``'s)."""
+    import yaml
+
+    known = known if known is not None else set(vars(build_parser().parse_args([])))
+    try:
+        with open(path) as f:
+            preset = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise StartupError(f"--config {path}: {e.strerror}") from e
+    if not isinstance(preset, dict):
+        raise StartupError(f"--config {path}: expected a mapping of flag names to values")
+    out = {}
+    for k, v in preset.items():
+        key = str(k).replace("-", "_")
+        if key not in known or key == "config":
+            raise StartupError(f"--config {path}: unknown flag {k!r}")
+        out[key] = v
+    return out
+
+
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Merge preset file < command line; apply defaults; reject what this build cannot do."""
     merged = dict(DEFAULTS)
     if args.config:
-        import yaml
-
-        try:
-            with open(args.config) as f:
-                preset = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise StartupError(f"--config {args.config}: {e.strerror}") from e
-        if not isinstance(preset, dict):
-            raise StartupError(f"--config {args.config}: expected a mapping of flag names to values")
-        known = set(vars(args))
-        for k, v in preset.items():
-            key = k.replace("-", "_")
-            if key not in known or key == "config":
-                raise StartupError(f"--config {args.config}: unknown flag {k!r}")
-            merged[key] = v
+        merged.update(read_preset(args.config, set(vars(args))))
     for k, v in vars(args).items():
         if v is not None:
             merged[k] = v
