@@ -211,3 +211,45 @@ def test_speculative_rounds_with_bounded_residency_equal_ar_greedy(unbounded):
     rep = eng.kvflash_report()
     assert rep["pages_in"] > 0 and rep["pages_out"] > 0
     assert_reclaimed(eng)
+
+
+def page_bytes_moved(eng: Engine) -> float:
+    """Bytes per page moved, from the telemetry (page-ins and page-outs together)."""
+    rep = eng.kvflash_report()
+    assert rep["pages_in"] > 0 and rep["pages_out"] > 0
+    return (rep["bytes_in"] + rep["bytes_out"]) / (rep["pages_in"] + rep["pages_out"])
+
+
+def quantized_workload():
+    return prompts(100, 100, 60, seed=7), [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 24)]
+
+
+@pytest.fixture(scope="module")
+def bf16_bytes_per_page():
+    eng = Engine(target(), None, dataclasses.replace(BASE, kv_dtype="bf16", kvflash=POOL, kvflash_scoring="lru",
+                                                     kvflash_exact_steps=True))
+    got, _ = drive(eng, *quantized_workload())
+    assert all(o.finish_reason == "length" for o in got)
+    return page_bytes_moved(eng)
+
+
+@pytest.mark.parametrize("kv_dtype,scoring", [("fp8", "lru"), ("int8", "keys")])
+def test_quantized_pages_page_bit_exactly_at_about_half_the_bf16_bytes(kv_dtype, scoring, bf16_bytes_per_page):
+    opts = dataclasses.replace(BASE, kv_dtype=kv_dtype)
+    eng = Engine(target(), None, dataclasses.replace(opts, kvflash=POOL, kvflash_scoring=scoring,
+                                                     kvflash_exact_steps=True))
+    ps, sps = quantized_workload()
+    got, tables = drive(eng, ps, sps)
+    # same greedy tokens as the same quantized engine with every page resident: pages come back bit for bit
+    assert [o.token_ids for o in got] == [o.token_ids for o in Engine(target(), None, opts).generate(ps, sps)]
+    assert all((t >= 1).all() for t in tables)
+    rep = eng.kvflash_report()
+    assert rep["bytes_in"] == rep["pages_in"] * rep["page_bytes"] and rep["table_refreshes"] > 0
+    if scoring == "keys":
+        assert rep["score_decisions"] > 0 and rep["summary_failures"] == 0
+    # a page moves its fp8 / int8 values and f32 scales: (D + 4) / 2D of a bf16 page's bytes (D = 32 here)
+    d = target().config.head_dim
+    ratio = page_bytes_moved(eng) / bf16_bytes_per_page
+    assert ratio == pytest.approx((d + 4) / (2 * d)) and ratio < 0.6
+    assert eng._kv_bytes_per_token(eng.kv_dtype) * BASE.page_size == rep["page_bytes"]
+    assert_reclaimed(eng)
