@@ -7,10 +7,12 @@ One bounded engine is compiled per module and reconfigured between tests (the re
 any compiled shape).
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -89,6 +91,38 @@ def drive(eng: Engine, ps, sps):
     return [final[i] for i in ids], tables
 
 
+def page_bytes(state, dkv, p: int) -> list[np.ndarray]:
+    """Every leaf of physical page ``p`` (target and drafter K/V; data and scales when quantized) as bytes."""
+    return [np.asarray(a[p]).view(np.uint8) for a in jax.tree_util.tree_leaves((state.kv, dkv))]
+
+
+@contextlib.contextmanager
+def checked_round_trips(eng: Engine):
+    """Check that every page-in writes back, bit for bit, the page its slab got at page-out (greedy tokens of the
+    tiny model alone would not notice a wrong page). Yields the list of checked page-ins."""
+    kvf, slabs, checked = eng.kvf, {}, []
+    out, inn = kvf.page_out, kvf.page_in
+
+    def page_out(state, dkv, transfers):
+        for t in transfers:
+            slabs[t.slab] = page_bytes(state, dkv, t.phys)
+        return out(state, dkv, transfers)
+
+    def page_in(state, dkv, transfers):
+        state, dkv = inn(state, dkv, transfers)
+        for t in transfers:
+            for a, b in zip(page_bytes(state, dkv, t.phys), slabs[t.slab], strict=True):
+                np.testing.assert_array_equal(a, b)
+            checked.append(t)
+        return state, dkv
+
+    kvf.page_out, kvf.page_in = page_out, page_in
+    try:
+        yield checked
+    finally:
+        del kvf.page_out, kvf.page_in
+
+
 def assert_reclaimed(eng: Engine):
     res = eng.pages
     res.check_invariants()
@@ -102,7 +136,9 @@ def test_bounded_residency_equals_unbounded_when_each_step_fits(bounded, unbound
     ps = prompts(100, 100, 60)
     sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 24)]
     want = unbounded.generate(ps, sps)
-    got, tables = drive(bounded, ps, sps)
+    with checked_round_trips(bounded) as checked:
+        got, tables = drive(bounded, ps, sps)
+    assert checked
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all((t >= 1).all() for t in tables)  # every step attended to its rows' whole history
     rep = bounded.kvflash_report()
@@ -239,8 +275,10 @@ def test_quantized_pages_page_bit_exactly_at_about_half_the_bf16_bytes(kv_dtype,
     eng = Engine(target(), None, dataclasses.replace(opts, kvflash=POOL, kvflash_scoring=scoring,
                                                      kvflash_exact_steps=True))
     ps, sps = quantized_workload()
-    got, tables = drive(eng, ps, sps)
-    # same greedy tokens as the same quantized engine with every page resident: pages come back bit for bit
+    with checked_round_trips(eng) as checked:  # both leaves of every page come back bit for bit
+        got, tables = drive(eng, ps, sps)
+    assert len(checked) == eng.kvflash_report()["pages_in"] > 0
+    # same greedy tokens as the same quantized engine with every page resident
     assert [o.token_ids for o in got] == [o.token_ids for o in Engine(target(), None, opts).generate(ps, sps)]
     assert all((t >= 1).all() for t in tables)
     rep = eng.kvflash_report()
