@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvflash", type=int, default=None, metavar="N",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests")
     p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
+                   help="KV page dtype of every case (default: the model dtype); fp8/int8 pages also page in/out "
+                        "at about half the bytes under --kvflash")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="decoding modes to run per concurrency (default both; speedup figures need both)")
     p.add_argument("--all-buckets", action="store_true",
@@ -224,7 +227,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
-                         kvflash_scoring=args.kvflash_scoring,
+                         kvflash_scoring=args.kvflash_scoring, kv_dtype=args.kv_dtype,
                          batch_buckets=None if args.all_buckets else (-(-c // args.data_parallel),),
                          **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
@@ -530,6 +533,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             "prompt_distribution": dist, "prompt_lens": [len(p) for p in prompts],
             "hash": "sha256 of the decimal token ids joined by ',' (UTF-8)",
             "feature_matrix": feature_matrix(plan, cases, [], args.kvflash),
+            "kv_dtype": args.kv_dtype,
             "kvflash": {"pool_tokens": args.kvflash, "scoring": args.kvflash_scoring,
                         "compare_unbounded": args.kvflash_compare} if args.kvflash is not None else None,
             "accounting": "passed", "reproducibility": repro,
