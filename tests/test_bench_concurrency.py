@@ -118,15 +118,15 @@ def test_missing_proof_fails_the_whole_run(tmp_path, capsys, monkeypatch):
 
 
 def test_kvflash_case_proves_residency_per_request(tmp_path, capsys):
-    # a 48-token pool under 2 requests of 40-60 prompt tokens + 8: residency pressure
-    rc = main(_args(tmp_path, "--kvflash", "48", "--kvflash-compare", "--prompt-len-min", "40",
+    # a 48-token pool under 2 requests of 40-60 prompt tokens + 8: residency pressure; fp8 pages (data + scales)
+    rc = main(_args(tmp_path, "--kvflash", "48", "--kvflash-compare", "--prompt-len-min", "40", "--kv-dtype", "fp8",
                     "--prompt-len-max", "60", "--kvflash-scoring", "lru", "--concurrency", "2", "--repeats", "1"))
     out = capsys.readouterr().out
     assert rc == 0, out
     (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
     rec = json.loads(res.read_text())
     figs, extra = rec["figures"], rec["extra"]
-    assert extra["kvflash"]["pool_tokens"] == 48
+    assert extra["kvflash"]["pool_tokens"] == 48 and extra["kv_dtype"] == "fp8"
     assert figs["c2.ar.kv_pages_out"] > 0 and figs["c2.ddtree.kv_pages_out"] > 0
     assert figs["c2.ar.kv_page_in_gbs"] > 0 and figs["c2.ar.kv_page_in_ratio"] > 0
     assert figs["c2.ar.kvflash_vs_unbounded"] > 0 and figs["c2.ar_unbounded.tok_s"] > 0
@@ -231,7 +231,7 @@ def test_recipe_strix_halo_maps_the_seed_flags():
     assert any(n.startswith("target-device: hip:0") for n in notes) and any("persistent" in n for n in notes)
     assert map_preset({"ddtree": False})[0] == {"modes": ["ar"]}
     assert "fast-rollback" in map_preset({"fast_rollback": True})[2][0]
-    assert "kv-dtype" in map_preset({"kv_dtype": "fp8"})[2][0]
+    assert map_preset({"kv_dtype": "fp8"})[0] == {"kv_dtype": "fp8"}
 
 
 def test_recipe_fails_closed_before_any_work(tmp_path, capsys):

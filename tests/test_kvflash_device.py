@@ -12,6 +12,7 @@ import pytest
 from conftest import FIXTURES
 from dflash_jax.config import TargetConfig
 from dflash_jax.engine.compile import CompileWatch
+from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.kvflash import Transfer
 from dflash_jax.kv.kvflash_device import KVFlashDevice, host_memory_kind
 from dflash_jax.models import attention
@@ -104,3 +105,53 @@ def test_attention_masks_non_resident_pages_and_is_exact_when_all_resident():
     k2, _ = attention.write_kv(kp, vp, jnp.ones((1, 1, hkv, d)), jnp.ones((1, 1, hkv, d)), table.at[0, 1].set(-1),
                                jnp.array([[5]]), jnp.ones((1, 1), bool))
     np.testing.assert_array_equal(k2[n_pages - 1], kp[n_pages - 1])
+
+
+def quantized_state(dtype, n_pages=6, ps=4, seed=0):
+    """``random_state`` with every target and drafter page array quantized (fp8 / int8 values + f32 scales)."""
+    state, dkv = random_state(n_pages, ps, seed)
+
+    def q(a):
+        data, scale = kv_quant.quantize_rows(a, dtype)
+        return kv_quant.QuantizedPages(data, scale, jnp.float32)
+
+    kv = type(state.kv)(k=tuple(map(q, state.kv.k)), v=tuple(map(q, state.kv.v)))
+    return EngineState(kv=kv, rec=state.rec), DraftKV(k=tuple(map(q, dkv.k)), v=tuple(map(q, dkv.v)))
+
+
+def leaves(state, dkv, p):
+    return [np.asarray(a[p]).view(np.uint8) for a in jax.tree_util.tree_leaves((state.kv, dkv))]
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "numpy"])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_quantized_pages_round_trip_bit_exactly_at_about_half_the_bytes(kind, dtype):
+    state, dkv = quantized_state(dtype)
+    dev = KVFlashDevice(state, dkv, host_pages=8, host_kind=kind)
+    dev.warmup(state, dkv)
+    want2, want3 = leaves(state, dkv, 2), leaves(state, dkv, 3)
+    with CompileWatch() as w:
+        dev.page_out(state, dkv, [Transfer(0, 0, 2, 5), Transfer(0, 1, 3, 0)])
+        state, dkv = dev.page_in(state, dkv, [Transfer(0, 0, 4, 5), Transfer(0, 1, 1, 0)])
+    assert w.count == 0
+    assert all(isinstance(a, kv_quant.QuantizedPages) and a.dtype == dtype for a in state.kv.k + dkv.v)
+    for a, b in zip(leaves(state, dkv, 4), want2, strict=True):  # both leaves, bit for bit
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(leaves(state, dkv, 1), want3, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # a page's bytes: data (1 byte per value) + scales (4 bytes per token and KV head), (D + 4) / 2D of a bf16 page
+    arrays = state.kv.k + state.kv.v + dkv.k + dkv.v
+    assert dev.dtype == np.uint8 and dev.slab_bytes == sum(a.nbytes for a in want2)
+    rows = lambda dt: sum(a.shape[1] * a.shape[2] * kv_quant.row_bytes(a.shape[3], dt) for a in arrays)
+    assert dev.slab_bytes == rows(dtype) < 0.8 * rows(jnp.bfloat16)
+
+def test_summaries_of_quantized_pages_are_mean_dequantized_keys():
+    state, dkv = quantized_state(jnp.int8, n_pages=8)
+    dev = KVFlashDevice(state, dkv, host_pages=8)
+    s = dev.summaries(state, [3, 7])
+    deq = lambda k, p: np.asarray(k.data[p], np.float32) * np.asarray(k.scale[p])[..., None]
+    ref = np.concatenate([deq(k, 7).mean(0).ravel() for k in state.kv.k])
+    np.testing.assert_allclose(s[1], ref, rtol=1e-6, atol=1e-7)
+    # close to the mean of the unquantized keys (int8 rows keep ~2 decimal digits)
+    raw, _ = random_state(n_pages=8)
+    np.testing.assert_allclose(s[1], np.concatenate([np.asarray(k[7]).mean(0).ravel() for k in raw.kv.k]), atol=0.03)

@@ -7,10 +7,12 @@ One bounded engine is compiled per module and reconfigured between tests (the re
 any compiled shape).
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -89,6 +91,38 @@ def drive(eng: Engine, ps, sps):
     return [final[i] for i in ids], tables
 
 
+def page_bytes(state, dkv, p: int) -> list[np.ndarray]:
+    """Every leaf of physical page ``p`` (target and drafter K/V; data and scales when quantized) as bytes."""
+    return [np.asarray(a[p]).view(np.uint8) for a in jax.tree_util.tree_leaves((state.kv, dkv))]
+
+
+@contextlib.contextmanager
+def checked_round_trips(eng: Engine):
+    """Check that every page-in writes back, bit for bit, the page its slab got at page-out (greedy tokens of the
+    tiny model alone would not notice a wrong page). Yields the list of checked page-ins."""
+    kvf, slabs, checked = eng.kvf, {}, []
+    out, inn = kvf.page_out, kvf.page_in
+
+    def page_out(state, dkv, transfers):
+        for t in transfers:
+            slabs[t.slab] = page_bytes(state, dkv, t.phys)
+        return out(state, dkv, transfers)
+
+    def page_in(state, dkv, transfers):
+        state, dkv = inn(state, dkv, transfers)
+        for t in transfers:
+            for a, b in zip(page_bytes(state, dkv, t.phys), slabs[t.slab], strict=True):
+                np.testing.assert_array_equal(a, b)
+            checked.append(t)
+        return state, dkv
+
+    kvf.page_out, kvf.page_in = page_out, page_in
+    try:
+        yield checked
+    finally:
+        del kvf.page_out, kvf.page_in
+
+
 def assert_reclaimed(eng: Engine):
     res = eng.pages
     res.check_invariants()
@@ -102,7 +136,9 @@ def test_bounded_residency_equals_unbounded_when_each_step_fits(bounded, unbound
     ps = prompts(100, 100, 60)
     sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 24)]
     want = unbounded.generate(ps, sps)
-    got, tables = drive(bounded, ps, sps)
+    with checked_round_trips(bounded) as checked:
+        got, tables = drive(bounded, ps, sps)
+    assert checked
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all((t >= 1).all() for t in tables)  # every step attended to its rows' whole history
     rep = bounded.kvflash_report()
@@ -210,4 +246,48 @@ def test_speculative_rounds_with_bounded_residency_equal_ar_greedy(unbounded):
     assert all((t >= 1).all() for t in tables)
     rep = eng.kvflash_report()
     assert rep["pages_in"] > 0 and rep["pages_out"] > 0
+    assert_reclaimed(eng)
+
+
+def page_bytes_moved(eng: Engine) -> float:
+    """Bytes per page moved, from the telemetry (page-ins and page-outs together)."""
+    rep = eng.kvflash_report()
+    assert rep["pages_in"] > 0 and rep["pages_out"] > 0
+    return (rep["bytes_in"] + rep["bytes_out"]) / (rep["pages_in"] + rep["pages_out"])
+
+
+def quantized_workload():
+    return prompts(100, 100, 60, seed=7), [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 24)]
+
+
+@pytest.fixture(scope="module")
+def bf16_bytes_per_page():
+    eng = Engine(target(), None, dataclasses.replace(BASE, kv_dtype="bf16", kvflash=POOL, kvflash_scoring="lru",
+                                                     kvflash_exact_steps=True))
+    got, _ = drive(eng, *quantized_workload())
+    assert all(o.finish_reason == "length" for o in got)
+    return page_bytes_moved(eng)
+
+
+@pytest.mark.parametrize("kv_dtype,scoring", [("fp8", "lru"), ("int8", "keys")])
+def test_quantized_pages_page_bit_exactly_at_about_half_the_bf16_bytes(kv_dtype, scoring, bf16_bytes_per_page):
+    opts = dataclasses.replace(BASE, kv_dtype=kv_dtype)
+    eng = Engine(target(), None, dataclasses.replace(opts, kvflash=POOL, kvflash_scoring=scoring,
+                                                     kvflash_exact_steps=True))
+    ps, sps = quantized_workload()
+    with checked_round_trips(eng) as checked:  # both leaves of every page come back bit for bit
+        got, tables = drive(eng, ps, sps)
+    assert len(checked) == eng.kvflash_report()["pages_in"] > 0
+    # same greedy tokens as the same quantized engine with every page resident
+    assert [o.token_ids for o in got] == [o.token_ids for o in Engine(target(), None, opts).generate(ps, sps)]
+    assert all((t >= 1).all() for t in tables)
+    rep = eng.kvflash_report()
+    assert rep["bytes_in"] == rep["pages_in"] * rep["page_bytes"] and rep["table_refreshes"] > 0
+    if scoring == "keys":
+        assert rep["score_decisions"] > 0 and rep["summary_failures"] == 0
+    # a page moves its fp8 / int8 values and f32 scales: (D + 4) / 2D of a bf16 page's bytes (D = 32 here)
+    d = target().config.head_dim
+    ratio = page_bytes_moved(eng) / bf16_bytes_per_page
+    assert ratio == pytest.approx((d + 4) / (2 * d)) and ratio < 0.6
+    assert eng._kv_bytes_per_token(eng.kv_dtype) * BASE.page_size == rep["page_bytes"]
     assert_reclaimed(eng)

@@ -38,7 +38,7 @@ Method (the engine API, not the HTTP server):
   flags mapped onto the benchmark's (``map_preset``: ddtree, budget, prefill compression and its scorer / ratio /
   minimum, kvflash and its scoring, cohort yield, page size, prefill chunk, dtype, max model len, parallelism).
   Device and server-only flags are recorded as not applied (the benchmark runs on JAX's default backend); flags of
-  features the benchmark cannot run (fast rollback, re-probing, a quantized KV format) fail closed. A flag given on
+  features the benchmark cannot run (fast rollback, re-probing) fail closed. A flag given on
   the command line wins over the recipe.
 * KVFlash (``--kvflash N``): every ar/ddtree case runs with a resident pool of N tokens (``--kvflash-scoring``).
   Per request, the proof is its residency telemetry (``kvflash`` set, pages in/out, wait, decisions) and, when the
@@ -134,6 +134,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests (auto: "
                         "80%% of free device memory)")
     p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
+                   help="KV page dtype of every case (default: the model dtype); fp8/int8 pages also page in/out "
+                        "at about half the bytes under --kvflash")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="decoding modes to run per concurrency (default both; speedup figures need both)")
     p.add_argument("--all-buckets", action="store_true",
@@ -158,7 +161,7 @@ PRESET_COPIED = {"ddtree_budget": "budget", "prefill_keep_ratio": "pflash_keep_r
                  "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
                  "cohort_yield_min": "cohort_yield_min", "page_size": "page_size", "prefill_chunk": "prefill_chunk",
                  "dtype": "dtype", "max_model_len": "max_model_len", "quantization": "quantization",
-                 "tensor_parallel": "tensor_parallel", "data_parallel": "data_parallel"}
+                 "tensor_parallel": "tensor_parallel", "data_parallel": "data_parallel", "kv_dtype": "kv_dtype"}
 
 
 def map_preset(preset: dict) -> tuple[dict, list[str], list[str]]:
@@ -204,9 +207,6 @@ def map_preset(preset: dict) -> tuple[dict, list[str], list[str]]:
         elif k == "cohort_reprobe_tokens":
             if int(v):
                 bad.append(f"cohort-reprobe-tokens {v}: not run by this benchmark")
-        elif k == "kv_dtype":
-            if v != "bf16":
-                bad.append(f"kv-dtype {v}: quantized KV pages are not run by this benchmark")
         else:
             bad.append(f"{k.replace('_', '-')}: no mapping onto this benchmark")
     return out, notes, bad
@@ -487,7 +487,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
-                         kvflash_scoring=args.kvflash_scoring,
+                         kvflash_scoring=args.kvflash_scoring, kv_dtype=args.kv_dtype,
                          batch_buckets=None if args.all_buckets else (-(-c // args.data_parallel),),
                          spec_oracle=oracle if mode == "ddtree" else None,
                          **parallel_options(args))
@@ -899,6 +899,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                        "tail_tokens": args.pflash_tail_tokens, "scorer": args.scorer or args.random_scorer,
                        "billing": "raw prompt tokens (prompt_tokens_billed); prompt_tokens_effective = prefilled"}
             if args.pflash else None,
+            "kv_dtype": args.kv_dtype,
             "kvflash": {"pool_tokens": args.kvflash, "scoring": args.kvflash_scoring,
                         "compare_unbounded": args.kvflash_compare} if args.kvflash is not None else None,
             "accounting": "passed", "reproducibility": repro,

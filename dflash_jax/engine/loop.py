@@ -253,9 +253,6 @@ class Engine:
         self.dtype = jnp.dtype(self.target.params["layers"][0]["mlp"]["gate"].dtype)
         self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)
         self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
-        if self.kvflash_pool_tokens is not None and kv_quant.is_quantized_dtype(kv_dtype):
-            raise ValueError(f"KVFlash moves bf16/fp32 pages only: kv_dtype {o.kv_dtype!r} (quantized pages) cannot "
-                             "be combined with kvflash yet; drop one of them")
         if self.kvflash_pool_tokens is not None and (dp > 1 or self.layout is not None):
             raise ValueError("KVFlash bounded residency runs on one device: it cannot be combined with "
                              "tensor_parallel > 1 or data_parallel > 1; drop one of them")
@@ -299,10 +296,11 @@ class Engine:
 
     # ---- KVFlash --------------------------------------------------------------------------------------------
     def _kv_bytes_per_token(self, kv_dtype) -> int:
-        per = 2 * len(self.cfg.attn_layers) * self.cfg.num_kv_heads * self.cfg.head_dim
+        """Device bytes of one token's K and V (target + drafter; quantized pages count their scales too)."""
+        per = 2 * len(self.cfg.attn_layers) * self.cfg.num_kv_heads * kv_quant.row_bytes(self.cfg.head_dim, kv_dtype)
         if self.dcfg is not None:
-            per += 2 * self.dcfg.num_layers * self.dcfg.num_kv_heads * self.dcfg.head_dim
-        return per * jnp.dtype(kv_dtype).itemsize
+            per += 2 * self.dcfg.num_layers * self.dcfg.num_kv_heads * kv_quant.row_bytes(self.dcfg.head_dim, kv_dtype)
+        return per
 
     def _kvflash_pool(self, kv_dtype) -> int | None:
         o = self.options

@@ -2,7 +2,10 @@
 
 A *page* moves as one packed slab: for one physical page index, the K and V of every full-attention layer of the
 target (``KVPages``) and, with a drafter, of every drafter layer (``DraftKV``, which shares the page tables),
-flattened and concatenated: ``[slab_elems]`` in the KV dtype.
+flattened and concatenated: ``[slab_elems]`` in the KV dtype. Quantized pages (``kv.quant.QuantizedPages``) move
+both leaves, the fp8 / int8 ``data`` and the float32 ``scale``, bit-cast to bytes: ``[slab_elems]`` uint8, about
+half the bytes of a bf16 page (D + 4 bytes per token and KV head instead of 2 D). Whenever the leaves do not share
+one dtype the slab is bytes.
 
 * Host memory: ``pinned_host`` where the device offers it (H200, and CPU jaxlib), else ``unpinned_host``, else
   NumPy slabs (one ``[host_pages, slab_elems]`` array allocated once). ``host_kind`` says which is in use. With a
@@ -15,7 +18,7 @@ flattened and concatenated: ``[slab_elems]`` in the KV dtype.
   pools. Page-outs are dispatched before page-ins and before the step (they read pages the others reuse); all
   are asynchronous and ordered by buffer dependencies, so the host waits only when the step's outputs are read.
 * Summaries (keys scoring): per page, the mean key of each target attention layer and KV head, ``[L*Hkv*D]``
-  float32.
+  float32, over dequantized keys (``kv_quant.take``) when the pages are quantized.
 
 Bucket sizes are fixed (``BUCKETS``); ``warmup`` compiles every bucket ahead of time.
 """
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.kvflash import Transfer
 from dflash_jax.state import DraftKV, EngineState, KVPages
 
@@ -45,25 +49,53 @@ def host_memory_kind(device: jax.Device) -> str:
     return "numpy"
 
 
-def _tensors(kv: KVPages, dkv: DraftKV | None) -> tuple[jax.Array, ...]:
+def _tensors(kv: KVPages, dkv: DraftKV | None) -> tuple:
+    """The page arrays that move, target then drafter: plain arrays or ``QuantizedPages`` (pytrees)."""
     return tuple(kv.k) + tuple(kv.v) + ((tuple(dkv.k) + tuple(dkv.v)) if dkv is not None else ())
 
 
-def _gather(tensors: tuple[jax.Array, ...], idx: jax.Array) -> jax.Array:
-    """[n] physical pages -> [n, slab_elems] packed."""
-    return jnp.concatenate([t[idx].reshape(idx.shape[0], -1) for t in tensors], axis=1)
+def _slab_dtype(leaves: Sequence[jax.Array]) -> jnp.dtype:
+    """The leaves' dtype when they share one, else bytes (uint8; each leaf is bit-cast)."""
+    dts = {jnp.dtype(t.dtype) for t in leaves}
+    return dts.pop() if len(dts) == 1 else jnp.dtype(jnp.uint8)
 
 
-def _scatter(tensors: tuple[jax.Array, ...], packed: jax.Array, idx: jax.Array) -> tuple[jax.Array, ...]:
+def _row_elems(t, dtype) -> int:
+    """Slab elements of one page of leaf ``t`` ``[n_pages, ...]`` packed as ``dtype``."""
+    return math.prod(t.shape[1:]) * jnp.dtype(t.dtype).itemsize // jnp.dtype(dtype).itemsize
+
+
+def _gather(tensors: tuple, idx: jax.Array) -> jax.Array:
+    """[n] physical pages -> [n, slab_elems] packed (in the slab dtype)."""
+    leaves = jax.tree_util.tree_leaves(tensors)
+    dt = _slab_dtype(leaves)
+    rows = []
+    for t in leaves:
+        g = t[idx]
+        if g.dtype != dt:
+            g = jax.lax.bitcast_convert_type(g, dt)  # [n, ...] -> [n, ..., itemsize] bytes
+        rows.append(g.reshape(idx.shape[0], -1))
+    return jnp.concatenate(rows, axis=1)
+
+
+def _scatter(tensors: tuple, packed: jax.Array, idx: jax.Array) -> tuple:
+    """Write ``packed [n, slab_elems]`` (from ``_gather``) into physical pages ``idx [n]``; bit-exact."""
+    leaves, tree = jax.tree_util.tree_flatten(tensors)
+    dt = _slab_dtype(leaves)
     out, off = [], 0
-    for t in tensors:
-        n = math.prod(t.shape[1:])
-        out.append(t.at[idx].set(packed[:, off: off + n].reshape((idx.shape[0],) + t.shape[1:]).astype(t.dtype)))
+    for t in leaves:
+        n = _row_elems(t, dt)
+        part = packed[:, off: off + n]
+        if t.dtype != dt:
+            size = jnp.dtype(t.dtype).itemsize
+            part = jax.lax.bitcast_convert_type(
+                part.reshape((idx.shape[0],) + t.shape[1:] + ((size,) if size > 1 else ())), t.dtype)
+        out.append(t.at[idx].set(part.reshape((idx.shape[0],) + t.shape[1:])))
         off += n
-    return tuple(out)
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
-def _split(tensors: tuple[jax.Array, ...], n_k: int, has_draft: bool, n_dk: int):
+def _split(tensors: tuple, n_k: int, has_draft: bool, n_dk: int):
     k, v = tensors[:n_k], tensors[n_k: 2 * n_k]
     kv = KVPages(k=k, v=v)
     if not has_draft:
@@ -77,16 +109,14 @@ class KVFlashDevice:
 
     def __init__(self, state: EngineState, dkv: DraftKV | None, host_pages: int, device: jax.Device | None = None,
                  host_kind: str | None = None) -> None:
-        self.device = device or next(iter(state.kv.k[0].devices()))
+        leaves = jax.tree_util.tree_leaves(_tensors(state.kv, dkv))
+        self.device = device or next(iter(leaves[0].devices()))
         self.host_kind = host_kind or host_memory_kind(self.device)
-        tensors = _tensors(state.kv, dkv)
-        self.dtype = tensors[0].dtype
-        if any(t.dtype != self.dtype for t in tensors):
-            raise ValueError("KVFlash needs one KV dtype for the target and drafter pools")
+        self.dtype = _slab_dtype(leaves)  # of the slabs: the KV dtype, or uint8 for quantized / mixed pages
         self.n_k, self.has_draft = len(state.kv.k), dkv is not None
         self.n_dk = len(dkv.k) if dkv is not None else 0
-        self.slab_elems = sum(math.prod(t.shape[1:]) for t in tensors)
-        self.slab_bytes = self.slab_elems * jnp.dtype(self.dtype).itemsize
+        self.slab_elems = sum(_row_elems(t, self.dtype) for t in leaves)
+        self.slab_bytes = self.slab_elems * self.dtype.itemsize  # every byte of a page: data and scales
         self.host_pages = host_pages
         if self.host_kind == "numpy":
             self.slabs: list | np.ndarray = np.zeros((host_pages, self.slab_elems), self.dtype)
@@ -135,8 +165,8 @@ class KVFlashDevice:
     def _sum_fn(self, b: int):
         if b not in self._sum:
             def f(ks, idx):
-                return jnp.concatenate([jnp.mean(k[idx].astype(jnp.float32), axis=1).reshape(idx.shape[0], -1)
-                                        for k in ks], axis=1)
+                return jnp.concatenate([jnp.mean(kv_quant.take(k, idx).astype(jnp.float32), axis=1)
+                                        .reshape(idx.shape[0], -1) for k in ks], axis=1)
             self._sum[b] = jax.jit(f)
         return self._sum[b]
 
@@ -144,7 +174,7 @@ class KVFlashDevice:
         """Compile every bucket of page-out, page-in and summaries ahead of time (nothing is moved)."""
         tensors = _tensors(state.kv, dkv)
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-        ts = tuple(spec(t) for t in tensors)
+        ts = jax.tree_util.tree_map(spec, tensors)
         for b in BUCKETS:
             idx = jax.ShapeDtypeStruct((b,), jnp.int32)
             self._out[b] = self._out_fn(b).lower(ts, idx).compile()
@@ -154,7 +184,7 @@ class KVFlashDevice:
             else:
                 slab = jax.ShapeDtypeStruct((self.slab_elems,), self.dtype, sharding=self._host)
                 self._in[b] = self._in_fn(b).lower(ts, tuple([slab] * b), idx).compile()
-            self._sum[b] = self._sum_fn(b).lower(tuple(spec(k) for k in state.kv.k), idx).compile()
+            self._sum[b] = self._sum_fn(b).lower(jax.tree_util.tree_map(spec, tuple(state.kv.k)), idx).compile()
 
     # ---- operations ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -231,7 +261,7 @@ class KVFlashDevice:
                 jax.block_until_ready(self.slabs[:n])
         t_out = (time.perf_counter() - t0) / iters
         state, dkv = self.page_in(state, dkv, ts)
-        jax.block_until_ready(state.kv.k[0])
+        jax.block_until_ready(state.kv.k)
         t0 = time.perf_counter()
         for _ in range(iters):
             state, dkv = self.page_in(state, dkv, ts)

@@ -66,6 +66,11 @@ def is_quantized_dtype(dtype) -> bool:
     return jnp.dtype(dtype) in _QMAX
 
 
+def row_bytes(head_dim: int, dtype) -> int:
+    """Bytes one (token, KV head) row of ``head_dim`` values costs in pages of ``dtype`` (values + its scale)."""
+    return head_dim * jnp.dtype(dtype).itemsize + (jnp.dtype(F32).itemsize if is_quantized_dtype(dtype) else 0)
+
+
 def zeros(shape: tuple[int, ...], dtype, compute_dtype=jnp.bfloat16) -> jax.Array | QuantizedPages:
     """Empty pages ``shape = [n_pages, page_size, Hkv, D]``: a plain array, or ``QuantizedPages`` for fp8/int8."""
     if not is_quantized_dtype(dtype):
