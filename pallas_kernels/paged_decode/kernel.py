@@ -230,10 +230,13 @@ def block_plan(*, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, page
     blocks_per_part = -(-n_blocks // s)
     s = -(-n_blocks // blocks_per_part)  # drop partitions that would be empty for every sequence
     kv_tile = block_k * head_dim * isz
-    cast = block_k * head_dim * csz if csz != isz else 0  # a quantized tile cast to the compute dtype for the dot
+    # Quantized pages: the tile cast to the compute dtype is the dot's operand; the stored rows are staged in
+    # shared memory only when the loop is pipelined (num_stages > 1).
+    kv_smem = (num_stages * kv_tile if csz == isz else
+               block_k * head_dim * csz + (num_stages * kv_tile if num_stages > 1 else 0))
     smem = {
-        "k": num_stages * kv_tile + cast,
-        "v": num_stages * kv_tile + cast,
+        "k": kv_smem,
+        "v": kv_smem,
         "q": gp * head_dim * csz,
         "p": gp * block_k * csz,  # the probabilities go through shared memory as the PV dot's A operand
     }

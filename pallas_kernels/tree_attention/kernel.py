@@ -140,8 +140,10 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
     blocks_per_part = -(-n_blocks // s)
     s = -(-n_blocks // blocks_per_part)
     loop = num_stages * 2 * block_k * head_dim * kvsz + block_m * block_k * isz
-    if kvsz != isz:  # quantized pages: the tiles cast to the compute dtype for the dots, and the scales
+    if kvsz != isz:  # quantized pages: the tiles cast to the compute dtype (the dots' operands) and the scales;
+        # the stored rows are staged only when the loop is pipelined (as in paged_decode.kernel.block_plan)
         loop += 2 * block_k * head_dim * isz + num_stages * 2 * block_k * 4
+        loop -= 0 if num_stages > 1 else 2 * block_k * head_dim * kvsz
     tree = 2 * block_t * head_dim * isz + block_m * block_t * (isz + 4)
     smem = {"q": block_m * head_dim * isz, "kv_loop_or_tree": max(loop, tree)}
     total = check_block_shapes(
