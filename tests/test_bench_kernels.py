@@ -100,7 +100,7 @@ def test_quantized_kv_cases(tmp_path):
     against bf16 pages at the same shape; the issue's speedup figures exist."""
     out = tmp_path / "k.json"
     rc = bench_main.main(["kernels", "--out", str(out), "--ops", "tree_attention", "paged_decode", "--batches", "2",
-                          "--prefixes", "48", "--trees", "16", *TINY, "fp8"])
+                          "--prefixes", "48", "--trees", "16", "--no-grid", *TINY, "fp8"])
     assert rc == 0
     f = json.loads(out.read_text())["figures"]
     for dt in ("fp8",):  # int8 takes the same path (tests/test_pallas_quantized_kv.py covers both)
@@ -111,6 +111,7 @@ def test_quantized_kv_cases(tmp_path):
             for k in ("kernel_us", "bf16_kernel_us", "speedup", "bytes_per_s", "bandwidth_fraction"):
                 assert f[f"{op}.kv_{dt}.{case}.{k}"] > 0
             assert f[f"kv_{dt}.{op}.speedup"] == f[f"{op}.kv_{dt}.{case}.speedup"]
+            assert f"{op}.{case}.kernel_us" not in f  # --no-grid: the bf16 grid was not timed
 
 
 def test_quantized_problem_counts_stored_bytes():

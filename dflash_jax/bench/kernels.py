@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new timing after this many seconds")
     p.add_argument("--no-sweep", action="store_true", help="skip the kernel-config sweep after the grid")
+    p.add_argument("--no-grid", action="store_true",
+                   help="skip the timing grids (checks, quantized-KV cases and sweeps still run)")
     p.add_argument("--kv-dtypes", nargs="*", default=["fp8"], choices=("fp8", "int8"),
                    help="quantized KV page formats to check and time against bf16 pages (none: skip)")
     p.add_argument("--copy-bytes", type=int, default=1 << 30, help="array size of the copy-bandwidth measurement")
@@ -689,7 +691,7 @@ def run(a: argparse.Namespace, command: str) -> int:
         figures[f"{op}.ok"] = int(good)
         save()
     for op in a.ops:
-        if figures[f"{op}.ok"]:
+        if figures[f"{op}.ok"] and not a.no_grid:
             run_timing(op, a, copy_bw, figures, errors, skipped, deadline)
             summarize(figures)
             save()
