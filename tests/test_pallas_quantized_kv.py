@@ -10,7 +10,6 @@ import pytest
 import jax
 import jax.numpy as jnp
 from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.models import attention

@@ -33,9 +33,9 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
    the target cases (``SWEEP``), to tune the per-device ``default_config`` from; the best is printed.
 
 A kernel that fails to lower or run is recorded (``<op>.ok = 0``, the error text under ``extra.errors``) and
-the others continue. Order: all checks, then the grids (tree attention first), the quantized-KV cases, then the sweeps; no new timing
-starts after ``--budget-s`` seconds (default 240; what was left out is listed in ``extra.skipped``), so the
-whole command stays under 5 minutes on a GPU (``--quick``: about a minute).
+the others continue. Order: all checks, then the grids (tree attention first), the quantized-KV cases, then the
+sweeps; no new timing starts after ``--budget-s`` seconds (default 240; what was left out is listed in
+``extra.skipped``), so the whole command stays under 5 minutes on a GPU (``--quick``: about a minute).
 """
 
 from __future__ import annotations

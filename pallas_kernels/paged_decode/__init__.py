@@ -48,5 +48,6 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
 registry.register("paged_decode", "reference", paged_decode_reference, backends=("any",))
 registry.register("paged_decode", "pallas_triton", paged_decode_pallas, backends=("gpu",))
 
-__all__ = ["auto_partitions", "block_plan", "check_page_dtype", "default_config", "merge_partitions", "paged_decode", "paged_decode_pallas",
+__all__ = ["auto_partitions", "block_plan", "check_page_dtype", "default_config", "merge_partitions", "paged_decode",
+           "paged_decode_pallas",
            "paged_decode_reference"]

@@ -250,7 +250,8 @@ def block_plan(*, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, page
         smem=smem, smem_budget=smem_budget, backend=backend)
     return dict(g=g, gp=gp, block_k=block_k, n_partitions=s, blocks_per_partition=blocks_per_part,
                 pages_per_partition=blocks_per_part * pages_per_block, smem_bytes=total,
-                kv_bytes_per_block=2 * kv_tile + (2 * block_k * 4 if csz != isz else 0), programs=batch * n_kv_heads * s)
+                kv_bytes_per_block=2 * kv_tile + (2 * block_k * 4 if csz != isz else 0),
+                programs=batch * n_kv_heads * s)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "num_partitions", "num_warps",

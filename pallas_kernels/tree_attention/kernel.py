@@ -172,10 +172,11 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     """Tree queries over each sequence's paged prefix plus its own tree (``tree_attention_reference``'s contract).
 
     q [B, N, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D] arrays, or ``QuantizedPages`` (fp8 / int8
-    rows read as stored, dequantized in the kernel: computes in their compute dtype); page_table [B, W] int32 (entry < 0:
-    non-resident page); start [B] prefix lengths (clipped to [0, W*page_size]); k_tree, v_tree
-    [B, N, Hkv, D]; ancestors [B, N, N] bool (tree key j visible to slot i iff ancestors[b, i, j]).
-    Returns [B, N, H, D] in q's dtype; a row with no visible key is zero. Computes in k_pages' dtype with
+    rows read as stored, dequantized in the kernel); page_table [B, W] int32 (entry < 0: non-resident page);
+    start [B] prefix lengths (clipped to [0, W*page_size]); k_tree, v_tree [B, N, Hkv, D]; ancestors [B, N, N]
+    bool (tree key j visible to slot i iff ancestors[b, i, j]).
+    Returns [B, N, H, D] in q's dtype; a row with no visible key is zero. Computes in k_pages' dtype (quantized
+    pages: their compute dtype) with
     f32 accumulation. block_m: the most rows (tree token x q head) per program; pages_per_block: pages
     gathered per step; num_partitions: prefix partitions (None: chosen by grid size, ~target_programs
     programs); prefetch: hand-written double buffering of the K/V gathers. Raises ValueError before
