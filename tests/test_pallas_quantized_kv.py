@@ -170,3 +170,48 @@ def test_default_plans_fit_targets_quantized(kv_dtype):
                               pages_per_block=tcfg["pages_per_block"], num_partitions=None,
                               num_stages=tcfg["num_stages"], smem_budget=budget)
         assert tplan["smem_bytes"] <= budget
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_model_verify_and_decode_on_quantized_pages_with_kernels_equal_reference(monkeypatch, kv_dtype):
+    """The tiny target's forward_tree and one-token forward over quantized KV pages (written by its own prefill):
+    the same logits with the Pallas kernels (interpret mode) as with the references."""
+    from test_tree_verify import PAGE, WIDTH, _prefill, _tree_input, target
+
+    from dflash_jax.models import qwen36
+    from dflash_jax.state import KVPages, RecurrentSlots, StepInput
+
+    t = target("qwen36_tiny_a")
+    cfg = t.config
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, cfg.vocab_size, 21).tolist()
+    tok = np.zeros((1, 64), np.int32)
+    tok[0, :len(prompt) - 1] = prompt[:-1]
+    kv = KVPages.zeros(cfg, WIDTH + 1, PAGE, kv_dtype, compute_dtype=jnp.float32)
+    kv, rec = _prefill(t.params, cfg, jnp.asarray(tok), jnp.asarray([len(prompt) - 1], jnp.int32), kv,
+                       RecurrentSlots.zeros(cfg, 2, jnp.float32))
+    assert isinstance(kv.k[0], kv_quant.QuantizedPages)
+    toks = rng.integers(0, cfg.vocab_size, 8).tolist()
+    toks[0] = prompt[-1]
+    tree = _tree_input(toks, [-1, 0, 0, 1, -1, 2, 5, 3], len(prompt) - 1)
+    step = StepInput(tokens=jnp.asarray([[prompt[-1]]], jnp.int32),
+                     positions=jnp.asarray([[len(prompt) - 1]], jnp.int32), n_valid=jnp.ones((1,), jnp.int32),
+                     slots=jnp.ones((1,), jnp.int32), page_table=tree.page_table)
+
+    def run():  # a fresh jit per call: the implementation is chosen at trace time
+        def verify(tr, kv, rec):
+            return qwen36.lm_logits(t.params, qwen36.forward_tree(t.params, cfg, tr, kv, rec)[0])
+
+        def decode(s, kv, rec):
+            return qwen36.lm_logits(t.params, qwen36.forward(t.params, cfg, s, kv, rec)[0])
+
+        return (np.asarray(jax.jit(verify)(tree, kv, rec)), np.asarray(jax.jit(decode)(step, kv, rec)),
+                uses_pallas(verify, tree, kv, rec) and uses_pallas(decode, step, kv, rec))
+
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    ref_tree, ref_dec, ref_pallas = run()
+    monkeypatch.setenv(registry.ENV_VAR, "tree_attention=pallas_triton,paged_decode=pallas_triton")
+    out_tree, out_dec, out_pallas = run()
+    assert out_pallas and not ref_pallas
+    np.testing.assert_allclose(out_tree, ref_tree, atol=1e-4)
+    np.testing.assert_allclose(out_dec, ref_dec, atol=1e-4)
