@@ -25,7 +25,8 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
    (``kv_<dt>.<op>.check.rel_err`` / ``.ok``; ``kv_<dt>.<op>.quant_rel_err`` is the reference's error from
    quantizing, against the f32 oracle on the unquantized pages), then timed against the bf16-page kernel at the
    same shape (``KV_GRIDS``): ``<op>.kv_<dt>.b{B}[.t{N}].p{P}.{kernel_us,bf16_kernel_us,speedup,bytes_per_s,
-   bandwidth_fraction}`` (speedup = bf16 pages / quantized pages, the issue's figure), and the minimum over the
+   bandwidth_fraction,kernel_bk64_us,speedup_bk64}`` (speedup = bf16 pages / quantized pages, the issue's figure;
+   ``bk64``: the quantized kernel with 64-key blocks, to tune its default from), and the minimum over the
    cases ``kv_<dt>.<op>.speedup`` (e.g. ``kv_fp8.tree_attention.speedup``).
 
 5. **Sweep** (``<op>.sweep.<case>.<config>.{kernel_us,bandwidth_fraction,rel_err}``, ``<op>.sweep.<case>.best_us``):
@@ -183,20 +184,21 @@ def gdn_step_problem(key, b, h, dk, dv) -> Problem:
 def implementations(op: str) -> tuple[Callable, Callable, Callable]:
     """(registered Pallas implementation, reference, ``explicit(*args, **config)``: the kernel entry point with
     the backend's default config updated by ``config``, e.g. ``num_partitions=1`` or ``block_m=32``)."""
+    from pallas_kernels.paged_decode.kernel import page_arrays
     from pallas_kernels.registry import GPU_BACKENDS, current_backend
 
     if op == "paged_decode":
         from pallas_kernels import paged_decode as m
 
         kernel, pallas_fn, ref_fn = m.paged_decode, m.paged_decode_pallas, m.paged_decode_reference
-        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
-                                     num_partitions=None)
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1],  # noqa: E731
+                                                      page_arrays(args[1])[2]), num_partitions=None)
     elif op == "tree_attention":
         from pallas_kernels import tree_attention as m
 
         kernel, pallas_fn, ref_fn = m.tree_attention, m.tree_attention_pallas, m.tree_attention_reference
-        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
-                                     num_partitions=None)
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1],  # noqa: E731
+                                                      page_arrays(args[1])[2]), num_partitions=None)
     elif op == "gdn_chunked":
         from pallas_kernels import gdn as m
 
@@ -588,8 +590,11 @@ def run_kv_checks(op: str, kv_dtype: str, a: argparse.Namespace, figures: dict, 
 
 def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict,
                   skipped: list, deadline: float) -> None:
-    """Kernel on quantized pages vs the kernel on the same pages in bf16 (``KV_GRIDS``), bf16 compute."""
-    pallas_fn, ref_fn, _ = implementations(op)
+    """Kernel on quantized pages vs the kernel on the same pages in bf16 (``KV_GRIDS``), bf16 compute; also the
+    quantized kernel with 64-key blocks (``kernel_bk64``: the bytes per block of bf16's 32-key default), to tune
+    its default from."""
+    pallas_fn, ref_fn, explicit = implementations(op)
+    bk64 = lambda *args: explicit(*args, pages_per_block=max(1, 64 // a.page_size))  # noqa: E731
     rng = np.random.default_rng(4)
     speedups = []
     for b, n, p in kv_grid(op, a):
@@ -600,7 +605,7 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
         base = _problem(op, a, b, n, p, jnp.dtype(jnp.bfloat16), rng)
         prob = quantized_problem(base, kv_dtype)
         row = {}
-        variants = [("kernel", pallas_fn, prob), ("bf16_kernel", pallas_fn, base)]
+        variants = [("kernel", pallas_fn, prob), ("bf16_kernel", pallas_fn, base), ("kernel_bk64", bk64, prob)]
         if not a.quick:
             variants.append(("reference", ref_fn, prob))
         for name, fn, pr in variants:
@@ -619,6 +624,8 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
         if "kernel" in row and "bf16_kernel" in row:
             figures[f"{tag}.speedup"] = row["bf16_kernel"] / row["kernel"]
             speedups.append(figures[f"{tag}.speedup"])
+        if "kernel_bk64" in row and "bf16_kernel" in row:
+            figures[f"{tag}.speedup_bk64"] = row["bf16_kernel"] / row["kernel_bk64"]
         print(f"time {tag}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in row.items())
               + (f", {figures[f'{tag}.speedup']:.2f}x vs bf16 pages" if f"{tag}.speedup" in figures else ""),
               flush=True)
