@@ -615,7 +615,7 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
                 errors.setdefault(op, []).append(f"{tag} {name}: {type(e).__name__}: {str(e)[:2000]}")
                 print(f"ERROR {tag} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         nbytes = prob.nbytes
-        del base, prob
+        del base, prob, variants
         for name, t in row.items():
             figures[f"{tag}.{name}_us"] = t * 1e6
         if "kernel" in row:
