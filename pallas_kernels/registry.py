@@ -167,9 +167,9 @@ def get(op: str, impl: str | None = None, *, backend: str | None = None) -> Call
     return resolve(op, impl, backend=backend).fn
 
 
-def warn_fallback(op: str, err: Exception) -> None:
-    """Say (once per distinct message) that a Pallas implementation handed a shape to the reference."""
-    warnings.warn(f"{op}: the Pallas kernel cannot take this shape ({err}); running the reference instead. "
+def warn_fallback(op: str, err: Exception, what: str = "this shape") -> None:
+    """Say (once per distinct message) that a Pallas implementation handed a shape (or ``what``) to the reference."""
+    warnings.warn(f"{op}: the Pallas kernel cannot take {what} ({err}); running the reference instead. "
                   f"Set {ENV_VAR}={op}=reference to silence this.", RuntimeWarning, stacklevel=3)
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.xdist_group("pallas")
 
 TINY = ["--quick", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--gdn-heads", "2", "--gdn-dim", "16",
         "--check-dtypes", "float32",
-        "--copy-bytes", "1000000", "--repeats", "1", "--no-sweep"]
+        "--copy-bytes", "1000000", "--repeats", "1", "--no-sweep", "--kv-dtypes"]  # (no quantized-KV cases)
 
 
 def test_check_then_time_writes_result(tmp_path):
@@ -93,3 +93,37 @@ def test_configs_and_names():
     for op, cases in kernels.SWEEP.items():
         for _, configs in cases:
             assert all(set(c) <= set(kernels.SHORT) for c in configs), op
+
+
+def test_quantized_kv_cases(tmp_path):
+    """--kv-dtypes: the kernels on quantized pages are checked against the reference on the same pages, then timed
+    against bf16 pages at the same shape; the issue's speedup figures exist."""
+    out = tmp_path / "k.json"
+    rc = bench_main.main(["kernels", "--out", str(out), "--ops", "tree_attention", "paged_decode", "--batches", "2",
+                          "--prefixes", "48", "--trees", "16", "--no-grid", *TINY, "fp8"])
+    assert rc == 0
+    f = json.loads(out.read_text())["figures"]
+    for dt in ("fp8",):  # int8 takes the same path (tests/test_pallas_quantized_kv.py covers both)
+        for op, case in (("tree_attention", "b2.t16.p48"), ("paged_decode", "b2.p48")):
+            assert f[f"kv_{dt}.{op}.check.ok"] == 1
+            assert f[f"kv_{dt}.{op}.check.rel_err"] <= kernels.TOL["bfloat16"]
+            assert 0 < f[f"kv_{dt}.{op}.quant_rel_err"] < 0.1
+            for k in ("kernel_us", "bf16_kernel_us", "speedup", "bytes_per_s", "bandwidth_fraction", "kernel_bk64_us",
+                      "speedup_bk64"):
+                assert f[f"{op}.kv_{dt}.{case}.{k}"] > 0
+            assert f[f"kv_{dt}.{op}.speedup"] == f[f"{op}.kv_{dt}.{case}.speedup"]
+            assert f"{op}.{case}.kernel_us" not in f  # --no-grid: the bf16 grid was not timed
+
+
+def test_quantized_problem_counts_stored_bytes():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    prob = kernels.tree_problem(np.random.default_rng(0), jax.random.key(0), 2, 4, 8, 2, 64, 16, [32, 48],
+                                jnp.dtype(jnp.bfloat16))
+    q = kernels.quantized_problem(prob, "fp8")
+    qo, tree = 2 * 2 * 4 * 8 * 64 * 2, 2 * 4 * 2 * 64 * 2 * 2
+    assert prob.nbytes == 80 * 2 * 64 * 2 * 2 + qo + tree
+    assert q.nbytes == 80 * 2 * (64 + 4) * 2 + qo + tree
+    assert q.args[1].dtype == jnp.float8_e4m3fn and q.args[1].compute_dtype == jnp.bfloat16

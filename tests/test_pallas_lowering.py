@@ -83,3 +83,40 @@ def test_gdn_step_lowers(platform):
     fn = lambda *a: gdn.gdn_step(*a, block_v=block_v)  # noqa: E731
     text = lower(platform, fn, x, x, sd((b, h, dv), jnp.float32), gates, gates, sd((b, h, dk, dv), jnp.float32))
     assert "__gpu$xla.gpu.triton" in text
+
+
+def quantized_pages(pages, kv_dtype):
+    """A ``QuantizedPages`` of abstract arrays standing for bf16 ``pages`` stored as ``kv_dtype``."""
+    from dflash_jax.kv.quant import QuantizedPages
+
+    return QuantizedPages(sd(pages.shape, kv_dtype), sd(pages.shape[:-1], jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+# fp8 e4m3fn pages on ROCm run the reference (gfx942 converts only e4m3fnuz): see check_page_dtype
+QUANTIZED = [("cuda", jnp.float8_e4m3fn), ("cuda", jnp.int8), ("rocm", jnp.int8)]
+
+
+@pytest.mark.parametrize("platform,kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("b,parts,prefetch", [(1, None, False), (64, 1, True)])
+def test_paged_decode_lowers_quantized(platform, kv_dtype, b, parts, prefetch):
+    q, kp, _, pt, lens, _, _ = attention_args(b, 0, jnp.bfloat16)
+    kq = quantized_pages(kp, kv_dtype)
+    cfg = paged_decode.default_config(CFG.head_dim, 16, jnp.bfloat16, backend=platform)
+    fn = lambda *a: paged_decode.paged_decode(  # noqa: E731
+        *a, CFG.head_dim ** -0.5, pages_per_block=cfg["pages_per_block"], num_partitions=parts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=prefetch)
+    text = lower(platform, fn, q, kq, kq, pt, lens)
+    assert "__gpu$xla.gpu.triton" in text and f"_kv{jnp.dtype(kv_dtype).name}" in text  # the quantized variant
+
+
+@pytest.mark.parametrize("platform,kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("b,n,parts,prefetch", [(16, 16, None, False), (1, 23, None, True)])
+def test_tree_attention_lowers_quantized(platform, kv_dtype, b, n, parts, prefetch):
+    q, kp, _, pt, start, kt, anc = attention_args(b, n, jnp.bfloat16)
+    kq = quantized_pages(kp, kv_dtype)
+    cfg = tree_attention.default_config(CFG.head_dim, 16, jnp.bfloat16, backend=platform)
+    fn = lambda *a: tree_attention.tree_attention(  # noqa: E731
+        *a, CFG.head_dim ** -0.5, block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"],
+        num_partitions=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=prefetch)
+    text = lower(platform, fn, q, kq, kq, pt, start, kt, kt, anc)
+    assert "__gpu$xla.gpu.triton" in text and f"_kv{jnp.dtype(kv_dtype).name}" in text

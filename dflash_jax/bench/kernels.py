@@ -19,14 +19,24 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
 3. Summaries for the targets: ``paged_decode.bandwidth_fraction`` (median over prefixes >= 8K),
    ``tree_attention.b{B}.speedup`` (minimum over trees 16-32 and prefixes 2K-16K at that batch).
 
-4. **Sweep** (``<op>.sweep.<case>.<config>.{kernel_us,bandwidth_fraction,rel_err}``, ``<op>.sweep.<case>.best_us``):
+4. **Quantized KV pages** (``--kv-dtypes fp8 int8``, default ``fp8``; ``--kv-dtypes`` alone: none) for
+   ``paged_decode`` and ``tree_attention``: the registered kernel on ``QuantizedPages`` (the same pages
+   quantized, bf16 compute) checked against the reference on the same ``QuantizedPages``
+   (``kv_<dt>.<op>.check.rel_err`` / ``.ok``; ``kv_<dt>.<op>.quant_rel_err`` is the reference's error from
+   quantizing, against the f32 oracle on the unquantized pages), then timed against the bf16-page kernel at the
+   same shape (``KV_GRIDS``): ``<op>.kv_<dt>.b{B}[.t{N}].p{P}.{kernel_us,bf16_kernel_us,speedup,bytes_per_s,
+   bandwidth_fraction,kernel_bk64_us,speedup_bk64}`` (speedup = bf16 pages / quantized pages, the issue's figure;
+   ``bk64``: the quantized kernel with 64-key blocks, to tune its default from), and the minimum over the
+   cases ``kv_<dt>.<op>.speedup`` (e.g. ``kv_fp8.tree_attention.speedup``).
+
+5. **Sweep** (``<op>.sweep.<case>.<config>.{kernel_us,bandwidth_fraction,rel_err}``, ``<op>.sweep.<case>.best_us``):
    launch configs of each kernel (block sizes, warps, pipeline stages, hand prefetch, programs per launch) at
    the target cases (``SWEEP``), to tune the per-device ``default_config`` from; the best is printed.
 
 A kernel that fails to lower or run is recorded (``<op>.ok = 0``, the error text under ``extra.errors``) and
-the others continue. Order: all checks, then the grids (tree attention first), then the sweeps; no new timing
-starts after ``--budget-s`` seconds (default 240; what was left out is listed in ``extra.skipped``), so the
-whole command stays under 5 minutes on a GPU (``--quick``: about a minute).
+the others continue. Order: all checks, then the grids (tree attention first), the quantized-KV cases, then the
+sweeps; no new timing starts after ``--budget-s`` seconds (default 240; what was left out is listed in
+``extra.skipped``), so the whole command stays under 5 minutes on a GPU (``--quick``: about a minute).
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from jax import lax
 
 from dflash_jax.bench import results
 from dflash_jax.bench.timing import median_seconds
+from dflash_jax.kv import quant as kv_quant
 
 OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step")  # timing order: the first target first
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -70,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=240.0, help="start no new timing after this many seconds")
     p.add_argument("--no-sweep", action="store_true", help="skip the kernel-config sweep after the grid")
+    p.add_argument("--no-grid", action="store_true",
+                   help="skip the timing grids (checks, quantized-KV cases and sweeps still run)")
+    p.add_argument("--kv-dtypes", nargs="*", default=["fp8"], choices=("fp8", "int8"),
+                   help="quantized KV page formats to check and time against bf16 pages (none: skip)")
     p.add_argument("--copy-bytes", type=int, default=1 << 30, help="array size of the copy-bandwidth measurement")
 
 
@@ -169,20 +184,21 @@ def gdn_step_problem(key, b, h, dk, dv) -> Problem:
 def implementations(op: str) -> tuple[Callable, Callable, Callable]:
     """(registered Pallas implementation, reference, ``explicit(*args, **config)``: the kernel entry point with
     the backend's default config updated by ``config``, e.g. ``num_partitions=1`` or ``block_m=32``)."""
+    from pallas_kernels.paged_decode.kernel import page_arrays
     from pallas_kernels.registry import GPU_BACKENDS, current_backend
 
     if op == "paged_decode":
         from pallas_kernels import paged_decode as m
 
         kernel, pallas_fn, ref_fn = m.paged_decode, m.paged_decode_pallas, m.paged_decode_reference
-        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
-                                     num_partitions=None)
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1],  # noqa: E731
+                                                      page_arrays(args[1])[2]), num_partitions=None)
     elif op == "tree_attention":
         from pallas_kernels import tree_attention as m
 
         kernel, pallas_fn, ref_fn = m.tree_attention, m.tree_attention_pallas, m.tree_attention_reference
-        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1], args[1].dtype),  # noqa: E731
-                                     num_partitions=None)
+        defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1],  # noqa: E731
+                                                      page_arrays(args[1])[2]), num_partitions=None)
     elif op == "gdn_chunked":
         from pallas_kernels import gdn as m
 
@@ -312,7 +328,7 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
     interpret mode, it is not unrolled: compile time)."""
     unroll = TIMING_UNROLL if jax.default_backend() != "cpu" else 1
     steps = TIMING_UNROLL * int(np.clip(2e9 // max(prob.nbytes, 1) // TIMING_UNROLL, 1, 128 // TIMING_UNROLL))
-    arrays = [i for i, x in enumerate(prob.args) if isinstance(x, jax.Array)]
+    arrays = [i for i, x in enumerate(prob.args) if isinstance(x, (jax.Array, kv_quant.QuantizedPages))]
     tables = prob.tables
 
     @jax.jit
@@ -499,6 +515,124 @@ def run_timing(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, er
               + (f", {figures[f'{tag}.bandwidth_fraction']:.3f} of copy bw" if "kernel" in row else ""), flush=True)
 
 
+KV_GRIDS = {  # op -> [(B, tree, prefix)] timed with quantized pages, full and --quick; the issue's target first
+    "paged_decode": ([(1, None, 16384), (16, None, 16384), (1, None, 4096)], [(1, None, 16384)]),
+    "tree_attention": ([(16, 16, 16384), (1, 16, 16384), (16, 16, 4096)], [(16, 16, 16384)]),
+}
+KV_CHECK_CASES = {  # the 27B's head shapes, ragged lengths, non-resident pages; --quick: the first
+    "paged_decode": [dict(b=4, lengths=[1, 17, 1024, 300], non_resident=[(3, 5), (2, 0)]),
+                     dict(b=2, lengths=[16, 4500], non_resident=[])],
+    "tree_attention": [dict(b=3, n=17, starts=[0, 17, 1024], non_resident=[(2, 3)]),
+                       dict(b=2, n=16, starts=[640, 5], non_resident=[])],
+}
+
+
+def kv_grid(op: str, a: argparse.Namespace) -> list[tuple]:
+    """(batch, tree, prefix) cases of ``op`` with quantized pages; ``--batches/--prefixes/--trees`` replace them by
+    one (their first values)."""
+    cases = KV_GRIDS[op][1 if a.quick else 0]
+    if not (a.batches or a.prefixes or a.trees):
+        return cases
+    b, n, p = cases[0]
+    return [((a.batches or [b])[0], (a.trees or [n])[0] if n else None, (a.prefixes or [p])[0])]
+
+
+def quantized_problem(prob: Problem, kv_dtype: str) -> Problem:
+    """``prob`` with its K/V pages (args 1, 2) stored as ``QuantizedPages`` (bf16 compute) and the bytes a call
+    moves recounted: the stored rows plus one f32 scale per token and KV head."""
+    dtype = kv_quant.KV_DTYPES[kv_dtype]
+    k, v = prob.args[1], prob.args[2]
+    args = (prob.args[0], kv_quant.quantize_pages(k, dtype), kv_quant.quantize_pages(v, dtype), *prob.args[3:])
+    kv_old = 2 * k.itemsize * k.shape[-1]  # bytes per (token, KV head) of bf16 K + V
+    kv_new = 2 * (jnp.dtype(dtype).itemsize * k.shape[-1] + 4)
+    hkv = k.shape[2]
+    q = prob.args[0]
+    qo_bytes = 2 * q.size * q.dtype.itemsize
+    tree_bytes = (prob.args[5].size * 2 * prob.args[5].dtype.itemsize) if len(prob.args) > 6 else 0
+    tokens = (prob.nbytes - qo_bytes - tree_bytes) // (kv_old * hkv)  # prefix tokens (Problem's own count)
+    return Problem(args, prob.tables, prob.perturb, int(tokens * hkv * kv_new + qo_bytes + tree_bytes))
+
+
+def run_kv_checks(op: str, kv_dtype: str, a: argparse.Namespace, figures: dict, errors: dict) -> bool:
+    """The registered kernel on quantized pages against the reference on the same pages (bf16 tolerance), at the
+    model's head shapes. True iff all cases pass."""
+    pallas_fn, ref_fn, _ = implementations(op)
+    rng = np.random.default_rng(3)
+    tag = f"kv_{kv_dtype}.{op}"
+    worst, quant_err = 0.0, 0.0
+    cases = KV_CHECK_CASES[op][:1] if a.quick else KV_CHECK_CASES[op]
+    for ci, c in enumerate(cases):
+        key = jax.random.key(200 + ci)
+        if op == "paged_decode":
+            prob = decode_problem(rng, key, c["b"], a.heads, a.kv_heads, a.head_dim, a.page_size, c["lengths"],
+                                  jnp.dtype(jnp.bfloat16), non_resident=c["non_resident"])
+        else:
+            prob = tree_problem(rng, key, c["b"], c["n"], a.heads, a.kv_heads, a.head_dim, a.page_size, c["starts"],
+                                jnp.dtype(jnp.bfloat16), non_resident=c["non_resident"])
+        qargs = quantized_problem(prob, kv_dtype).args
+        ref = jax.block_until_ready(ref_fn(*qargs))
+        worst = max(worst, _rel_err(pallas_fn(*qargs), ref))
+        f32 = tuple(x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16 else x
+                    for x in prob.args)
+        with jax.default_matmul_precision("highest"):
+            quant_err = max(quant_err, _rel_err(ref, ref_fn(*f32)))
+    ok = bool(np.isfinite(worst) and worst <= TOL["bfloat16"])
+    figures[f"{tag}.check.rel_err"] = _finite(worst)
+    figures[f"{tag}.check.ok"] = int(ok)
+    figures[f"{tag}.quant_rel_err"] = _finite(quant_err)
+    print(f"check {tag}: kernel vs reference on the same pages rel err {worst:.3g}; quantization rel err "
+          f"{quant_err:.3g}", flush=True)
+    if not ok:
+        print(f"MISMATCH {tag}: rel err {worst:.3g} > {TOL['bfloat16']}", flush=True)
+        errors.setdefault(op, []).append(f"mismatch {tag}: rel err {worst:.3g}")
+    return ok
+
+
+def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict,
+                  skipped: list, deadline: float) -> None:
+    """Kernel on quantized pages vs the kernel on the same pages in bf16 (``KV_GRIDS``), bf16 compute; also the
+    quantized kernel with 64-key blocks (``kernel_bk64``: the bytes per block of bf16's 32-key default), to tune
+    its default from."""
+    pallas_fn, ref_fn, explicit = implementations(op)
+    bk64 = lambda *args: explicit(*args, pages_per_block=max(1, 64 // a.page_size))  # noqa: E731
+    rng = np.random.default_rng(4)
+    speedups = []
+    for b, n, p in kv_grid(op, a):
+        tag = f"{op}.kv_{kv_dtype}." + _tag(op, b, n, p)[len(op) + 1:]
+        if time.perf_counter() > deadline:
+            skipped.append(tag)
+            continue
+        base = _problem(op, a, b, n, p, jnp.dtype(jnp.bfloat16), rng)
+        prob = quantized_problem(base, kv_dtype)
+        row = {}
+        variants = [("kernel", pallas_fn, prob), ("bf16_kernel", pallas_fn, base), ("kernel_bk64", bk64, prob)]
+        if not a.quick:
+            variants.append(("reference", ref_fn, prob))
+        for name, fn, pr in variants:
+            try:
+                row[name] = time_call(fn, pr, a.repeats)
+            except Exception as e:
+                errors.setdefault(op, []).append(f"{tag} {name}: {type(e).__name__}: {str(e)[:2000]}")
+                print(f"ERROR {tag} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        nbytes = prob.nbytes
+        del base, prob, variants
+        for name, t in row.items():
+            figures[f"{tag}.{name}_us"] = t * 1e6
+        if "kernel" in row:
+            figures[f"{tag}.bytes_per_s"] = nbytes / row["kernel"]
+            figures[f"{tag}.bandwidth_fraction"] = nbytes / row["kernel"] / copy_bw
+        if "kernel" in row and "bf16_kernel" in row:
+            figures[f"{tag}.speedup"] = row["bf16_kernel"] / row["kernel"]
+            speedups.append(figures[f"{tag}.speedup"])
+        if "kernel_bk64" in row and "bf16_kernel" in row:
+            figures[f"{tag}.speedup_bk64"] = row["bf16_kernel"] / row["kernel_bk64"]
+        print(f"time {tag}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in row.items())
+              + (f", {figures[f'{tag}.speedup']:.2f}x vs bf16 pages" if f"{tag}.speedup" in figures else ""),
+              flush=True)
+    if speedups:
+        figures[f"kv_{kv_dtype}.{op}.speedup"] = float(np.min(speedups))
+
+
 def summarize(figures: dict) -> None:
     """The targets' figures: paged decode's median (and min) bandwidth fraction over prefixes >= 8K; tree
     attention's minimum speedup per batch over trees of 16-32 slots and prefixes of 2K-16K."""
@@ -564,9 +698,23 @@ def run(a: argparse.Namespace, command: str) -> int:
         figures[f"{op}.ok"] = int(good)
         save()
     for op in a.ops:
-        if figures[f"{op}.ok"]:
+        if figures[f"{op}.ok"] and not a.no_grid:
             run_timing(op, a, copy_bw, figures, errors, skipped, deadline)
             summarize(figures)
+            save()
+    kv_ops = [op for op in a.ops if op in KV_GRIDS]
+    for kv_dtype in a.kv_dtypes:
+        for op in kv_ops:
+            try:
+                good = run_kv_checks(op, kv_dtype, a, figures, errors)
+            except Exception as e:
+                good = False
+                errors.setdefault(op, []).append(f"kv_{kv_dtype} check: {type(e).__name__}: {str(e)[:4000]}\n"
+                                                 f"{traceback.format_exc()[-4000:]}")
+                print(f"ERROR kv_{kv_dtype}.{op} check: {type(e).__name__}: {str(e)[:500]}", flush=True)
+                figures[f"kv_{kv_dtype}.{op}.check.ok"] = 0
+            if good:
+                run_kv_timing(op, kv_dtype, a, copy_bw, figures, errors, skipped, deadline)
             save()
     for op in a.ops:
         if figures[f"{op}.ok"] and not a.no_sweep:
@@ -575,9 +723,13 @@ def run(a: argparse.Namespace, command: str) -> int:
     save(final=True)
     print("\ntargets: " + ", ".join(
         f"{k} {figures[k]:.3g}" for k in ("tree_attention.b16.speedup", "tree_attention.b64.speedup",
-                                          "paged_decode.bandwidth_fraction") if figures.get(k) is not None)
+                                          "paged_decode.bandwidth_fraction",
+                                          *(f"kv_{dt}.{op}.speedup" for dt in a.kv_dtypes for op in KV_GRIDS))
+        if figures.get(k) is not None)
           + "; ok: " + ", ".join(f"{op} {figures[f'{op}.ok']}" for op in a.ops), flush=True)
-    failed = [op for op in a.ops if not figures[f"{op}.ok"]]
+    failed = [op for op in a.ops if not figures[f"{op}.ok"]] + [
+        f"kv_{dt}.{op}" for dt in a.kv_dtypes for op in a.ops if figures.get(f"kv_{dt}.{op}.check.ok") == 0]
     if failed:
-        print("FAILED: " + "; ".join(f"{op}: {len(errors.get(op, []))} error(s)" for op in failed), flush=True)
+        print("FAILED: " + "; ".join(f"{op}: {len(errors.get(op.split('.')[-1], []))} error(s)" for op in failed),
+              flush=True)
     return 1 if failed else 0

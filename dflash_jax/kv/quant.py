@@ -90,6 +90,13 @@ def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return y.astype(dtype), scale
 
 
+def quantize_pages(pages: jax.Array, dtype, compute_dtype=None) -> QuantizedPages:
+    """Whole pages ``[n_pages, page_size, Hkv, D]`` -> ``QuantizedPages`` in ``dtype`` (fp8 / int8), read back in
+    ``compute_dtype`` (None: the pages' dtype); the same rounding as rows written by :func:`set_rows`."""
+    q, s = quantize_rows(pages, dtype)
+    return QuantizedPages(q, s, jnp.dtype(compute_dtype or pages.dtype))
+
+
 def set_rows(pages: jax.Array | QuantizedPages, page: jax.Array, off: jax.Array, x: jax.Array):
     """``pages.at[page, off].set(x)`` for ``x [B, T, Hkv, D]`` at page / offset ``[B, T]`` (quantizing if needed)."""
     if not isinstance(pages, QuantizedPages):

@@ -119,9 +119,9 @@ def paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                     q_positions: jax.Array, scale: float) -> jax.Array:
     """:func:`paged_attention_reference`'s contract; a single new token (T = 1) runs the registry's
-    ``"paged_decode"`` op (length = q_position + 1) when it resolves to a kernel; everything else (prefill
-    chunks, decode where the registry picks the reference, quantized pages) :func:`paged_attention_blocked`."""
-    if q.shape[1] == 1 and not isinstance(k_pages, kv_quant.QuantizedPages):
+    ``"paged_decode"`` op (length = q_position + 1; plain or quantized pages) when it resolves to a kernel;
+    everything else (prefill chunks, decode where the registry picks the reference) :func:`paged_attention_blocked`."""
+    if q.shape[1] == 1:
         from pallas_kernels import registry
 
         impl = registry.resolve("paged_decode")
@@ -160,10 +160,8 @@ def tree_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
 
 def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, start: jax.Array,
                    k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float) -> jax.Array:
-    """:func:`tree_attention_reference`'s contract, run by the registry's ``"tree_attention"`` op (quantized
-    pages: the reference, which dequantizes them as it gathers)."""
-    if isinstance(k_pages, kv_quant.QuantizedPages):
-        return tree_attention_reference(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)
+    """:func:`tree_attention_reference`'s contract, run by the registry's ``"tree_attention"`` op (plain or
+    quantized pages; the reference dequantizes quantized pages as it gathers, the kernel as it loads them)."""
     from pallas_kernels import registry
 
     return registry.get("tree_attention")(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)

@@ -22,6 +22,9 @@ keys in chunks of ``block_t`` under the ancestor mask. Online softmax in base 2 
 value; probabilities of invisible keys are zeroed, so a row with no visible key returns zeros.
 With S > 1 (small batch, long prefix) each partition writes its normalised partial output (q's dtype) and
 f32 log2-sum-exp, and a small jnp step merges them, as in flash-decoding.
+
+Quantized pages (``QuantizedPages``, fp8 / int8 + per-token f32 scales) are read as stored and dequantized in
+the prefix loop (see :mod:`pallas_kernels.paged_decode.kernel`); the tree's own K/V are in the compute dtype.
 """
 
 from __future__ import annotations
@@ -35,15 +38,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, MIN_DOT, N_SM_TARGET, _next_pow2,
-                                                merge_partitions, online_update, paged_prefix_loop)
+                                                merge_partitions, online_update, page_arrays, paged_prefix_loop)
 from pallas_kernels.registry import check_block_shapes, current_backend
 
 
-def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, pt_ref, len_ref, anc_ref, *out_refs, n_tree: int, group: int,
-            n_kv_heads: int, block_m: int, page_size: int, block_k: int, blocks_per_partition: int, n_splits: int,
-            block_t: int, n_tree_tiles: int, scale_log2: float, prefetch: bool, precision):
-    # q_ref [N*H, D] (sequence b, rows i*H + h); k_ref, v_ref [n_pages*page_size, D] (KV head j); kt_ref, vt_ref
-    # [N, D] (sequence b, KV head j); pt_ref [W]; len_ref [1]; anc_ref [N*N] int32 (1 = key j visible to node i)
+def _kernel(q_ref, k_ref, v_ref, *refs, n_tree: int, group: int, n_kv_heads: int, block_m: int, page_size: int,
+            block_k: int, blocks_per_partition: int, n_splits: int, block_t: int, n_tree_tiles: int,
+            scale_log2: float, prefetch: bool, quantized: bool, precision):
+    # q_ref [N*H, D] (sequence b, rows i*H + h); k_ref, v_ref [n_pages*page_size, D] (KV head j); quantized:
+    # ks_ref, vs_ref [n_pages*page_size] (KV head j's scales); kt_ref, vt_ref [N, D] (sequence b, KV head j);
+    # pt_ref [W]; len_ref [1]; anc_ref [N*N] int32 (1 = key j visible to node i)
+    ks_ref, vs_ref, kt_ref, vt_ref, pt_ref, len_ref, anc_ref, *out_refs = refs if quantized else (None, None, *refs)
     tile, split, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head = c % n_kv_heads
     d = q_ref.shape[-1]
@@ -59,7 +64,8 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, pt_ref, len_ref, anc_ref, *out_
     carry = (jnp.zeros((block_m, d), jnp.float32), jnp.full((block_m,), MASK_VALUE, jnp.float32),
              jnp.zeros((block_m,), jnp.float32))
     carry = paged_prefix_loop(q, k_ref, v_ref, pt_ref, length, carry, first, n_iter, block_k=block_k,
-                              page_size=page_size, scale_log2=scale_log2, prefetch=prefetch, precision=precision)
+                              page_size=page_size, scale_log2=scale_log2, prefetch=prefetch, precision=precision,
+                              ks_ref=ks_ref, vs_ref=vs_ref)
 
     is_last = split == n_splits - 1
     for t in range(n_tree_tiles):  # the tree's own keys, in the last partition only
@@ -107,9 +113,10 @@ def auto_partitions(programs: int, n_blocks: int, *, target_programs: int = 2 * 
 def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_dim: int, page_size: int,
                width: int, dtype, block_m: int, pages_per_block: int, num_partitions: int | None,
                num_stages: int, target_programs: int = 2 * N_SM_TARGET, smem_budget: int | None = None,
-               backend: str | None = None) -> dict:
+               backend: str | None = None, compute_dtype=None) -> dict:
     """Static shapes of a launch, checked with :func:`check_block_shapes` (raises ValueError). ``block_m`` is the
-    most rows per tile: a tree with fewer rows gets one tile of their power of two (>= 16)."""
+    most rows per tile: a tree with fewer rows gets one tile of their power of two (>= 16). ``dtype`` is the
+    pages' storage dtype, ``compute_dtype`` (None: the same) the dots' (quantized pages: fp8 / int8 storage)."""
     if n_heads % n_kv_heads:
         raise ValueError(f"tree_attention: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
     if pages_per_block < 1 or block_m < 1:
@@ -122,7 +129,8 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
     n_tree_p = max(MIN_DOT, _next_pow2(n_tree))
     block_k = pages_per_block * page_size
     block_t = min(n_tree_p, max(MIN_DOT, _next_pow2(block_k)))
-    isz = jnp.dtype(dtype).itemsize
+    kvsz = jnp.dtype(dtype).itemsize
+    isz = jnp.dtype(compute_dtype or dtype).itemsize
     n_blocks = max(1, -(-width * page_size // block_k))
     s = (auto_partitions(n_row_tiles * batch * n_kv_heads, n_blocks, target_programs=target_programs)
          if num_partitions is None else int(num_partitions))
@@ -131,7 +139,11 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
     s = min(s, n_blocks)
     blocks_per_part = -(-n_blocks // s)
     s = -(-n_blocks // blocks_per_part)
-    loop = num_stages * 2 * block_k * head_dim * isz + block_m * block_k * isz
+    loop = num_stages * 2 * block_k * head_dim * kvsz + block_m * block_k * isz
+    if kvsz != isz:  # quantized pages: the tiles cast to the compute dtype (the dots' operands) and the scales;
+        # the stored rows are staged only when the loop is pipelined (as in paged_decode.kernel.block_plan)
+        loop += 2 * block_k * head_dim * isz + num_stages * 2 * block_k * 4
+        loop -= 0 if num_stages > 1 else 2 * block_k * head_dim * kvsz
     tree = 2 * block_t * head_dim * isz + block_m * block_t * (isz + 4)
     smem = {"q": block_m * head_dim * isz, "kv_loop_or_tree": max(loop, tree)}
     total = check_block_shapes(
@@ -159,10 +171,12 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
                    smem_budget: int | None = None) -> jax.Array:
     """Tree queries over each sequence's paged prefix plus its own tree (``tree_attention_reference``'s contract).
 
-    q [B, N, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D]; page_table [B, W] int32 (entry < 0:
-    non-resident page); start [B] prefix lengths (clipped to [0, W*page_size]); k_tree, v_tree
-    [B, N, Hkv, D]; ancestors [B, N, N] bool (tree key j visible to slot i iff ancestors[b, i, j]).
-    Returns [B, N, H, D] in q's dtype; a row with no visible key is zero. Computes in k_pages' dtype with
+    q [B, N, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D] arrays, or ``QuantizedPages`` (fp8 / int8
+    rows read as stored, dequantized in the kernel); page_table [B, W] int32 (entry < 0: non-resident page);
+    start [B] prefix lengths (clipped to [0, W*page_size]); k_tree, v_tree [B, N, Hkv, D]; ancestors [B, N, N]
+    bool (tree key j visible to slot i iff ancestors[b, i, j]).
+    Returns [B, N, H, D] in q's dtype; a row with no visible key is zero. Computes in k_pages' dtype (quantized
+    pages: their compute dtype) with
     f32 accumulation. block_m: the most rows (tree token x q head) per program; pages_per_block: pages
     gathered per step; num_partitions: prefix partitions (None: chosen by grid size, ~target_programs
     programs); prefetch: hand-written double buffering of the K/V gathers. Raises ValueError before
@@ -170,30 +184,34 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     """
     b, n, h, d = q.shape
     n_pages, page_size, hkv, dk = k_pages.shape
-    if k_pages.shape != v_pages.shape or dk != d:
+    if k_pages.shape != v_pages.shape or dk != d or type(k_pages) is not type(v_pages):
         raise ValueError(f"tree_attention: q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} disagree")
     if k_tree.shape != (b, n, hkv, d) or v_tree.shape != k_tree.shape or ancestors.shape != (b, n, n):
         raise ValueError(f"tree_attention: k_tree {k_tree.shape}, v_tree {v_tree.shape}, ancestors "
                          f"{ancestors.shape} do not fit q {q.shape} with {hkv} KV heads")
     if page_table.shape[0] != b or start.shape != (b,):
         raise ValueError(f"tree_attention: page_table {page_table.shape} / start {start.shape} vs batch {b}")
-    cfg = default_config(d, page_size, k_pages.dtype)
+    k_data, k_scale, dt = page_arrays(k_pages)
+    v_data, v_scale, _ = page_arrays(v_pages)
+    quantized = k_scale is not None
+    cfg = default_config(d, page_size, dt)
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     width = page_table.shape[1]
     plan = block_plan(batch=b, n_tree=n, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size, width=width,
-                      dtype=k_pages.dtype, block_m=block_m, pages_per_block=pages_per_block,
+                      dtype=k_data.dtype, block_m=block_m, pages_per_block=pages_per_block,
                       num_partitions=num_partitions, num_stages=num_stages, target_programs=target_programs,
-                      smem_budget=smem_budget)
+                      smem_budget=smem_budget, compute_dtype=dt)
     g, s, bm = plan["g"], plan["n_partitions"], plan["block_m"]
-    dt = k_pages.dtype
+    rows = n_pages * page_size
 
-    # Free views: q / out rows [B, N*H, D], pages as token rows, the mask flat per sequence.
+    # Free views: q / out rows [B, N*H, D], pages (and scales) as token rows, the mask flat per sequence.
     qr = q.astype(dt).reshape(b, n * h, d)
-    kr = k_pages.reshape(n_pages * page_size, hkv, d)
-    vr = v_pages.reshape(n_pages * page_size, hkv, d)
+    kr = k_data.reshape(rows, hkv, d)
+    vr = v_data.reshape(rows, hkv, d)
+    scales = (k_scale.reshape(rows, hkv), v_scale.reshape(rows, hkv)) if quantized else ()
     kt = k_tree.astype(dt)
-    vt = v_tree.astype(v_pages.dtype)
+    vt = v_tree.astype(dt)
     anc = ancestors.astype(jnp.int32).reshape(b, n * n)
     pt = page_table.astype(jnp.int32)
     lens = start.astype(jnp.int32)[:, None]  # [B, 1]
@@ -203,13 +221,13 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
         _kernel, n_tree=n, group=g, n_kv_heads=hkv, block_m=bm, page_size=page_size, block_k=plan["block_k"],
         blocks_per_partition=plan["blocks_per_partition"], n_splits=s, block_t=plan["block_t"],
         n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E, prefetch=prefetch,
-        precision=precision)
-    rows = n_pages * page_size
+        quantized=quantized, precision=precision)
     # grid (row tile r, partition p, sequence * KV head c)
     in_specs = [
         pl.BlockSpec((None, n * h, d), lambda r, p, c: (c // hkv, 0, 0)),                # q rows of sequence
         pl.BlockSpec((rows, None, d), lambda r, p, c: (0, c % hkv, 0)),                  # k token rows (head)
         pl.BlockSpec((rows, None, d), lambda r, p, c: (0, c % hkv, 0)),                  # v token rows (head)
+        *[pl.BlockSpec((rows, None), lambda r, p, c: (0, c % hkv))] * len(scales),     # k, v scales (head)
         pl.BlockSpec((None, n, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),     # k_tree
         pl.BlockSpec((None, n, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),     # v_tree
         pl.BlockSpec((None, width), lambda r, p, c: (c // hkv, 0)),                      # page table row
@@ -233,8 +251,9 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"tree_attention_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}{'_pf' if prefetch else ''}",
-    )(qr, kr, vr, kt, vt, pt, lens, anc)
+        name=f"tree_attention_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}{'_pf' if prefetch else ''}"
+              f"{'_kv' + k_data.dtype.name if quantized else ''}",
+    )(qr, kr, vr, *scales, kt, vt, pt, lens, anc)
 
     o = merge_partitions(*outs, axis=1) if s > 1 else outs[0]
     return o.reshape(b, n, h, d).astype(q.dtype)
