@@ -103,6 +103,14 @@ if __name__ != "__main__":
         assert r["spec_steps"] > 0
 
 
+    def test_shipped_set_splits_fully_at_tp2_and_ddtree_greedy_equals_unsharded(results):
+        r = results["shipped"]
+        assert all(r["plan"].values()), r["plan"]
+        assert r["logits_rel_err"] <= 1e-4, r
+        assert r["tokens"] == r["golden"]
+        assert r["spec_steps"] > 0 and r["accepted"] > 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the subprocess: every case, results as JSON
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,6 +270,28 @@ def _main(out_path: str) -> None:
     res["spec"] = {"tokens": [o.token_ids for o in outs], "golden": res["engine"]["golden"],
                    "spec_steps": sum(o.stats["draft_steps"] for o in outs)}
     res["timing"]["spec"] = time.perf_counter() - t4
+
+    # ---- the shipped trained set under TP=2: target logits, and DDTree with its own drafter ----
+    t6 = time.perf_counter()
+    from dflash_jax.models.dflash_loader import load_drafter
+    from dflash_jax.models.tokenizer import Tokenizer
+    st = dj.load_target(os.path.join(dj.SHIPPED_MODELS, "target"), dtype="float32")
+    tok = Tokenizer.from_dir(os.path.join(dj.SHIPPED_MODELS, "target"))
+    ids = tok.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(")
+    ref = np.asarray(st.logits(ids))
+    sst = shard_target(st, 2)
+    p = sst.layout.plan
+    sd = load_drafter(os.path.join(dj.SHIPPED_MODELS, "drafter"), dtype="float32")
+    sp16 = SamplingParams(max_tokens=16, ignore_eos=True)
+    sopts = dict(max_batch=1, prefill_batch=1, prefill_chunk=64, max_model_len=128, page_size=16)
+    plain = Engine(st, None, EngineOptions(**sopts)).generate([ids], sp16)[0].token_ids
+    outs = Engine(st, None, EngineOptions(tensor_parallel=2, spec=SpecConfig(budget=8), cohort_yield_min=0.0,
+                                          **sopts), drafter=sd).generate([ids], sp16)
+    res["shipped"] = {"logits_rel_err": float(np.abs(np.asarray(sst.logits(ids)) - ref).max() / np.abs(ref).max()),
+                      "plan": {"attn": p.attn, "gdn": p.gdn, "mlp": p.mlp, "vocab": p.vocab},
+                      "tokens": outs[0].token_ids, "golden": plain, "spec_steps": outs[0].stats["draft_steps"],
+                      "accepted": outs[0].stats["accepted_tokens"]}
+    res["timing"]["shipped"] = time.perf_counter() - t6
     res["timing"]["total"] = time.perf_counter() - t0
     with open(out_path, "w") as f:
         json.dump(res, f)
