@@ -20,7 +20,7 @@ import numpy as np
 from dflash_jax.bench import ceiling, results, roofline
 from dflash_jax.bench.sources import add_target_arguments, load_target_source, parallel_options
 from dflash_jax.engine.compile import compile_count
-from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.models import quant
 
 
@@ -41,11 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "concurrencies")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
-
-
-def _measured_buckets(concurrency: list[int], dp: int) -> tuple[int, ...]:
-    """Per-replica batch buckets that the measured concurrencies run in."""
-    return tuple(sorted({-(-c // dp) for c in concurrency}))
 
 
 def _peak_bytes() -> int | None:
@@ -133,7 +128,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
                                              prefill_chunk=args.prefill_chunk,
                                              prefill_batch=args.prefill_batch, kv_dtype=args.kv_dtype,
                                              batch_buckets=None if args.all_buckets else
-                                             _measured_buckets(args.concurrency, args.data_parallel),
+                                             replica_buckets(args.concurrency, args.data_parallel),
                                              **parallel_options(args)))
     kv_itemsize = sum(x.nbytes for x in eng.state.kv.k) / sum(math.prod(x.shape) for x in eng.state.kv.k)
     print(f"[{quantization}] model loaded in {load_s:.1f}s ({w_itemsize:.3f} bytes/weight); compiling "
@@ -142,6 +137,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     report = eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
     figures: dict[str, float] = {"startup_compile_s": time.perf_counter() - t0, "load_s": load_s,
                                  "startup_lower_s": report.get("lower_s", 0.0),
+                                 "startup_cache_hits": report.get("cache_hits", 0),
                                  "startup_buckets": len(eng.prefill_buckets) + len(eng.decode_buckets),
                                  "weight_bytes_per_element": w_itemsize}
     # warm-up run through the loop: every decode bucket the cases will use, 8 tokens
@@ -156,7 +152,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
         m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
         ctx = args.prompt_len + args.output_len // 2
         # aggregate over the tp x dp devices: each replica streams its share of the weights for c / dp rows
-        roof = tp * dp * roofline.roofline_tok_s(cfg, -(-c // dp), ctx, itemsize=dtype.itemsize,
+        roof = tp * dp * roofline.roofline_tok_s(cfg, replica_buckets([c], dp)[0], ctx, itemsize=dtype.itemsize,
                                                  weight_itemsize=w_itemsize, kv_itemsize=kv_itemsize)
         figures.update({f"c{c}.tok_s": m["tok_s"], f"c{c}.tpot_ms": m["tpot_ms"],
                         f"c{c}.roofline_fraction": m["tok_s"] / roof, f"c{c}.roofline_tok_s": roof,

@@ -81,7 +81,7 @@ from dflash_jax.bench import results
 from dflash_jax.bench.sources import (add_scorer_arguments, add_source_arguments, load_drafter_source,
                                       load_scorer_source, load_target_source, parallel_options)
 from dflash_jax.engine.compile import compile_count
-from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.engine.spec_steps import SpecConfig
 from dflash_jax.prefill.pflash import PFlashError, PFlashOptions, compress
 from dflash_jax.target import Target
@@ -488,7 +488,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
                          kvflash_scoring=args.kvflash_scoring, kv_dtype=args.kv_dtype,
-                         batch_buckets=None if args.all_buckets else (-(-c // args.data_parallel),),
+                         batch_buckets=None if args.all_buckets else replica_buckets([c], args.data_parallel),
                          spec_oracle=oracle if mode == "ddtree" else None,
                          **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.engine.compile import enable_compile_cache
 from dflash_jax.models import dense, dflash, quant, qwen36
 from dflash_jax.sharding import Layout, initialize_distributed
 from dflash_jax.target import Target, load_target
@@ -26,6 +27,9 @@ def add_target_arguments(p: argparse.ArgumentParser, model_help: str = "HF targe
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="devices of the mesh's model axis (Megatron tensor parallelism; dflash_jax/sharding.py)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="M", help="devices of the mesh's data axis")
+    p.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help="JAX persistent compilation cache directory: executables of equal shapes are compiled once "
+                        "and loaded by later engines and runs (warmup_report['cache_hits'] counts them)")
     if quantization_variants:
         p.add_argument("--quantization", nargs="+", choices=quant.QUANTIZATIONS, default=["none"],
                        help="weight formats to measure, one after the other in this run (fp8: matmul weights "
@@ -61,6 +65,8 @@ def load_target_source(args: argparse.Namespace, quantization: str | None = None
     dtype = jnp.dtype(args.dtype)
     q = quant.check_quantization(quantization if quantization is not None else getattr(args, "quantization", None))
     tp, dp = args.tensor_parallel, args.data_parallel
+    if getattr(args, "compile_cache", None):
+        enable_compile_cache(args.compile_cache)
     initialize_distributed()
     if args.model:
         return load_target(args.model, dtype=args.dtype, tensor_parallel=tp, data_parallel=dp, quantization=q)

@@ -198,6 +198,11 @@ def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
     return out
 
 
+def replica_buckets(concurrency: Sequence[int], data_parallel: int = 1) -> tuple[int, ...]:
+    """The per-replica batch buckets that ``concurrency`` requests at once run in (``batch_buckets`` for them)."""
+    return tuple(sorted({-(-int(c) // data_parallel) for c in concurrency}))
+
+
 class Engine:
     """Continuous-batching generation over a loaded target.
 
@@ -558,12 +563,16 @@ class Engine:
             self.kvf.warmup(self.state, self.dkv)
             self.warmup_report["kvflash"] = time.perf_counter() - t0
         n = workers or min(len(todo), os.cpu_count() or 1)
+        hits0 = compile_mod.compile_cache_hits()
         with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
             for key, exe, dt in pool.map(build, todo):
                 self._exec[key] = exe
                 self.warmup_report[f"{key[0]}.b{key[1]}"] = dt
                 if progress:
                     progress(f"{key[0]}.b{key[1]}", dt)
+        # executables the persistent compilation cache supplied (enable_compile_cache / JAX_COMPILATION_CACHE_DIR)
+        self.warmup_report["cache_hits"] = (self.warmup_report.get("cache_hits", 0)
+                                            + compile_mod.compile_cache_hits() - hits0)
         return dict(self.warmup_report)
 
     # ---- submission -------------------------------------------------------------------------------

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "as they load (an FP8 checkpoint stays FP8 either way)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
                     help="server default for chat_template_kwargs.enable_thinking (true: Qwen3.6's own default)")
+    ap.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="JAX persistent compilation cache: a restart with the same model and flags loads its "
+                         "executables instead of compiling them (or set JAX_COMPILATION_CACHE_DIR)")
     ap.add_argument("--host", default=None)
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set DFLASH_API_KEY)")
@@ -235,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import uvicorn
 
+    from dflash_jax.engine.compile import enable_compile_cache
     from dflash_jax.engine.loop import Engine, EngineOptions
     from dflash_jax.engine.spec_steps import SpecConfig
     from dflash_jax.models.dflash_loader import load_drafter
@@ -244,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_jax.sharding import ShardingError, initialize_distributed
 
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
     initialize_distributed()
     if jax.process_count() > 1:  # every process would take its own requests: their collectives would not match
         raise StartupError(f"this is process {jax.process_index()} of a {jax.process_count()}-process JAX job "
@@ -296,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             bar = "#" * done[0] + "." * (n - done[0])
             print(f"  [{bar}] {done[0]}/{n} {name} {dt:.1f}s", flush=True)
 
-        eng.warmup(progress)
+        hits = eng.warmup(progress).get("cache_hits", 0)
+        if hits:
+            print(f"{hits} of {n} executables loaded from the compile cache {args.compile_cache or ''}".rstrip(),
+                  flush=True)
     pflash = None
     if args.prefill_compression not in (None, "off"):
         from dflash_jax.prefill.pflash import DenseScorer, PFlashError, PFlashOptions
