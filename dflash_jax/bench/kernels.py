@@ -192,13 +192,17 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
 
         kernel, pallas_fn, ref_fn = m.paged_decode, m.paged_decode_pallas, m.paged_decode_reference
         defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1],  # noqa: E731
-                                                      page_arrays(args[1])[2]), num_partitions=None)
+                                                      page_arrays(args[1])[2],
+                                                      quantized=page_arrays(args[1])[1] is not None),
+                                     num_partitions=None)
     elif op == "tree_attention":
         from pallas_kernels import tree_attention as m
 
         kernel, pallas_fn, ref_fn = m.tree_attention, m.tree_attention_pallas, m.tree_attention_reference
         defaults = lambda args: dict(m.default_config(args[0].shape[-1], args[1].shape[1],  # noqa: E731
-                                                      page_arrays(args[1])[2]), num_partitions=None)
+                                                      page_arrays(args[1])[2],
+                                                      quantized=page_arrays(args[1])[1] is not None),
+                                     num_partitions=None)
     elif op == "gdn_chunked":
         from pallas_kernels import gdn as m
 

@@ -24,13 +24,13 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
     """The registered Pallas implementation: tuned defaults, flash-decoding split chosen by batch. Shapes the
     Triton tiles cannot take (e.g. a head_dim that is not a power of two) run the reference, with a warning."""
     backend = registry.current_backend()
-    data, _, cd = page_arrays(k_pages)
+    data, k_scale, cd = page_arrays(k_pages)
     try:
         check_page_dtype("paged_decode", k_pages, backend)
     except ValueError as e:
         registry.warn_fallback("paged_decode", e, what="these KV pages")
         return paged_decode_reference(q, k_pages, v_pages, page_table, lengths, scale)
-    cfg = default_config(q.shape[-1], k_pages.shape[1], cd, backend=backend)
+    cfg = default_config(q.shape[-1], k_pages.shape[1], cd, backend=backend, quantized=k_scale is not None)
     try:
         block_plan(batch=q.shape[0], n_heads=q.shape[1], n_kv_heads=k_pages.shape[2], head_dim=q.shape[-1],
                    page_size=k_pages.shape[1], width=page_table.shape[1], dtype=data.dtype,

@@ -26,13 +26,13 @@ def tree_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
     """The registered Pallas implementation: tuned defaults, prefix split chosen by grid size. Shapes the Triton
     tiles cannot take (e.g. a head_dim that is not a power of two) run the reference, with a warning."""
     backend = registry.current_backend()
-    data, _, cd = page_arrays(k_pages)
+    data, k_scale, cd = page_arrays(k_pages)
     try:
         check_page_dtype("tree_attention", k_pages, backend)
     except ValueError as e:
         registry.warn_fallback("tree_attention", e, what="these KV pages")
         return tree_attention_reference(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)
-    cfg = default_config(q.shape[-1], k_pages.shape[1], cd, backend=backend)
+    cfg = default_config(q.shape[-1], k_pages.shape[1], cd, backend=backend, quantized=k_scale is not None)
     try:
         block_plan(batch=q.shape[0], n_tree=q.shape[1], n_heads=q.shape[2], n_kv_heads=k_pages.shape[2],
                    head_dim=q.shape[-1], page_size=k_pages.shape[1], width=page_table.shape[1], dtype=data.dtype,

@@ -89,9 +89,15 @@ def _kernel(q_ref, k_ref, v_ref, *refs, n_tree: int, group: int, n_kv_heads: int
     o_ref[q_rows] = o.astype(o_ref.dtype)
 
 
-def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None = None) -> dict:
+def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None = None,
+                   quantized: bool = False) -> dict:
     """Tuning defaults by backend and shape: block_m (the most rows per tile), pages_per_block, num_warps,
-    num_stages, prefetch, target_programs."""
+    num_stages, prefetch, target_programs. ``dtype`` is the compute dtype; ``quantized``: fp8 / int8 pages.
+
+    From the H200 sweep (experiments/results/kernels_nvidia-h200_20261203-0523.json, 256-dim bf16 heads, 16-token
+    pages): the hand prefetch of the next K/V block is the best config at both swept cases (200 vs 245 us at
+    B=16 x 16 nodes, 1120 vs 1399 us at B=64 x 32), so it is on for bf16 pages on NVIDIA; quantized pages take
+    64-key blocks, the bytes per block of bf16's 32 keys (fp8: 0.83x -> 1.01x of the bf16-page kernel)."""
     b = backend or current_backend()
     itemsize = jnp.dtype(dtype).itemsize
     wide = head_dim * itemsize > 256
@@ -99,9 +105,12 @@ def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None 
     block_m = 128 if head_dim * itemsize <= 512 else 64  # f32 256-dim heads: a 128-row q tile alone is 128 KiB
     if b == "rocm":  # 64 KiB of LDS per workgroup
         target_k, block_m = min(target_k, 32), 32 if wide else 64
+    elif quantized:
+        target_k *= 2
     ppb = _next_pow2(max(1, target_k // page_size, -(-MIN_DOT // page_size)))
     return dict(block_m=block_m, pages_per_block=ppb, num_warps=4 if head_dim <= 64 else 8,
-                num_stages=1 if b == "rocm" else 2, prefetch=False, target_programs=2 * N_SM_TARGET)
+                num_stages=1 if b == "rocm" else 2, prefetch=b == "cuda" and not quantized,
+                target_programs=2 * N_SM_TARGET)
 
 
 def auto_partitions(programs: int, n_blocks: int, *, target_programs: int = 2 * N_SM_TARGET) -> int:
@@ -194,7 +203,7 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     k_data, k_scale, dt = page_arrays(k_pages)
     v_data, v_scale, _ = page_arrays(v_pages)
     quantized = k_scale is not None
-    cfg = default_config(d, page_size, dt)
+    cfg = default_config(d, page_size, dt, quantized=quantized)
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     width = page_table.shape[1]
