@@ -251,8 +251,9 @@ class Server:
     @staticmethod
     def _tool_selection(req: ChatRequest, thinking: bool) -> ToolSelection:
         """The tools the chat template lists and the forced prefix, by ``tool_choice``: "auto" (default) all tools,
-        nothing forced; "none" no tools; "required" all tools and the start of a call (``<tool_call>``, the model
-        names the function); a named function only that tool and the start of a call to it (name included)."""
+        nothing forced; "none" no tools; "required" all tools and the start of a call (``<tool_call>\\n<function``:
+        the model names the function); a named function only that tool and the start of a call to it, name included
+        (``chat.tool_call_prefix``)."""
         from dflash_jax.models.chat import tool_call_prefix
 
         choice = req.tool_choice
