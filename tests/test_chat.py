@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_jax.models.chat import (TOOLS_INSTRUCTIONS, TOOLS_PREAMBLE, parse_assistant, partial_assistant,
-                                    render_chat)
+                                    render_chat, tool_call_prefix, tool_names)
 
 USER = [{"role": "user", "content": "Hello!"}]
 
@@ -198,17 +198,21 @@ _PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>", "
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=st.lists(st.sampled_from(_PIECES), max_size=14), thinking=st.booleans(), tools=st.booleans(),
-       data=st.data())
-def test_streamed_parts_are_prefixes_of_the_parsed_message(pieces, thinking, tools, data):
+       forced=st.sampled_from([None, "", "f", "g"]), data=st.data())
+def test_streamed_parts_are_prefixes_of_the_parsed_message(pieces, thinking, tools, forced, data):
     """What a stream sends for any prefix of a generation (split anywhere, even inside a marker) is a prefix of the
     final message's reasoning and content, and the finished text gives exactly the final parts, so the joined
-    deltas equal the non-streamed message."""
-    text = "".join(pieces)
-    reasoning, content, _ = parse_assistant(text, thinking=thinking, parse_tools=tools)
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6))) + [len(text)]
+    deltas equal the non-streamed message. Also for a forced tool-call reply (``forced``: None none, "" any function,
+    else that one; only calls to "f" count), where the stream reads the forced prefix before the text so far."""
+    prefix = "" if forced is None else tool_call_prefix(forced or None, enable_thinking=thinking)
+    tools = tools or forced is not None
+    names = None if forced is None else {"f"}
+    gen = "".join(pieces)
+    reasoning, content, _ = parse_assistant(prefix + gen, thinking=thinking, parse_tools=tools, names=names)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(gen)), max_size=6))) + [len(gen)]
     for k in cuts:
-        r, c = partial_assistant(text[:k], thinking=thinking, parse_tools=tools)
-        assert (reasoning or "").startswith(r) and content.startswith(c), (text[:k], r, c)
+        r, c = partial_assistant(prefix + gen[:k], thinking=thinking, parse_tools=tools)
+        assert (reasoning or "").startswith(r) and content.startswith(c), (gen[:k], r, c)
 
 
 def test_partial_holds_back_markers_whitespace_and_tool_calls():
@@ -222,6 +226,80 @@ def test_partial_holds_back_markers_whitespace_and_tool_calls():
     # a request without tools gets the call text as content, never a silently dropped call
     gen = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
     assert parse_assistant(gen, thinking=False, parse_tools=False) == (None, gen, [])
+
+
+def test_tool_call_prefix_closes_thinking_and_opens_a_call():
+    assert tool_call_prefix("get_weather", enable_thinking=False) == "<tool_call>\n<function=get_weather>\n"
+    assert tool_call_prefix(enable_thinking=False) == "<tool_call>\n<function"
+    assert tool_call_prefix("f") == "\n</think>\n\n<tool_call>\n<function=f>\n"
+    # the prompt ends as the template's thinking-off generation prompt does, whatever the thinking setting
+    for name in ("get_weather", None):
+        on = render_chat(USER, tools=[WEATHER], assistant_prefix=tool_call_prefix(name, enable_thinking=True))
+        off = render_chat(USER, tools=[WEATHER], enable_thinking=False,
+                          assistant_prefix=tool_call_prefix(name, enable_thinking=False))
+        assert on == off == render_chat(USER, tools=[WEATHER], enable_thinking=False) + tool_call_prefix(
+            name, enable_thinking=False)
+    with pytest.raises(ValueError, match="function name"):
+        tool_call_prefix("a>b")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        render_chat(USER, add_generation_prompt=False, assistant_prefix="<tool_call>")
+    assert tool_names([WEATHER, {"name": "bare"}]) == {"get_weather", "bare"}
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("name", ["get_weather", None])
+def test_forced_reply_parses_as_if_the_model_wrote_the_prefix(thinking, name):
+    """A forced reply is read as prefix + generated text: a complete call parses to exactly the call the template
+    renders (reasoning "" with thinking on, as a closed empty block); a call cut short, or to a function not offered
+    under the enforced choice, is not a call and its text (prefix included) is the content."""
+    call = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]
+    full = render_chat(USER + [{"role": "assistant", "content": None, "tool_calls": call}],
+                       add_generation_prompt=False, tools=[WEATHER])
+    prefix = tool_call_prefix(name, enable_thinking=thinking)
+    prompt = render_chat(USER, tools=[WEATHER], enable_thinking=thinking, assistant_prefix=prefix)
+    gen = full[len(prompt):]  # what the model writes after the forced prefix
+    assert full.startswith(prompt) and gen.endswith("</tool_call><|im_end|>\n")
+    reasoning, content, calls = parse_assistant(prefix + gen, thinking=thinking, tools=[WEATHER],
+                                                names={"get_weather"})
+    assert (reasoning, content) == (("" if thinking else None), "")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2})]
+    cut = gen[:gen.index("</function>")]  # e.g. finish_reason "length"
+    assert parse_assistant(prefix + cut, thinking=thinking, tools=[WEATHER]) == (
+        "" if thinking else None, (prefix + cut).split("</think>")[-1].strip(), [])
+    other = (prefix + gen).replace("get_weather", "get_time")
+    _, content, calls = parse_assistant(other, thinking=thinking, tools=[WEATHER], names={"get_weather"})
+    assert calls == [] and content.startswith("<tool_call>\n<function=get_time>")
+    assert parse_assistant(other, thinking=thinking, tools=[WEATHER])[2]  # any name counts without ``names``
+
+
+@pytest.fixture(scope="module")
+def shipped_tok():
+    import os
+
+    import dflash_jax
+    from dflash_jax.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(os.path.join(dflash_jax.SHIPPED_MODELS, "target"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.from_regex(r"[A-Za-z_][A-Za-z0-9_.]{0,14}", fullmatch=True),
+       arg=st.text("abc xyz_.019", max_size=12), thinking=st.booleans(), named=st.booleans())
+def test_forced_prompt_tokens_are_a_prefix_of_the_complete_calls_tokens(shipped_tok, name, arg, thinking, named):
+    """With the shipped tokenizer the forced prompt encodes to a token prefix of the same conversation with the whole
+    call written out (the template's rendering): the model continues from the tokens it would have produced itself,
+    with no token split across the prefix's end."""
+    tool = {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}
+    call = [{"type": "function", "function": {"name": name, "arguments": {"q": arg}}}]
+    full = render_chat(USER + [{"role": "assistant", "content": None, "tool_calls": call}],
+                       add_generation_prompt=False, tools=[tool])
+    prompt = render_chat(USER, tools=[tool], enable_thinking=thinking,
+                         assistant_prefix=tool_call_prefix(name if named else None, enable_thinking=thinking))
+    assert full.startswith(prompt)
+    p, f = shipped_tok.encode(prompt), shipped_tok.encode(full)
+    assert f[:len(p)] == p
 
 
 @pytest.mark.parametrize("messages, tools, match", [

@@ -21,6 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import FIXTURES
+from dflash_jax.models.chat import tool_call_prefix
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # experiments/
 
 pytestmark = pytest.mark.xdist_group("serve")  # one server process, tests in order (SIGTERM last)
 
@@ -182,7 +185,8 @@ def test_chat_completion_with_reasoning_split(client):
 
 def _stream_matches(client, **kw):
     """The same greedy chat request streamed and not: the joined content / reasoning_content deltas equal the
-    message exactly (whitespace included) and the streamed tool calls are the message's. Returns the message."""
+    message exactly (whitespace included) and the streamed tool calls are the message's. Returns the non-streamed
+    response."""
     r = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
@@ -193,7 +197,7 @@ def _stream_matches(client, **kw):
     assert [(tc.function.name, tc.function.arguments) for d in deltas for tc in (d.tool_calls or [])] == \
         [(tc.function.name, tc.function.arguments) for tc in (msg.tool_calls or [])]
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
-    return msg
+    return r
 
 
 @pytest.mark.parametrize("thinking", [False, True])
@@ -380,7 +384,10 @@ def _check_tools(client, model: str) -> None:
         "type": "object", "properties": {"x": {"type": "number"}}}}}
     named = client.chat.completions.create(**kw, tools=[other, *tools],
                                            tool_choice={"type": "function", "function": {"name": "add"}})
-    assert named.usage.prompt_tokens == r.usage.prompt_tokens  # only the named function is offered
+    # only the named function is offered, and the prompt ends with the forced start of a call to it
+    forced = tool_call_prefix("add", enable_thinking=False)
+    assert named.usage.prompt_tokens == len(_shipped_tok().apply_chat_template(
+        kw["messages"], enable_thinking=False, tools=tools, assistant_prefix=forced))
     _stream_matches(client, **kw, tools=tools)
 
 
@@ -427,17 +434,56 @@ def test_shipped_model_stream_equals_non_stream_with_trailing_whitespace(shipped
     raw = c.completions.create(model="target", prompt=_chat_prompt("hello", thinking=False), max_tokens=8,
                                temperature=0, extra_body={"ignore_eos": True}).choices[0].text
     assert raw != raw.rstrip()  # the case this test is about is still produced by the shipped model
-    assert _stream_matches(c, **kw).content == raw.strip()
+    assert _stream_matches(c, **kw).choices[0].message.content == raw.strip()
     kw["extra_body"] = {"ignore_eos": True}  # thinking on (the server default): reasoning_content too
-    assert _stream_matches(c, **kw).model_extra.get("reasoning_content") is not None
+    assert _stream_matches(c, **kw).choices[0].message.model_extra.get("reasoning_content") is not None
 
 
-def _chat_prompt(content: str, *, thinking: bool) -> list[int]:
+def _shipped_tok():
     from dflash_jax.models.tokenizer import Tokenizer
     from dflash_jax.serve.__main__ import SHIPPED
 
-    tok = Tokenizer.from_dir(os.path.join(SHIPPED, "target"))
-    return tok.apply_chat_template([{"role": "user", "content": content}], enable_thinking=thinking)
+    return Tokenizer.from_dir(os.path.join(SHIPPED, "target"))
+
+
+def _chat_prompt(content: str, *, thinking: bool) -> list[int]:
+    return _shipped_tok().apply_chat_template([{"role": "user", "content": content}], enable_thinking=thinking)
+
+
+def test_enforced_tool_choice_forces_the_call(shipped):
+    """tool_choice "required" and a named function are enforced by a forced start of the call: the reply (streamed
+    or not) is the greedy continuation of the prompt plus that prefix (checked against /v1/completions on the same
+    token ids), parsed as if the model had written the prefix; the prefix is billed as prompt tokens. The shipped
+    target, trained on calls to ``read_source``, calls it when it may choose ("required"), and writes the arguments
+    of ``add`` when the name is forced. A call cut short (length) keeps its raw text, prefix included, as content."""
+    from dflash_jax.models.chat import parse_assistant
+    from experiments.corpus import READ_FILE_TOOL
+
+    c, _ = shipped
+    tok = _shipped_tok()
+    msgs = [{"role": "user", "content": "hello"}]
+    tools = [READ_FILE_TOOL, *ADD_TOOL]
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice, fn, offered, max_tokens in ((named, "add", ADD_TOOL, 40), ("required", None, tools, 40),
+                                            (named, "add", ADD_TOOL, 3)):
+        r = _stream_matches(c, model="target", messages=msgs, tools=tools, tool_choice=choice, max_tokens=max_tokens,
+                            temperature=0)  # thinking on (the server default): closed empty by the prefix
+        prefix = tool_call_prefix(fn, enable_thinking=True)
+        ids = tok.apply_chat_template(msgs, tools=offered, assistant_prefix=prefix)
+        raw = c.completions.create(model="target", prompt=ids, max_tokens=max_tokens, temperature=0)
+        assert r.usage.prompt_tokens == len(ids)
+        assert r.usage.completion_tokens == raw.usage.completion_tokens <= max_tokens
+        reasoning, content, calls = parse_assistant(prefix + raw.choices[0].text, thinking=True, tools=offered)
+        msg = r.choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == (reasoning, content) and reasoning == ""
+        if max_tokens == 3:
+            assert r.choices[0].finish_reason == "length" and not msg.tool_calls
+            assert content.startswith("<tool_call>\n<function=add>\n")
+            continue
+        assert r.choices[0].finish_reason == "tool_calls" and content == ""
+        assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [
+            (t["function"]["name"], t["function"]["arguments"]) for t in calls]
+        assert msg.tool_calls[0].function.name == (fn or "read_source")
 
 
 def test_speculative_metrics_move_after_requests(shipped):

@@ -16,6 +16,10 @@
 
 ``parse_assistant`` splits generated text back into ``(reasoning_content, content, tool_calls)``, accepting both the
 XML-ish ``<function=…>`` tool-call body and the older JSON ``{"name": …, "arguments": …}`` body.
+
+``tool_call_prefix`` is the forced start of an assistant reply that makes a tool call (``tool_choice`` "required" or a
+named function, enforced without a grammar): ``render_chat(..., assistant_prefix=...)`` ends the prompt with it, and
+the parser reads it back in front of the generated text.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 IM_START = "<|im_start|>"
@@ -208,11 +212,15 @@ def _render_tool_call(name: str, args: Mapping[str, Any]) -> str:
 
 def render_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                 enable_thinking: bool = True, tools: Sequence[Mapping[str, Any]] | None = None,
-                preserve_thinking: bool = False) -> str:
+                preserve_thinking: bool = False, assistant_prefix: str = "") -> str:
     """Render OpenAI-style ``messages`` with Qwen3.6's chat template (see the module docstring).
 
+    ``assistant_prefix`` is written after the generation prompt: the start of the assistant's reply that the model
+    continues (e.g. ``tool_call_prefix``); it needs ``add_generation_prompt``.
     Raises ``ValueError`` naming the offending message (or tool) index for malformed input.
     """
+    if assistant_prefix and not add_generation_prompt:
+        raise ValueError("assistant_prefix needs add_generation_prompt=True (it continues the generation prompt)")
     msgs = _check_messages(messages)
     tool_list = _validate_tools(tools)
     out: list[str] = []
@@ -284,12 +292,32 @@ def render_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt:
     if add_generation_prompt:
         out.append(IM_START + "assistant\n")
         out.append(f"{THINK_START}\n" if enable_thinking else f"{THINK_START}\n\n{THINK_END}\n\n")
+        out.append(assistant_prefix)
     return "".join(out)
 
 
 def generation_prompt(enable_thinking: bool = True) -> str:
     """The text ``render_chat`` appends for ``add_generation_prompt=True``."""
     return IM_START + "assistant\n" + (f"{THINK_START}\n" if enable_thinking else f"{THINK_START}\n\n{THINK_END}\n\n")
+
+
+def tool_call_prefix(name: str | None = None, *, enable_thinking: bool = True) -> str:
+    """The forced start of an assistant reply that calls a tool, written after the generation prompt.
+
+    ``<tool_call>\\n<function=NAME>\\n`` for a named function (the name is fixed, the model writes the parameters),
+    ``<tool_call>\\n<function`` with ``name=None`` (the model writes ``=NAME>`` and picks the function). It is the
+    template's own (XML) call format, the one its tool instructions ask for and history calls are rendered in. Both
+    end where Qwen's pre-tokenizer splits the template's call text anyway (``<function`` | ``=read`` | ``_source`` |
+    ``>\\n`` | ``<parameter``), so the prompt's tokens are those the model would have written itself; ending at
+    ``<function=`` would leave a lone ``=`` token that a complete call never contains. With thinking on the prefix
+    first closes the open ``<think>`` block empty, so the prompt then ends exactly as the template's thinking-off
+    generation prompt does before a call (``<think>\\n\\n</think>\\n\\n<tool_call>…``): the model does not reason
+    before an enforced call, and the reply's reasoning is "".
+    """
+    if name is not None and (not name or any(c in name for c in "<>\n")):
+        raise ValueError(f"function name must be a non-empty string without '<', '>' or newlines, got {name!r}")
+    close = f"\n{THINK_END}\n\n" if enable_thinking else ""
+    return close + TOOL_CALL_START + "\n<function" + ("" if name is None else f"={name}>\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -314,6 +342,11 @@ def _param_types(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[st
         out[fn["name"]] = {k: (v.get("type") if isinstance(v, Mapping) else None)
                            for k, v in (props or {}).items()}
     return out
+
+
+def tool_names(tools: Sequence[Mapping[str, Any]] | None) -> frozenset[str]:
+    """The function names of tool schemas (``{"type": "function", "function": {...}}`` or bare function schemas)."""
+    return frozenset(_param_types(tools))
 
 
 def _convert_value(raw: str, typ: Any) -> Any:
@@ -390,7 +423,8 @@ def _parse_tool_call_body(body: str, types: dict[str, dict[str, Any]]) -> dict[s
 
 
 def parse_assistant(text: str, *, thinking: bool, tools: Sequence[Mapping[str, Any]] | None = None,
-                    parse_tools: bool = True) -> tuple[str | None, str, list[dict[str, Any]]]:
+                    parse_tools: bool = True, names: Collection[str] | None = None
+                    ) -> tuple[str | None, str, list[dict[str, Any]]]:
     """Split generated assistant text into ``(reasoning_content, content, tool_calls)``.
 
     ``text`` is what the model produced after the generation prompt (which, with thinking on, already ended in
@@ -399,8 +433,10 @@ def parse_assistant(text: str, *, thinking: bool, tools: Sequence[Mapping[str, A
     reasoning is None unless the text nonetheless opens with a complete ``<think>…</think>`` block.
     ``tool_calls`` are OpenAI dicts (``id``, ``type: "function"``, ``function: {name, arguments (JSON string)}``);
     parameter values of the XML form are typed by the ``tools`` schemas when given, else read as JSON when they
-    parse as JSON (strings otherwise). Unparseable ``<tool_call>`` blocks are left in ``content``; with
-    ``parse_tools=False`` (a request without tools) no tool call is parsed and all of it is content.
+    parse as JSON (strings otherwise). Unparseable ``<tool_call>`` blocks are left in ``content``, and so, when
+    ``names`` is given, are calls to a function not among them; with ``parse_tools=False`` (a request without tools)
+    no tool call is parsed and all of it is content. For a forced reply (``tool_call_prefix``) ``text`` is the forced
+    prefix followed by the generated text, read as if the model had written both.
     Reasoning and content are trimmed of surrounding whitespace, as the chat template trims them when the turn is
     sent back; ``partial_assistant`` gives the parts of an unfinished generation that a stream may send already.
     """
@@ -425,7 +461,7 @@ def parse_assistant(text: str, *, thinking: bool, tools: Sequence[Mapping[str, A
     pos = 0
     for m in _TOOL_CALL_RE.finditer(rest):
         tc = _parse_tool_call_body(m.group(1), types)
-        if tc is None:
+        if tc is None or names is not None and tc["function"]["name"] not in names:
             continue
         calls.append(tc)
         pieces.append(rest[pos:m.start()])

@@ -3,6 +3,11 @@
 Every response carries ``usage`` (raw prompt tokens are billed) and a ``telemetry`` object per choice:
 ``effective_prompt_tokens``, ``spec_mode``, ``draft_steps``, ``accepted_tokens``, ``kv_pages_in``,
 ``kv_pages_out``, ``ttft_s``, ``tpot_s``, ``queue_s``, ``prefill_chunks``, ``decode_steps``.
+
+``tool_choice`` "required" or a named function is enforced by a forced assistant prefix (``chat.tool_call_prefix``,
+no grammar): the prompt ends with the start of a call, the reply is parsed as prefix + generated text. The prefix
+tokens are prompt tokens (``usage.prompt_tokens`` and ``effective_prompt_tokens`` include them); ``completion_tokens``
+counts only the generated tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +32,20 @@ from dflash_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
 from dflash_jax.serve.runner import EngineRunner
 
 log = logging.getLogger("dflash_jax.serve")
+
+
+class ToolSelection(NamedTuple):
+    """What a chat request's ``tool_choice`` asks for."""
+
+    tools: list[dict[str, Any]] | None  # the tools the chat template lists (None: no tools)
+    forced: str  # the assistant prefix that enforces a call ("" when none is enforced)
+
+    @property
+    def names(self) -> frozenset[str] | None:
+        """The functions an enforced call may name (None when no call is enforced: any parsed call counts)."""
+        from dflash_jax.models.chat import tool_names
+
+        return tool_names(self.tools) if self.forced else None
 
 
 def _telemetry(o: RequestOutput, prep: dict[str, Any]) -> dict[str, Any]:
@@ -201,9 +220,10 @@ class Server:
         kwargs = req.chat_template_kwargs or {}
         thinking = bool(kwargs.get("enable_thinking", self.default_thinking))
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = self._offered_tools(req)
+        sel = self._tool_selection(req, thinking)
         try:
-            prompt = tok.apply_chat_template(messages, enable_thinking=thinking, tools=tools)
+            prompt = tok.apply_chat_template(messages, enable_thinking=thinking, tools=sel.tools,
+                                             assistant_prefix=sel.forced)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         stops = req.stop_list()
@@ -216,11 +236,11 @@ class Server:
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req, prep,
-                                     chat=True, thinking=thinking, tools=tools))
+                                     chat=True, thinking=thinking, sel=sel))
         outs = await self._gather(request, subs, prep)
         choices = []
         for i, o in enumerate(outs):
-            msg = self._assistant_message(self._text(o), thinking, tools)
+            msg = self._assistant_message(sel.forced + self._text(o), thinking, sel)
             finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
             c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o, prep),
                  "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
@@ -229,16 +249,22 @@ class Server:
                 "choices": choices, "usage": self._usage(len(prompt), outs)}
 
     @staticmethod
-    def _offered_tools(req: ChatRequest) -> list[dict[str, Any]] | None:
-        """The tools the chat template lists, by ``tool_choice``: "auto" (default) all, "none" none, a named function
-        only that one. "required" lists all; that a call is made is not enforced (no constrained decoding)."""
+    def _tool_selection(req: ChatRequest, thinking: bool) -> ToolSelection:
+        """The tools the chat template lists and the forced prefix, by ``tool_choice``: "auto" (default) all tools,
+        nothing forced; "none" no tools; "required" all tools and the start of a call (``<tool_call>\\n<function``:
+        the model names the function); a named function only that tool and the start of a call to it, name included
+        (``chat.tool_call_prefix``)."""
+        from dflash_jax.models.chat import tool_call_prefix
+
         choice = req.tool_choice
-        if choice is None or choice in ("auto", "required"):
-            if choice == "required" and not req.tools:
-                raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-            return req.tools
+        if choice is None or choice == "auto":
+            return ToolSelection(req.tools, "")
         if choice == "none":
-            return None
+            return ToolSelection(None, "")
+        if choice == "required":
+            if not req.tools:
+                raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+            return ToolSelection(req.tools, tool_call_prefix(enable_thinking=thinking))
         if isinstance(choice, dict):
             fn = choice.get("function")
             name = fn.get("name") if isinstance(fn, dict) else None
@@ -250,16 +276,22 @@ class Server:
             if not named:
                 raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools",
                                param="tool_choice")
-            return named
+            try:
+                return ToolSelection(named, tool_call_prefix(name, enable_thinking=thinking))
+            except ValueError as e:
+                raise APIError(400, f"tool_choice: {e}", param="tool_choice") from e
         raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                        param="tool_choice")
 
-    def _assistant_message(self, text: str, thinking: bool, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """The final assistant message; tool calls are parsed only for a request with tools (typed by their
-        schemas), otherwise the model's call text stays content."""
+    def _assistant_message(self, text: str, thinking: bool, sel: ToolSelection) -> dict[str, Any]:
+        """The final assistant message of ``text`` (the forced prefix, if any, then the generated text). Tool calls
+        are parsed only for a request with tools (typed by their schemas), otherwise the model's call text stays
+        content; under an enforced ``tool_choice`` only calls to the offered functions count. A reply that does not
+        parse into a call keeps its text (prefix included) as content, as unparseable call text always does."""
         from dflash_jax.models.chat import parse_assistant
 
-        reasoning, content, calls = parse_assistant(text, thinking=thinking, tools=tools, parse_tools=bool(tools))
+        reasoning, content, calls = parse_assistant(text, thinking=thinking, tools=sel.tools,
+                                                    parse_tools=bool(sel.tools), names=sel.names)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
@@ -309,9 +341,10 @@ class Server:
     async def _stream(self, request: Request, cid: str, obj: str, prompt: list[int], subs, stops, req,
                       prep: dict[str, Any], *,
                       chat: bool, thinking: bool = False,
-                      tools: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
-        """SSE chunks. Chat deltas are cut from ``partial_assistant`` of the text so far and, at the end, from the
-        final message, so the joined deltas equal the non-streamed message exactly."""
+                      sel: ToolSelection = ToolSelection(None, "")) -> AsyncIterator[str]:
+        """SSE chunks. Chat deltas are cut from ``partial_assistant`` of the text so far (after the forced prefix of
+        an enforced ``tool_choice``) and, at the end, from the final message, so the joined deltas equal the
+        non-streamed message exactly."""
         from dflash_jax.models.chat import partial_assistant
 
         created = int(time.time())
@@ -373,11 +406,12 @@ class Server:
                 else:
                     calls = []
                     if done:
-                        msg = self._assistant_message(text, thinking, tools)
+                        msg = self._assistant_message(sel.forced + text, thinking, sel)
                         reasoning, content = msg.get("reasoning_content") or "", msg["content"]
                         calls = msg.get("tool_calls") or []
                     else:
-                        reasoning, content = partial_assistant(visible, thinking=thinking, parse_tools=bool(tools))
+                        reasoning, content = partial_assistant(sel.forced + visible, thinking=thinking,
+                                                               parse_tools=bool(sel.tools))
                     deltas = []
                     if reasoning[sent_r[i]:]:
                         deltas.append({"reasoning_content": reasoning[sent_r[i]:]})
