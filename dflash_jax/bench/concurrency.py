@@ -4,8 +4,12 @@ Method (the engine API, not the HTTP server):
 
 * Cases: ``ar`` and ``ddtree`` at every concurrency C of ``--concurrency``. Both modes of one C get the identical
   prompts; request i has the same prompt at every C (the prompt set is one seeded list; C takes its first C).
-* Prompts: lengths uniform integers in ``[--prompt-len-min, --prompt-len-max]`` and token ids uniform in
-  ``[0, vocab)``, both from ``numpy.random.default_rng(--seed)`` (printed and recorded).
+* Prompts: lengths uniform integers in ``[--prompt-len-min, --prompt-len-max]`` from
+  ``numpy.random.default_rng(--seed)``; ``--prompts random`` (default): token ids uniform in ``[0, vocab)`` (the
+  random-weight shapes' cost; a trained drafter accepts little on them); ``--prompts held-out``: windows of real
+  text at uniform offsets, the held-out files of the ``--model`` set (its ``train_report.json``) or
+  ``--prompt-files``, tokenised with the model's tokenizer, so a trained pair shows its real acceptance (printed
+  and recorded).
 * Every case gets a fresh ``Engine`` (all buckets compiled ahead by ``Engine.warmup``), then one warm-up batch of C
   requests of 8 tokens (other prompts, same length distribution), then ``--repeats`` measured batches that reuse
   that engine's executables. A batch: C requests submitted at once, temperature 0, seed ``--seed``, EOS ignored,
@@ -72,7 +76,7 @@ import sys
 import time
 import traceback
 import zlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -103,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64, help="completion tokens per request (exactly)")
     p.add_argument("--prompt-len-min", type=int, default=256)
     p.add_argument("--prompt-len-max", type=int, default=1024)
+    p.add_argument("--prompts", choices=("random", "held-out"), default="random",
+                   help="random token ids, or windows of held-out text (needs --model with a tokenizer.json)")
+    p.add_argument("--prompt-files", nargs="+", default=None, metavar="FILE",
+                   help="text files for --prompts held-out (default: the model set's held-out files)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=1, help="prompt RNG and sampling seed")
     p.add_argument("--budget", type=int, default=22, help="DDTree node budget")
@@ -250,6 +258,34 @@ def prompt_set(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int
     rng = np.random.default_rng(seed)
     lens = rng.integers(lo, hi + 1, n)
     return [rng.integers(0, vocab, int(k)).tolist() for k in lens]
+
+
+def text_prompt_set(ids: Sequence[int], n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """``n`` windows of the token stream ``ids``: lengths uniform in [lo, hi], start offsets uniform, from
+    ``default_rng(seed)`` (the lengths are drawn exactly as :func:`prompt_set` draws them)."""
+    if len(ids) < hi:
+        raise ValueError(f"the prompt text gives {len(ids)} tokens, fewer than --prompt-len-max {hi}")
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, n)
+    starts = [int(rng.integers(0, len(ids) - int(k) + 1)) for k in lens]
+    return [list(map(int, ids[s0:s0 + int(k)])) for s0, k in zip(starts, lens)]
+
+
+def prompt_text_ids(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """The token stream of ``--prompts held-out``: ``--prompt-files`` or the model set's held-out files, tokenised
+    with ``--model``'s tokenizer; and the files' names."""
+    from dflash_jax.bench.acceptance import held_out_files
+    from dflash_jax.models.tokenizer import Tokenizer
+
+    if not args.model or not os.path.exists(os.path.join(args.model, "tokenizer.json")):
+        raise ValueError("--prompts held-out needs --model DIR with a tokenizer.json (random weights have no text)")
+    files = args.prompt_files or held_out_files(args.model)
+    tok = Tokenizer.from_dir(args.model)
+    ids: list[int] = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            ids.extend(tok.encode(fh.read()))
+    return ids, [os.path.basename(f) for f in files]
 
 
 def token_hash(ids) -> str:
@@ -692,6 +728,10 @@ def _check_args(args) -> str | None:
         return "--output-len must be >= 2 (the output window needs a first token and a later finish)"
     if not 1 <= args.prompt_len_min <= args.prompt_len_max:
         return "need 1 <= --prompt-len-min <= --prompt-len-max"
+    if args.prompts == "held-out" and not args.model:
+        return "--prompts held-out needs --model DIR (a checkpoint with a tokenizer.json): random weights have no text"
+    if args.prompt_files and args.prompts != "held-out":
+        return "--prompt-files applies to --prompts held-out"
     if args.repeats < 1 or min(args.concurrency) < 1:
         return "--repeats and every --concurrency must be >= 1"
     if isinstance(args.kvflash, int) and args.kvflash < args.page_size:
@@ -754,10 +794,19 @@ def run(args: argparse.Namespace, command: str) -> int:
     load_s = time.perf_counter() - t0
     cfg = target.config
     max_len = args.max_model_len or args.prompt_len_max + args.output_len
-    prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed)
-    warm_prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed + 1)
-    dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], token ids ~ "
-            f"uniform in [0, {cfg.vocab_size}), numpy default_rng({args.seed}); warm-up prompts: rng({args.seed + 1})")
+    if args.prompts == "held-out":
+        text, names = prompt_text_ids(args)
+        prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed)
+        warm_prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed + 1)
+        dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], windows at "
+                f"uniform offsets of {len(text)} tokens of held-out text ({len(names)} files: {', '.join(names)}), "
+                f"numpy default_rng({args.seed}); warm-up prompts: rng({args.seed + 1})")
+    else:
+        prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed)
+        warm_prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed + 1)
+        dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], token ids ~ "
+                f"uniform in [0, {cfg.vocab_size}), numpy default_rng({args.seed}); warm-up prompts: "
+                f"rng({args.seed + 1})")
     print(f"loaded in {load_s:.1f}s; {dist}")
     print(f"prompt lengths (request i at every C): {[len(p) for p in prompts]}", flush=True)
     prep = None
