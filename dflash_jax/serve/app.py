@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import time
@@ -455,16 +456,16 @@ class Server:
 
 
 def build_app(server: Server) -> FastAPI:
-    app = FastAPI(title="dflash-jax", version="0.1.0")
-    app.state.server = server
-
-    @app.on_event("startup")
-    async def _startup() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
         server.runner.start()
+        try:
+            yield
+        finally:
+            server.runner.stop()
 
-    @app.on_event("shutdown")
-    async def _shutdown() -> None:
-        server.runner.stop()
+    app = FastAPI(title="dflash-jax", version="0.1.0", lifespan=lifespan)
+    app.state.server = server
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
