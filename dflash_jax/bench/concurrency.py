@@ -169,7 +169,8 @@ PRESET_COPIED = {"ddtree_budget": "budget", "prefill_keep_ratio": "pflash_keep_r
                  "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
                  "cohort_yield_min": "cohort_yield_min", "page_size": "page_size", "prefill_chunk": "prefill_chunk",
                  "dtype": "dtype", "max_model_len": "max_model_len", "quantization": "quantization",
-                 "tensor_parallel": "tensor_parallel", "data_parallel": "data_parallel", "kv_dtype": "kv_dtype"}
+                 "tensor_parallel": "tensor_parallel", "data_parallel": "data_parallel", "kv_dtype": "kv_dtype",
+                 "compile_cache": "compile_cache"}
 
 
 def map_preset(preset: dict) -> tuple[dict, list[str], list[str]]:
