@@ -364,6 +364,11 @@ class DrafterConfig:
     def sliding_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
 
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Full-attention layers (their block queries see the whole context)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t != SLIDING)
+
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer ``i`` (None for a full-attention layer)."""
         return self.sliding_window if self.layer_types[i] == SLIDING else None

@@ -138,6 +138,21 @@ def test_kvflash_case_proves_residency_per_request(tmp_path, capsys):
             assert (r["kv_pages_in"] is not None) == bounded
 
 
+def test_kvflash_drafter_scoring_runs_ddtree_cases_only(tmp_path, capsys):
+    kv = ("--kvflash", "48", "--kvflash-scoring", "drafter", "--prompt-len-min", "40", "--prompt-len-max", "60",
+          "--concurrency", "2", "--repeats", "1")
+    assert main(_args(tmp_path, *kv)) == 2  # the ar cases have no drafter
+    assert "--kvflash-scoring drafter" in capsys.readouterr().out
+    rc = main(_args(tmp_path, *kv, "--modes", "ddtree", "--cohort-yield-min", "0"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
+    rec = json.loads(res.read_text())
+    assert rec["extra"]["kvflash"]["scoring"] == "drafter" and rec["figures"]["c2.ddtree.kv_pages_out"] > 0
+    (case,) = rec["extra"]["cases"]
+    assert case["kvflash"]["scoring"] == "drafter" and case["kvflash"]["score_decisions"] > 0
+
+
 def test_kvflash_proof_fails_closed():
     from dflash_jax.bench.concurrency import KV_KEYS, prove_kvflash
 

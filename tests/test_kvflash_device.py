@@ -155,3 +155,26 @@ def test_summaries_of_quantized_pages_are_mean_dequantized_keys():
     # close to the mean of the unquantized keys (int8 rows keep ~2 decimal digits)
     raw, _ = random_state(n_pages=8)
     np.testing.assert_allclose(s[1], np.concatenate([np.asarray(k[7]).mean(0).ravel() for k in raw.kv.k]), atol=0.03)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_drafter_summaries_are_mean_context_keys_of_the_full_layers(quantized):
+    """Drafter scoring's page summary: the mean over the page's tokens of the drafter's context keys of the given
+    (full-attention) layers only, flattened in layer order; dequantized for quantized pages; compiled by warmup."""
+    state, dkv = quantized_state(jnp.int8, n_pages=8) if quantized else random_state(n_pages=8)
+    dev = KVFlashDevice(state, dkv, host_pages=8, draft_summary_layers=(1,))
+    dev.warmup(state, dkv)
+    with CompileWatch() as w:
+        s = dev.draft_summaries(dkv, [2, 5, 7])
+    assert w.count == 0
+    keys = lambda k, p: (np.asarray(k.data[p], np.float32) * np.asarray(k.scale[p])[..., None] if quantized
+                         else np.asarray(k[p]))
+    assert s.shape == (3, 1 * 1 * 8)  # one full layer x Hkv 1 x hd 8
+    for i, p in enumerate([2, 5, 7]):
+        np.testing.assert_allclose(s[i], keys(dkv.k[1], p).mean(0).ravel(), rtol=1e-6, atol=1e-7)
+        assert not np.allclose(s[i], keys(dkv.k[0], p).mean(0).ravel())  # the sliding layer is left out
+    both = KVFlashDevice(state, dkv, host_pages=8, draft_summary_layers=(0, 1)).draft_summaries(dkv, [5])
+    np.testing.assert_allclose(both[0], np.concatenate([keys(dkv.k[i], 5).mean(0).ravel() for i in (0, 1)]),
+                               rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="no drafter summary layers"):
+        KVFlashDevice(state, dkv, host_pages=8).draft_summaries(dkv, [5])

@@ -291,3 +291,36 @@ def test_quantized_pages_page_bit_exactly_at_about_half_the_bf16_bytes(kv_dtype,
     assert ratio == pytest.approx((d + 4) / (2 * d)) and ratio < 0.6
     assert eng._kv_bytes_per_token(eng.kv_dtype) * BASE.page_size == rep["page_bytes"]
     assert_reclaimed(eng)
+
+
+def test_drafter_scoring_under_pressure_ranks_by_the_drafters_queries():
+    """DDTree rounds hand each row's drafter anchor queries to the residency, which ranks pages by them against
+    their mean drafter context keys: exact token counts, rankings scored (not only LRU), pages moved both ways,
+    every page-in bit-exact; without a drafter the option is refused."""
+    from test_spec_step import setup
+
+    from dflash_jax.engine.spec_steps import SpecConfig
+
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    opts = dataclasses.replace(BASE, spec=SpecConfig(budget=6), cohort_yield_min=0.0, kvflash=POOL,
+                               kvflash_scoring="drafter")
+    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
+    assert eng.kvf.draft_summary_layers == dcfg.full_layers == (1,)
+    res = configure(eng, scoring="drafter", rescore_every=2)
+    sps = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
+    with checked_round_trips(eng) as checked:
+        got, tables = drive(eng, prompts(100, 100, 100, seed=8), sps)
+    assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in got)
+    assert all(o.stats["spec_mode"] == "ddtree" and o.stats["draft_steps"] >= 1 for o in got)
+    assert any((t < 0).any() for t in tables)  # residency really was bounded
+    rep = eng.kvflash_report()
+    assert rep["scoring"] == "drafter" and rep["score_decisions"] > 0 and res.counters["score_decisions"] > 0
+    assert rep["pages_in"] > 0 and rep["pages_out"] > 0 and len(checked) == rep["pages_in"]
+    assert rep["summary_failures"] == 0 and rep["score_fallbacks"] == 0  # query and summaries have one shape
+    # rankings before a sequence's first round have no query: LRU, counted
+    assert rep["unscored_fallbacks"] > 0 and rep["lru_decisions"] >= rep["unscored_fallbacks"]
+    assert sum(o.stats["kv_score_decisions"] for o in got) == rep["score_decisions"]
+    assert sum(o.stats["kv_unscored_fallbacks"] for o in got) == rep["unscored_fallbacks"]
+    assert_reclaimed(eng)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_scoring="drafter"))

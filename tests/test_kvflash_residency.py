@@ -277,3 +277,41 @@ def test_pool_size_flag():
         resolve_pool_tokens("auto", free_bytes=None, bytes_per_token=4, page_size=16)
     with pytest.raises(ValueError, match="off, auto or a token count"):
         resolve_pool_tokens("lots", free_bytes=None, bytes_per_token=4, page_size=16)
+
+
+def test_drafter_scoring_ranks_by_query_dot_summary_and_falls_back_to_lru_without_a_query():
+    sim = Sim(pool_pages=5, page_size=4, scoring="drafter", sink_pages=1, window_pages=1, rescore_every=1,
+              hysteresis=0.0)
+    res = sim.res
+    assert sim.admit(0, 100) and sim.admit(1, 100)
+    vec = {lp: np.eye(8)[lp] for lp in range(8)}  # page lp's mean drafter keys point along axis lp
+
+    def summaries():
+        need = res.summaries_needed()
+        res.set_summaries([(a, b) for a, b, _ in need], [vec[b] for _, b, _ in need])
+
+    for _ in range(8):
+        n = res.num_tokens(0)
+        summaries()
+        sim.step([(0, n, n + 4)])
+    summaries()
+    assert all(res._seqs[0].pages[lp].summary is not None for lp in range(8))
+    sim.step([(1, 0, 8)])  # no drafter query yet: sequence 0 keeps its sink, window and most recent page (LRU)
+    assert res.resident_of(0) == [0, 6, 7]
+    assert res.counters["unscored_fallbacks"] >= 1 and res.stats_of(0)["unscored_fallbacks"] >= 1
+    assert res.counters["score_decisions"] == 0 and res.stats_of(0)["lru_decisions"] >= 1
+
+    res.set_query(0, 3 * vec[2] + 2 * vec[4] - vec[6])  # the drafter attends to page 2, then 4; away from 6
+    summaries()
+    plan = sim.step([(1, 8, 12)])
+    assert res._seqs[0].ranks[:2] == [2, 4] and res._seqs[0].ranks[-1] == 6  # query . summary order
+    assert res.resident_of(0) == [0, 2, 7]  # its best-scored page came back (paged in from its host slab)
+    assert any(t.sid == 0 and t.logical == 2 for t in plan.page_in)
+    assert res.counters["score_decisions"] >= 1 and res.stats_of(0)["score_decisions"] >= 1
+
+    fallbacks = res.stats_of(0)["unscored_fallbacks"]
+    res.set_query(0, None)  # it decodes without drafting now: LRU again, counted
+    res.set_query(99, vec[0])  # an unknown sequence is ignored
+    sim.step([(1, 12, 13)])
+    assert res.stats_of(0)["unscored_fallbacks"] == fallbacks + 1
+    sim.check()

@@ -70,6 +70,19 @@ def test_kvflash_flags_are_accepted():
     assert ns.kvflash is None and ns.kvflash_scoring == "keys"
 
 
+def test_kvflash_drafter_scoring_needs_ddtree_and_presets_are_checked(tmp_path):
+    ns = _resolve("--ddtree", "--kvflash", "8192", "--kvflash-scoring", "drafter")  # the shipped drafter
+    assert ns.kvflash == 8192 and ns.kvflash_scoring == "drafter"
+    with pytest.raises(StartupError, match="--kvflash-scoring drafter .* needs --ddtree"):
+        _resolve("--model", MODEL, "--kvflash", "8192", "--kvflash-scoring", "drafter")
+    preset = tmp_path / "p.yaml"
+    for text, needle in (("kvflash: 8192\nkvflash-scoring: drafter\n", "needs --ddtree"),
+                         ("kvflash-scoring: attention\n", "--kvflash-scoring must be one of keys, drafter, lru")):
+        preset.write_text(text)
+        with pytest.raises(StartupError, match=needle):
+            _resolve("--model", MODEL, "--config", str(preset))
+
+
 def test_quantization_flag_and_preset_value_are_checked(tmp_path):
     assert _resolve("--model", MODEL).quantization == "none"
     assert _resolve("--model", MODEL, "--quantization", "fp8").quantization == "fp8"

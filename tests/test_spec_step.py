@@ -3,6 +3,7 @@ greedy rows reproduce AR greedy token for token, whatever the drafter proposes, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -103,6 +104,56 @@ def test_spec_round_equals_ar_greedy_alone_and_batched():
     assert all(1 <= n <= 6 for n in nodes)  # the budget bounds the verified nodes
     both, _ = run("qwen36_tiny_a", prompts, 12)
     assert both == want
+
+
+def rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def test_draft_query_is_the_anchor_query_of_the_full_layers_per_kv_group_and_changes_nothing_else():
+    """SpecConfig.draft_query returns, per row, the anchor's (block offset 0) query of every full-attention drafter
+    layer after q_norm and RoPE at the root's position, summed over each KV group's heads and scaled by hd**-0.5,
+    recomputed here in NumPy from the drafter params (a first full layer: its input is the embedded root alone);
+    the sliding layer is left out. The round's outputs are the same with and without it."""
+    t, base, _ = setup("qwen36_tiny_a")
+    cfg = t.config
+    dcfg = dataclasses.replace(base, layer_types=("full_attention", "sliding_attention"))
+    assert dcfg.full_layers == (0,)
+    dparams = dflash.init_params(dcfg, jax.random.key(5), jnp.float32, norm_noise=0.2)
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, cfg.vocab_size - 1, n).tolist() for n in (9, 14)]
+    state = EngineState.zeros(cfg, n_pages=ROWS * WIDTH + 1, page_size=PAGE, n_slots=ROWS + 1, dtype=jnp.float32)
+    dkv = DraftKV.zeros(dcfg, ROWS * WIDTH + 1, PAGE, jnp.float32)
+    table = np.zeros((ROWS, WIDTH), np.int32)
+    tok, nv = np.zeros((ROWS, 32), np.int32), np.ones(ROWS, np.int32)
+    for r, p in enumerate(prompts):
+        table[r] = np.arange(1 + r * WIDTH, 1 + (r + 1) * WIDTH)
+        tok[r, :len(p)], nv[r] = p, len(p)
+    slots = np.array([1, 2, 0], np.int32)
+    state, dkv, first = prefill(t.params, dparams, cfg, dcfg, state, dkv, jnp.asarray(tok), jnp.asarray(nv),
+                                jnp.asarray(slots), jnp.asarray(table))
+    roots = np.array([int(first[0]), int(first[1]), 0], np.int32)
+    inp = SpecInput(root=jnp.asarray(roots), start=jnp.asarray(nv * (slots > 0)), slots=jnp.asarray(slots),
+                    active=jnp.asarray(slots > 0), page_table=jnp.asarray(table))
+    samp = SamplingArrays.from_rows([RowSampling() for _ in range(ROWS)], ROWS)
+    copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)
+    outs = [jax.device_get(spec_jit(cfg, dcfg, SpecConfig(budget=6, draft_query=flag), t.params, dparams,
+                                    copy(state), copy(dkv), inp, samp)[2]) for flag in (False, True)]
+    assert outs[0].draft_query is None
+    for f in ("accepted", "n_accepted", "bonus", "tree_nodes"):
+        np.testing.assert_array_equal(getattr(outs[0], f), getattr(outs[1], f))
+    got = outs[1].draft_query
+    hq, hkv, hd, eps = dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim, dcfg.rms_norm_eps
+    assert got.shape == (ROWS, 1 * hkv * hd) and got.dtype == np.float32
+    lay = jax.tree_util.tree_map(np.asarray, dparams["layers"][0])
+    x = np.asarray(t.params["embed"])[roots]  # [B, D]: the anchor's block input
+    q = (rms(x, lay["input_norm"], eps) @ lay["attn"]["q"].T).reshape(ROWS, hq, hd)
+    q = rms(q, lay["attn"]["q_norm"], eps)
+    ang = np.asarray(inp.start)[:, None] * (1.0 / dcfg.rope_theta ** (np.arange(0, hd, 2) / hd))  # [B, hd/2]
+    cos, sin = (np.concatenate([f(ang), f(ang)], -1)[:, None] for f in (np.cos, np.sin))
+    q = q * cos + np.concatenate([-q[..., hd // 2:], q[..., : hd // 2]], -1) * sin
+    want = q.reshape(ROWS, hkv, hq // hkv, hd).sum(2).reshape(ROWS, -1) * hd ** -0.5
+    np.testing.assert_allclose(got[:2], want[:2], rtol=1e-4, atol=1e-5)
 
 
 # ---- the engine with a drafter ----------------------------------------------------------------------

@@ -141,7 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvflash", type=_kvflash_arg, default=None, metavar="N|auto",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests (auto: "
                         "80%% of free device memory)")
-    p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys")
+    p.add_argument("--kvflash-scoring", choices=("keys", "drafter", "lru"), default="keys",
+                   help="drafter: ranks pages by the drafter's queries, so only ddtree cases can run it (--modes ddtree)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="KV page dtype of every case (default: the model dtype); fp8/int8 pages also page in/out "
                         "at about half the bytes under --kvflash")
@@ -739,6 +740,9 @@ def _check_args(args) -> str | None:
         return f"--kvflash {args.kvflash}: the resident pool must hold at least one page ({args.page_size} tokens)"
     if args.kvflash_compare and args.kvflash is None:
         return "--kvflash-compare needs --kvflash N"
+    if args.kvflash is not None and args.kvflash_scoring == "drafter" and set(args.modes) != {"ddtree"}:
+        return ("--kvflash-scoring drafter ranks pages by the drafter's queries: ar cases have no drafter, run it with "
+                "--modes ddtree")
     if args.oracle_tau and not {"ar", "ddtree"} <= set(args.modes):
         return "--oracle-tau needs both modes: the ar case records the greedy continuation the ddtree case is given"
     return None

@@ -176,7 +176,8 @@ class EngineOptions:
     # KVFlash bounded residency: None/"off" = every page resident; "auto" = a pool sized from free device memory;
     # an int = a resident pool of that many tokens shared by all running sequences (their histories live on host)
     kvflash: int | str | None = None
-    kvflash_scoring: str = "keys"  # "keys" | "lru" (see kv/kvflash.py)
+    # "keys" | "drafter" (needs the drafter and spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
+    kvflash_scoring: str = "keys"
     kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
     tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
@@ -261,6 +262,15 @@ class Engine:
         if self.kvflash_pool_tokens is not None and (dp > 1 or self.layout is not None):
             raise ValueError("KVFlash bounded residency runs on one device: it cannot be combined with "
                              "tensor_parallel > 1 or data_parallel > 1; drop one of them")
+        # drafter scoring: every speculative round also returns the drafter's anchor queries (SpecConfig.draft_query)
+        self.draft_scoring = self.kvflash_pool_tokens is not None and o.kvflash_scoring == "drafter"
+        if self.draft_scoring and (self.dcfg is None or o.spec is None):
+            raise ValueError("kvflash_scoring='drafter' ranks pages by the DFlash drafter's queries: it needs a drafter "
+                             "and speculative decoding (Engine(..., drafter=...) with options.spec; --ddtree); use "
+                             "'keys' or 'lru' without one")
+        if self.draft_scoring and not self.dcfg.full_layers:
+            raise ValueError("kvflash_scoring='drafter' needs a drafter with a full-attention layer (sliding layers "
+                             "never see beyond their window); use 'keys' or 'lru'")
         if self.kvflash_pool_tokens is None:
             self.pools: list[PageAllocator | Residency] = [PageAllocator(n_pages, o.page_size) for _ in range(dp)]
         else:
@@ -278,7 +288,8 @@ class Engine:
         if self.kvflash_pool_tokens is not None:
             from dflash_jax.kv.kvflash_device import KVFlashDevice
 
-            self.kvf = KVFlashDevice(self.state, self.dkv, self.pools[0].host_pages, host_kind=o.kvflash_host_kind)
+            self.kvf = KVFlashDevice(self.state, self.dkv, self.pools[0].host_pages, host_kind=o.kvflash_host_kind,
+                                     draft_summary_layers=self.dcfg.full_layers if self.draft_scoring else ())
         self._plan: Plan | None = None
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}
@@ -290,7 +301,8 @@ class Engine:
         self.prefill_buckets = (_buckets(pb) if o.batch_buckets is None
                                 else tuple(b for b in self.decode_buckets if b < pb) + (pb,))
         self._jit = self.compile_step(functools.partial(step, self.cfg, self.dcfg))
-        self._spec_jit = (self.compile_step(functools.partial(spec_step, self.cfg, self.dcfg, o.spec))
+        spec_cfg = dataclasses.replace(o.spec, draft_query=True) if self.draft_scoring else o.spec
+        self._spec_jit = (self.compile_step(functools.partial(spec_step, self.cfg, self.dcfg, spec_cfg))
                           if o.spec is not None else None)
         self._exec: dict[tuple[str, int], Callable] = {}
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -338,7 +350,8 @@ class Engine:
     def _reside(self, rows: list["_Request"], ranges: list[tuple[int, int]]) -> list["_Request"]:
         """Make the pages ``rows`` write resident (and what else the policy wants); returns the rows that run.
 
-        Without KVFlash this just grows each row's pages. With it: summaries for scoring, the residency plan,
+        Without KVFlash this just grows each row's pages. With it: summaries for scoring (mean target keys, or mean
+        drafter context keys of its full layers for drafter scoring), the residency plan,
         page-outs then page-ins (asynchronous), deferral of rows whose pages do not fit now (they run in a later
         step). Requests whose pages a failed transfer lost fail alone with a clear error.
         """
@@ -351,7 +364,9 @@ class Engine:
         need = res.summaries_needed()
         if need:
             try:
-                sums = self.kvf.summaries(self.state, [p for _, _, p in need])
+                phys = [p for _, _, p in need]
+                sums = (self.kvf.draft_summaries(self.dkv, phys) if self.draft_scoring
+                        else self.kvf.summaries(self.state, phys))
                 res.set_summaries([(sid, lp) for sid, lp, _ in need], sums)
             except Exception:  # noqa: BLE001 - without summaries the ranking falls back to LRU (counted)
                 self.counters["kvflash_summary_failures"] += 1
@@ -378,7 +393,7 @@ class Engine:
         c["kvflash_bytes_out"] += n_out * bpp
         c["kvflash_wait_s"] += dt
         c["kvflash_deferred_steps"] += len(plan.deferred)
-        for k in ("score_decisions", "lru_decisions", "score_fallbacks", "clean_evictions"):
+        for k in ("score_decisions", "lru_decisions", "score_fallbacks", "unscored_fallbacks", "clean_evictions"):
             c[f"kvflash_{k}"] += res.counters[k] - before[k]
         for r in run:  # block tables are built from the residency map at dispatch: count the ones that changed
             v = res.version(r.rid)
@@ -433,7 +448,8 @@ class Engine:
                 "resident_pages": res.resident_used, "occupancy": res.resident_used / res.pool_pages,
                 **{k: c[f"kvflash_{k}"] for k in (
                     "pages_in", "pages_out", "bytes_in", "bytes_out", "wait_s", "deferred_steps",
-                    "score_decisions", "lru_decisions", "score_fallbacks", "clean_evictions", "table_refreshes",
+                    "score_decisions", "lru_decisions", "score_fallbacks", "unscored_fallbacks", "clean_evictions",
+                    "table_refreshes",
                     "transfer_failures", "summary_failures")}}
 
     def kvflash_residency(self) -> dict[int, dict] | None:
@@ -796,6 +812,9 @@ class Engine:
 
         b, (inp, samp), take = self._by_replica(rows, self.decode_buckets, make)
         out = take(self._call("spec", b, inp, samp))
+        if self.draft_scoring and out.draft_query is not None:  # None for oracle rounds (nothing drafted)
+            for i, r in enumerate(rows):
+                self.pages.set_query(r.rid, out.draft_query[i])
         cohort, emitted = [], 0
         for i, r in enumerate(rows):
             n = int(out.n_accepted[i])
@@ -856,6 +875,9 @@ class Engine:
         toks = np.array([[r.tokens[-1]] for r in rows], np.int32)
         start = np.array([r.n_cached for r in rows], np.int32)
         out = self._run("decode", rows, toks, np.ones(len(rows), np.int32), start)
+        if self.draft_scoring:  # decoding without drafting: no drafter query for these rows (LRU until the next round)
+            for r in rows:
+                self.pages.set_query(r.rid, None)
         for i, r in enumerate(rows):
             r.stats.decode_steps += 1
             self._accept(r, out, i)
@@ -899,6 +921,7 @@ class Engine:
                       "kv_score_decisions": st.get("score_decisions", 0),
                       "kv_lru_decisions": st.get("lru_decisions", 0),
                       "kv_score_fallbacks": st.get("score_fallbacks", 0),
+                      "kv_unscored_fallbacks": st.get("unscored_fallbacks", 0),
                       "kv_resident_pages": len(self.pages.resident_of(r.rid)),
                       "kv_logical_pages": self.pages.n_logical(r.rid)}
 

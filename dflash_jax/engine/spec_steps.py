@@ -27,6 +27,9 @@ class SpecConfig:
     top_k: int | None = None
     chain_seed: bool = True
     fast_rollback: bool = False  # commit by selecting the accepted node's kept state (one sequence; see commit_tree)
+    # also return the drafter's anchor queries (SpecOutput.draft_query; KVFlash drafter scoring). Off by default:
+    # the executable is then the plain round, with nothing extra computed or copied to the host
+    draft_query: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -49,12 +52,16 @@ class SpecInput:
 class SpecOutput:
     """accepted [B, L+1]: tokens of the accepted path, root first (-1 padded); n_accepted [B] (root counted:
     tokens committed this round); bonus [B]: the target's token after the path (the next root); tree_nodes [B]
-    valid draft nodes verified. Emitted this round: accepted[1:n_accepted] then bonus."""
+    valid draft nodes verified. Emitted this round: accepted[1:n_accepted] then bonus. draft_query
+    [B, n_full*Hkv*hd] float32 (only with ``SpecConfig.draft_query``; None otherwise, and for oracle rounds, which
+    do not draft): the anchor's queries of the drafter's full-attention layers, summed per KV group and scaled
+    (``dflash.anchor_query``), the query KVFlash's drafter scoring ranks pages with."""
 
     accepted: jax.Array
     n_accepted: jax.Array
     bonus: jax.Array
     tree_nodes: jax.Array
+    draft_query: jax.Array | None = None
 
 
 def write_draft_context(dcfg: DrafterConfig, dparams, dkv: DraftKV, feats: jax.Array, positions: jax.Array,
@@ -88,24 +95,28 @@ def _check(cfg: TargetConfig, dcfg: DrafterConfig) -> tuple[int, ...]:
 
 
 def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, dkv: DraftKV,
-               inp: SpecInput) -> ddtree.Tree:
-    """One drafter forward per row from the cached context -> a DDTree of at most ``spec.budget`` nodes."""
+               inp: SpecInput) -> tuple[ddtree.Tree, jax.Array | None]:
+    """One drafter forward per row from the cached context -> (a DDTree of at most ``spec.budget`` nodes, the
+    anchor queries ``[B, F]`` if ``spec.draft_query`` else None)."""
     ctx_k = tuple(attention.gather_pages(k, inp.page_table) for k in dkv.k)
     ctx_v = tuple(attention.gather_pages(v, inp.page_table) for v in dkv.v)
     c = ctx_k[0].shape[1]
     ctx_pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (inp.root.shape[0], c))
     ctx_valid = (ctx_pos < inp.start[:, None]) & attention.resident_tokens(inp.page_table, dkv.k[0].shape[1])
     blocks = dflash.make_blocks(dcfg, inp.root)
-    logits = dflash.draft_forward(dparams, dcfg, params["embed"], params["lm_head"], blocks, inp.start,
-                                  ctx_k, ctx_v, ctx_pos, ctx_valid)
+    out = dflash.draft_forward(dparams, dcfg, params["embed"], params["lm_head"], blocks, inp.start,
+                               ctx_k, ctx_v, ctx_pos, ctx_valid, with_query=spec.draft_query)
+    logits, query = out if spec.draft_query else (out, None)
     logp = jax.nn.log_softmax(logits[:, 1:], axis=-1)
     tree = ddtree.build_tree(logp, spec.budget, spec.top_k, spec.chain_seed)
-    return tree.with_root(inp.root)
+    return tree.with_root(inp.root), query
 
 
 def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state: EngineState, dkv: DraftKV,
-                  inp: SpecInput, samp: SamplingArrays, tree: ddtree.Tree, fast_rollback: bool = False):
-    """Verify B trees in one target pass, accept losslessly, commit target state and drafter context."""
+                  inp: SpecInput, samp: SamplingArrays, tree: ddtree.Tree, fast_rollback: bool = False,
+                  draft_query: jax.Array | None = None):
+    """Verify B trees in one target pass, accept losslessly, commit target state and drafter context
+    (``draft_query`` is passed through to the output)."""
     layers = _check(cfg, dcfg)
     valid = tree.valid & inp.active[:, None]
     parents = jnp.where(valid, tree.parent, -1).at[:, 0].set(-1)
@@ -126,7 +137,7 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
     dkv = write_draft_context(dcfg, dparams, dkv, acc_feats, pos, keep, inp.page_table)
     toks = jnp.where(keep, jnp.take_along_axis(tree.tokens, idx, axis=1), -1)
     out = SpecOutput(accepted=toks, n_accepted=n_acc, bonus=bonus,
-                     tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32))
+                     tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32), draft_query=draft_query)
     return EngineState(kv=kv, rec=rec), dkv, out
 
 
@@ -136,8 +147,8 @@ def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, 
     distributed exactly as the target's own (greedy rows: identical to AR greedy)."""
     if inp.proposal is not None:
         return oracle_step(cfg, dcfg, spec, params, dparams, state, dkv, inp, samp, inp.proposal)
-    tree = draft_tree(cfg, dcfg, spec, params, dparams, dkv, inp)
-    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree, spec.fast_rollback)
+    tree, query = draft_tree(cfg, dcfg, spec, params, dparams, dkv, inp)
+    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree, spec.fast_rollback, query)
 
 
 def oracle_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,

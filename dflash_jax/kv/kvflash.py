@@ -15,8 +15,9 @@ Host side (``Residency``: pure Python + NumPy, no JAX) decides, between steps:
   sequence's floor being its pinned pages; eviction victims come from the sequence furthest above its quota
   (largest excess first), so no sequence is starved and every sequence with demand gets at least its share;
 * what stays resident inside a sequence's quota: pinned pages, then the recent window (newest first) and the
-  sink pages, then the rest ranked by score (``scoring="keys"``) or recency (``"lru"``). Scoring failures fall
-  back to LRU for that decision and are counted;
+  sink pages, then the rest ranked by score (``scoring="keys"`` or ``"drafter"``) or recency (``"lru"``). A
+  ranking without a query or without every page's summary, and a scorer fault, fall back to LRU for that decision
+  and are counted;
 * the transfers: page-out (resident dirty page -> a host slab) and page-in (host slab -> a free physical page).
 
 Page states (every logical page is in exactly one; nothing is ever both dirty and duplicated, nothing is lost):
@@ -41,7 +42,7 @@ import numpy as np
 from dflash_jax.kv.pages import OutOfPages, RequestTooLarge
 
 NOT_RESIDENT = -1  # page-table entry of a logical page that is not resident (attention masks its keys)
-SCORINGS = ("keys", "lru")
+SCORINGS = ("keys", "drafter", "lru")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,9 @@ class KVFlashOptions:
     pool_tokens: size of the resident pool in tokens (``"auto"`` is resolved by the engine from free device
     memory before this is built). scoring: ``"keys"`` ranks non-protected pages by the dot product of the
     sequence's latest full page's mean keys (a stand-in for its latest queries) with each page's mean keys, over
-    the target's attention layers; ``"lru"`` ranks by last use. sink_pages / window_pages: always-kept head and
+    the target's attention layers; ``"drafter"`` by the DFlash drafter's attention logits of its latest round's
+    anchor queries (``set_query``) over each page's mean drafter context keys, over the drafter's full-attention
+    layers (a sequence without a query yet ranks by LRU, counted); ``"lru"`` ranks by last use. sink_pages / window_pages: always-kept head and
     recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
     between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
     resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
@@ -81,7 +84,7 @@ class _Page:
     slab: int = -1
     dirty: bool = True
     last_use: int = 0
-    summary: np.ndarray | None = None  # [F] mean keys of the page once full (for scoring)
+    summary: np.ndarray | None = None  # [F] mean keys of the page once full (target or drafter keys: for scoring)
 
 
 @dataclasses.dataclass
@@ -92,6 +95,7 @@ class _Seq:
     reserved: int  # host-capacity pages promised, not yet materialised
     ranks: list[int] | None = None  # cached logical order best-first (non-protected pages), from the last rescoring
     ranked_at: int = -(10 ** 9)
+    query: np.ndarray | None = None  # [F] the drafter's latest anchor queries (drafter scoring), None before a round
     version: int = 0  # bumped on every residency change (block-table refresh)
     stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
@@ -263,8 +267,8 @@ class Residency:
 
     # ---- scoring inputs ---------------------------------------------------------------------------------------
     def summaries_needed(self) -> list[tuple[int, int, int]]:
-        """(sid, logical, phys) of resident full pages without a summary (keys scoring only)."""
-        if self.opts.scoring != "keys":
+        """(sid, logical, phys) of resident full pages without a summary (keys and drafter scoring)."""
+        if self.opts.scoring == "lru":
             return []
         out = []
         for sid, s in self._seqs.items():
@@ -280,6 +284,13 @@ class Residency:
             s = self._seqs.get(sid)
             if s is not None and lp < len(s.pages):
                 s.pages[lp].summary = np.asarray(v, np.float32)
+
+    def set_query(self, sid: int, query: np.ndarray | None) -> None:
+        """The drafter's queries of ``sid``'s latest round ``[F]`` (drafter scoring), or None when it has none (it
+        decodes without drafting): its next rankings use it. Unknown / released sequences are ignored."""
+        s = self._seqs.get(sid)
+        if s is not None:
+            s.query = None if query is None else np.asarray(query, np.float32)
 
     # ---- the step protocol ------------------------------------------------------------------------------------
     def prepare(self, rows: Sequence[tuple[int, int, int]]) -> Plan:
@@ -419,11 +430,17 @@ class Residency:
             self.counters["lru_decisions"] += 1
             s.stats["lru_decisions"] += 1
             return lru
-        full = s.n_tokens // self.page_size
-        query = next((s.pages[lp].summary for lp in range(min(full, len(s.pages)) - 1, -1, -1)
-                      if s.pages[lp].summary is not None), None)
+        if self.opts.scoring == "drafter":
+            query = s.query
+        else:
+            full = s.n_tokens // self.page_size
+            query = next((s.pages[lp].summary for lp in range(min(full, len(s.pages)) - 1, -1, -1)
+                          if s.pages[lp].summary is not None), None)
         if query is None or any(s.pages[lp].summary is None for lp in rest):
+            # nothing to score with yet (no query / a page without a summary): LRU for this ranking, counted
+            self.counters["unscored_fallbacks"] += 1
             self.counters["lru_decisions"] += 1
+            s.stats["unscored_fallbacks"] += 1
             s.stats["lru_decisions"] += 1
             return lru
         try:

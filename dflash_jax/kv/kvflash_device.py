@@ -17,8 +17,11 @@ one dtype the slab is bytes.
 * Page-in: one jitted call that moves a bucket of host slabs to the device and scatters them into the donated
   pools. Page-outs are dispatched before page-ins and before the step (they read pages the others reuse); all
   are asynchronous and ordered by buffer dependencies, so the host waits only when the step's outputs are read.
-* Summaries (keys scoring): per page, the mean key of each target attention layer and KV head, ``[L*Hkv*D]``
-  float32, over dequantized keys (``kv_quant.take``) when the pages are quantized.
+* Summaries: per page, the mean key of each layer and KV head over the page's tokens, float32, over dequantized keys
+  (``kv_quant.take``) when the pages are quantized: of the target's attention layers ``[L*Hkv*D]`` (keys scoring,
+  ``summaries``) or of the drafter's full-attention layers' context keys ``[n_full*Hkv_d*hd]`` (drafter scoring,
+  ``draft_summaries``; k-normed and RoPE'd as the drafter attends to them; sliding layers never see beyond their
+  window, so they do not rank history).
 
 Bucket sizes are fixed (``BUCKETS``); ``warmup`` compiles every bucket ahead of time.
 """
@@ -95,6 +98,13 @@ def _scatter(tensors: tuple, packed: jax.Array, idx: jax.Array) -> tuple:
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+def _mean_keys(ks: tuple, idx: jax.Array) -> jax.Array:
+    """Mean key over each page's tokens: ``ks[i] [n_pages, P, Hkv, D]`` (or ``QuantizedPages``), idx ``[n]`` ->
+    ``[n, len(ks)*Hkv*D]`` float32, layers concatenated in order."""
+    return jnp.concatenate([jnp.mean(kv_quant.take(k, idx).astype(jnp.float32), axis=1).reshape(idx.shape[0], -1)
+                            for k in ks], axis=1)
+
+
 def _split(tensors: tuple, n_k: int, has_draft: bool, n_dk: int):
     k, v = tensors[:n_k], tensors[n_k: 2 * n_k]
     kv = KVPages(k=k, v=v)
@@ -108,7 +118,9 @@ class KVFlashDevice:
     """Host slabs + jitted page-out / page-in / key summaries for a resident pool of ``n_pages`` pages."""
 
     def __init__(self, state: EngineState, dkv: DraftKV | None, host_pages: int, device: jax.Device | None = None,
-                 host_kind: str | None = None) -> None:
+                 host_kind: str | None = None, draft_summary_layers: Sequence[int] = ()) -> None:
+        """draft_summary_layers: the drafter layers whose context keys ``draft_summaries`` averages (its
+        full-attention layers, for drafter scoring; empty: no drafter summaries are compiled)."""
         leaves = jax.tree_util.tree_leaves(_tensors(state.kv, dkv))
         self.device = device or next(iter(leaves[0].devices()))
         self.host_kind = host_kind or host_memory_kind(self.device)
@@ -128,7 +140,10 @@ class KVFlashDevice:
         self._zero_slab = None
         self._out: dict[int, object] = {}
         self._in: dict[int, object] = {}
-        self._sum: dict[int, object] = {}
+        self._sum: dict[tuple[str, int], object] = {}  # ("target" | "draft", bucket) -> jitted mean keys
+        self.draft_summary_layers = tuple(draft_summary_layers)
+        if self.draft_summary_layers and dkv is None:
+            raise ValueError("drafter summaries need the drafter's context pages (DraftKV)")
         self.lazy_compiles = 0
 
     @property
@@ -162,13 +177,13 @@ class KVFlashDevice:
             self._in[b] = fn
         return self._in[b]
 
-    def _sum_fn(self, b: int):
-        if b not in self._sum:
-            def f(ks, idx):
-                return jnp.concatenate([jnp.mean(kv_quant.take(k, idx).astype(jnp.float32), axis=1)
-                                        .reshape(idx.shape[0], -1) for k in ks], axis=1)
-            self._sum[b] = jax.jit(f)
-        return self._sum[b]
+    def _sum_fn(self, b: int, source: str = "target"):
+        if (source, b) not in self._sum:
+            self._sum[(source, b)] = jax.jit(_mean_keys)
+        return self._sum[(source, b)]
+
+    def _draft_keys(self, dkv: DraftKV) -> tuple:
+        return tuple(dkv.k[i] for i in self.draft_summary_layers)
 
     def warmup(self, state: EngineState, dkv: DraftKV | None) -> None:
         """Compile every bucket of page-out, page-in and summaries ahead of time (nothing is moved)."""
@@ -184,7 +199,11 @@ class KVFlashDevice:
             else:
                 slab = jax.ShapeDtypeStruct((self.slab_elems,), self.dtype, sharding=self._host)
                 self._in[b] = self._in_fn(b).lower(ts, tuple([slab] * b), idx).compile()
-            self._sum[b] = self._sum_fn(b).lower(jax.tree_util.tree_map(spec, tuple(state.kv.k)), idx).compile()
+            self._sum[("target", b)] = self._sum_fn(b).lower(jax.tree_util.tree_map(spec, tuple(state.kv.k)),
+                                                             idx).compile()
+            if self.draft_summary_layers:
+                self._sum[("draft", b)] = self._sum_fn(b, "draft").lower(
+                    jax.tree_util.tree_map(spec, self._draft_keys(dkv)), idx).compile()
 
     # ---- operations ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -229,12 +248,22 @@ class KVFlashDevice:
         return EngineState(kv=kv, rec=state.rec), d
 
     def summaries(self, state: EngineState, phys: Sequence[int]) -> np.ndarray:
-        """[n, L*Hkv*D] float32 mean keys of the given physical pages (blocks until ready)."""
+        """[n, L*Hkv*D] float32 mean target keys of the given physical pages (blocks until ready)."""
+        return self._summaries("target", tuple(state.kv.k), phys)
+
+    def draft_summaries(self, dkv: DraftKV, phys: Sequence[int]) -> np.ndarray:
+        """[n, n_full*Hkv_d*hd] float32 mean drafter context keys of the given physical pages over the
+        ``draft_summary_layers`` (blocks until ready)."""
+        if not self.draft_summary_layers:
+            raise ValueError("no drafter summary layers were given (draft_summary_layers)")
+        return self._summaries("draft", self._draft_keys(dkv), phys)
+
+    def _summaries(self, source: str, ks: tuple, phys: Sequence[int]) -> np.ndarray:
         outs = []
         for part, b in self._chunks(list(phys)):
             idx = np.zeros(b, np.int32)
             idx[: len(part)] = part
-            outs.append(np.asarray(self._sum_fn(b)(tuple(state.kv.k), idx))[: len(part)])
+            outs.append(np.asarray(self._sum_fn(b, source)(ks, idx))[: len(part)])
         return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
 
     def _zero(self):

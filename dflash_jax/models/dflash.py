@@ -155,12 +155,29 @@ def _attend(q: jax.Array, kc: jax.Array, vc: jax.Array, cmask: jax.Array, kb: ja
     return o.reshape(b, n, t, h, hd).astype(q.dtype)
 
 
+def anchor_query(cfg: DrafterConfig, qs: list[jax.Array]) -> jax.Array:
+    """The anchor's (block 0, offset 0) queries of the full-attention layers, one vector per KV group.
+
+    qs: per full layer ``[B, N*blk, H, hd]`` (after q_norm and RoPE) -> float32 ``[B, n_full*Hkv*hd]``: each
+    group's queries summed over its heads and scaled by ``hd**-0.5``, so that its dot product with a page's mean
+    context keys (``[n_full, Hkv, hd]`` flattened) is the summed attention logits of the anchor over that mean key.
+    """
+    if not qs:
+        raise ValueError("the drafter has no full-attention layer: it has no anchor query over the whole context")
+    hkv, hd = cfg.num_kv_heads, cfg.head_dim
+    out = [q[:, 0].astype(F32).reshape(q.shape[0], hkv, -1, hd).sum(axis=2).reshape(q.shape[0], hkv * hd)
+           for q in qs]
+    return jnp.concatenate(out, axis=1) * hd ** -0.5
+
+
 def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array, ctx_k, ctx_v,
-            ctx_positions: jax.Array, ctx_valid: jax.Array) -> jax.Array:
+            ctx_positions: jax.Array, ctx_valid: jax.Array, with_query: bool = False):
     """Run N blocks per sequence through every layer. h [B,N,blk,D] (embedded block tokens); anchors [B,N];
-    ctx_k[i], ctx_v[i] [B,C,Hkv,hd]. Returns RMSNorm(h; norm) [B,N,blk,D]."""
+    ctx_k[i], ctx_v[i] [B,C,Hkv,hd]. Returns RMSNorm(h; norm) [B,N,blk,D]; with ``with_query`` also the first
+    block's ``anchor_query`` [B, n_full*Hkv*hd] (the layers' arithmetic is the same either way)."""
     b, n, blk, d = h.shape
     hq, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    full_qs: list[jax.Array] = []
     pos = (anchors[:, :, None] + jnp.arange(blk, dtype=anchors.dtype)).reshape(b, n * blk)
     cmasks: dict[int | None, jax.Array] = {}
     bmasks: dict[tuple[bool, int | None], jax.Array] = {}
@@ -174,13 +191,16 @@ def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array
         u = rms_norm(h, p["input_norm"], eps).reshape(b, n * blk, d)
         q = linear(u, a["q"]).reshape(b, n * blk, hq, hd)
         q = rope(rms_norm(q, a["q_norm"], eps), pos, hd, cfg.rope_theta)
+        if with_query and i in cfg.full_layers:
+            full_qs.append(q)
         kb, vb = _project_kv(a, cfg, u, pos)
         o = _attend(q.reshape(b, n, blk, hq, hd), ctx_k[i], ctx_v[i], cmasks[w],
                     kb.reshape(b, n, blk, cfg.num_kv_heads, hd), vb.reshape(b, n, blk, cfg.num_kv_heads, hd),
                     bmasks[(causal, w)])
         h = h + linear(o.reshape(b, n, blk, hq * hd), a["o"])
         h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps))
-    return rms_norm(h, params["norm"], eps)
+    h = rms_norm(h, params["norm"], eps)
+    return (h, anchor_query(cfg, full_qs)) if with_query else h
 
 
 def _logits(h: jax.Array, lm_head: jax.Array) -> jax.Array:
@@ -197,27 +217,30 @@ def make_blocks(cfg: DrafterConfig, anchor_tokens: jax.Array) -> jax.Array:
 # inference: one draft step for B sequences
 # ---------------------------------------------------------------------------------------------
 def draft_hidden(params: Params, cfg: DrafterConfig, embed: jax.Array, block_tokens: jax.Array,
-                 block_start: jax.Array, ctx_k, ctx_v, ctx_positions: jax.Array, ctx_valid: jax.Array) -> jax.Array:
-    """``draft_forward`` up to the final norm: ``[B, blk, D]``."""
+                 block_start: jax.Array, ctx_k, ctx_v, ctx_positions: jax.Array, ctx_valid: jax.Array,
+                 with_query: bool = False):
+    """``draft_forward`` up to the final norm: ``[B, blk, D]`` (and the ``anchor_query`` with ``with_query``)."""
     h = jnp.asarray(embed)[block_tokens].astype(model_dtype(params))[:, None]  # [B, 1, blk, D]
     out = _blocks(params, cfg, h, block_start[:, None].astype(jnp.int32), ctx_k, ctx_v,
-                  ctx_positions.astype(jnp.int32), ctx_valid.astype(bool))
-    return out[:, 0]
+                  ctx_positions.astype(jnp.int32), ctx_valid.astype(bool), with_query)
+    return (out[0][:, 0], out[1]) if with_query else out[:, 0]
 
 
 def draft_forward(params: Params, cfg: DrafterConfig, embed: jax.Array, lm_head: jax.Array,
                   block_tokens: jax.Array, block_start: jax.Array, ctx_k, ctx_v, ctx_positions: jax.Array,
-                  ctx_valid: jax.Array) -> jax.Array:
+                  ctx_valid: jax.Array, with_query: bool = False):
     """One draft step of B sequences -> float32 logits ``[B, blk, V]``.
 
     embed, lm_head: the TARGET's ``[V, D]`` embedding and LM head. block_tokens ``[B, blk]`` (normally
     ``[anchor, mask...]``, see ``make_blocks``) at positions ``block_start[b] + 0..blk-1``; ``block_start [B]``.
     ctx_k[i], ctx_v[i] ``[B, C, Hkv, hd]`` (from ``context_kv``, padded to a static C); ctx_positions ``[B, C]``
     and ctx_valid ``[B, C]`` (padding False). Only valid context keys with position < block_start are seen.
-    Drafts are the argmax/samples at offsets 1..blk-1.
+    Drafts are the argmax/samples at offsets 1..blk-1. ``with_query``: returns ``(logits, anchor_query [B, F])``
+    (the anchor's full-layer queries per KV group, for KVFlash's drafter scoring), the logits unchanged.
     """
-    h = draft_hidden(params, cfg, embed, block_tokens, block_start, ctx_k, ctx_v, ctx_positions, ctx_valid)
-    return _logits(h, lm_head)
+    out = draft_hidden(params, cfg, embed, block_tokens, block_start, ctx_k, ctx_v, ctx_positions, ctx_valid,
+                       with_query)
+    return (_logits(out[0], lm_head), out[1]) if with_query else _logits(out, lm_head)
 
 
 # ---------------------------------------------------------------------------------------------

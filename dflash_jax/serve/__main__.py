@@ -6,7 +6,7 @@
     python -m dflash_jax.serve --config configs/h200.yaml --model PATH
 
 Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation, ``--prefill-compression auto|always
---prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring keys|lru]`` bounded KV
+--prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring keys|drafter|lru]`` bounded KV
 residency (a resident pool of N tokens shared by all running sequences, histories backed by pinned host memory),
 ``--fast-rollback`` (one sequence) the node-selecting commit. Combinations this engine cannot run are rejected at
 start-up with a message naming the flags, never silently ignored.
@@ -21,6 +21,7 @@ import sys
 import time
 
 from dflash_jax import SHIPPED_MODELS as SHIPPED
+from dflash_jax.kv.kvflash import SCORINGS
 
 DEVICE_PREFIXES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "hip": "gpu"}
 
@@ -56,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kvflash", default=None,
                     help="off | auto | N: resident KV pool of N tokens shared by all sequences (auto: from free "
                          "device memory); the rest of each history lives in pinned host memory")
-    ap.add_argument("--kvflash-scoring", choices=("keys", "lru"), default=None,
+    ap.add_argument("--kvflash-scoring", choices=SCORINGS, default=None,
                     help="what stays resident beyond the sink and recent pages: keys = query-aware score of each "
-                         "page's mean keys against the latest keys; lru = least recently used leaves first")
+                         "page's mean keys against the latest keys; drafter (needs --ddtree) = the DFlash drafter's "
+                         "attention logits of its latest queries over each page's mean context keys (LRU for a "
+                         "sequence before its first round or decoding AR); lru = least recently used leaves first")
     ap.add_argument("--fast-rollback", action="store_true", default=None,
                     help="single sequence (--ddtree, --max-concurrency 1): commit by selecting the accepted tree "
                          "node's kept recurrent state instead of the closed-form replay")
@@ -156,6 +159,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.prefill_drafter and not os.path.isdir(ns.prefill_drafter):
         raise StartupError(f"--prefill-drafter {ns.prefill_drafter}: not a directory")
     ns.kvflash = _kvflash_flag(ns.kvflash)
+    if ns.kvflash_scoring not in SCORINGS:  # a preset bypasses argparse's choices
+        raise StartupError(f"--kvflash-scoring must be one of {', '.join(SCORINGS)}, got {ns.kvflash_scoring!r}")
+    if ns.kvflash is not None and ns.kvflash_scoring == "drafter" and not ns.ddtree:
+        raise StartupError("--kvflash-scoring drafter ranks pages by the DFlash drafter's queries: it needs --ddtree "
+                           "(use keys or lru without a drafter)")
     if ns.draft_residency != "persistent":  # a preset bypasses argparse's choices
         raise StartupError(f"--draft-residency {ns.draft_residency}: only 'persistent' is supported (drafter and "
                            "scorer stay on the device; the seed's swapped/snapshot-cache residencies are not built)")
