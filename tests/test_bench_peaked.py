@@ -104,6 +104,19 @@ def test_oracle_run_on_peaked_random_weights_meets_the_requested_tau(tmp_path, d
     assert figs["oracle_tau6.5.b1.tok_s_at_tau"] == pytest.approx(6.5e3 / figs["oracle_tau6.5.b1.round_ms"])
 
 
+def test_concurrency_oracle_on_peaked_random_weights_is_lossless_in_bf16(tmp_path):
+    rc = main(["concurrency", "--random-weights", TINY_CONFIG, "--random-drafter", _drafter(tmp_path), "--dtype",
+               "bfloat16", "--concurrency", "2", "--output-len", "24", "--repeats", "1", "--prompt-len-min", "5",
+               "--prompt-len-max", "20", "--prefill-chunk", "16", "--page-size", "8", "--oracle-tau", "6.5",
+               "--cohort-yield-min", "0", "--no-progress", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
+    out = json.loads(res.read_text())
+    assert out["extra"]["peaked_random_weights"] is True
+    assert out["figures"]["reproducible"] == 1  # bf16 ddtree output equals the ar greedy it was given
+    assert out["figures"]["c2.ddtree.accept_per_step"] > 4
+
+
 def test_peaked_flag_is_refused_for_a_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="--random-weights"):
         main(["spec", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-drafter", _drafter(tmp_path),
