@@ -124,7 +124,12 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
             raise RuntimeError(f"oracle run: more than {max_resyncs} resyncs of the recorded continuation")
         ctx = prompt + history
         left = n_tokens - len(history)
-        truth = eng.generate([ctx], SamplingParams(max_tokens=left + dcfg.block_size, ignore_eos=True))[0].token_ids
+        # logprobs=True keeps the request on the AR decode path (the engine otherwise decodes it speculatively)
+        rec = eng.generate([ctx], SamplingParams(max_tokens=left + dcfg.block_size, ignore_eos=True,
+                                                 logprobs=True))[0]
+        if rec.stats["spec_mode"] != "ar" or rec.stats["draft_steps"]:
+            raise RuntimeError(f"oracle run: the continuation was not recorded by AR decoding ({rec.stats})")
+        truth = rec.token_ids
         # prefill through the engine, then drive rounds by hand on that request's slot and pages
         rid = eng.submit(ctx, SamplingParams(max_tokens=left + dcfg.block_size + 1, ignore_eos=True))
         while not eng.running.get(rid) or not eng.running[rid].tokens:
