@@ -28,7 +28,7 @@ from dflash_jax.bench import results
 from dflash_jax.bench.ar import device_step_ms
 from dflash_jax.bench.peaked import add_peaked_argument, describe, peak_target, peaked_wanted
 from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
-from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.engine.sampling import SamplingArrays
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
 
@@ -36,7 +36,8 @@ from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_source_arguments(p)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16],
+                   help="batch sizes timed; only these (and 1, for the oracle run) are compiled")
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache when steps are timed")
     p.add_argument("--page-size", type=int, default=16)
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
-                                             cohort_yield_min=0.0, **parallel_options(args)),
+                                             cohort_yield_min=0.0, batch_buckets=replica_buckets({1, *args.batch}),
+                                             **parallel_options(args)),
                  drafter=(dcfg, dparams))
     t0 = time.perf_counter()
     eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
