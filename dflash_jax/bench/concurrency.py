@@ -59,7 +59,9 @@ Method (the engine API, not the HTTP server):
   id (``EngineOptions.spec_oracle`` -> ``spec_steps.oracle_step``; seeded per request and position). Verification,
   acceptance and commit are the engine's real ones; the ar vs ddtree hash comparison still checks losslessness. Where
   the output leaves the recorded continuation (near-tied logits in low precision, KVFlash pressure) the proposals
-  stop matching and the measured ``accept_per_step`` says so.
+  stop matching and the measured ``accept_per_step`` says so. With ``--random-weights`` the oracle run peaks the
+  target by default (``bench/peaked.py``: a confident bigram target at an unchanged cost, so bf16 ar and ddtree
+  greedy agree; ``--no-peaked-random-weights`` keeps the plain random target).
 * Progress: a line on stderr per case (repeat, tokens done of requested), unless ``--no-progress``.
 * Reproducibility: sha256 of each request's greedy token ids (decimal ids joined by ``,``, UTF-8), compared
   across repeats, across concurrencies (same prompt) and between ar and ddtree (lossless). Reported as the
@@ -82,6 +84,7 @@ import jax
 import numpy as np
 
 from dflash_jax.bench import results
+from dflash_jax.bench.peaked import add_peaked_argument, describe, peak_target, peaked_wanted
 from dflash_jax.bench.sources import (add_scorer_arguments, add_source_arguments, load_drafter_source,
                                       load_scorer_source, load_target_source, parallel_options)
 from dflash_jax.engine.compile import compile_count
@@ -138,6 +141,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle-tau", type=float, default=0.0, metavar="T",
                    help="FORCED ACCEPTANCE: ddtree rounds verify the ar case's greedy continuation, corrupted to an "
                         "expected T tokens per round, instead of the drafter's tree (0 = off; needs both modes)")
+    add_peaked_argument(p)
     p.add_argument("--kvflash", type=_kvflash_arg, default=None, metavar="N|auto",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests (auto: "
                         "80%% of free device memory)")
@@ -792,8 +796,11 @@ def run(args: argparse.Namespace, command: str) -> int:
             print(f"FAIL: --recipe {args.recipe}: {NOT_AVAILABLE} ({why})")
         return 2
 
+    peaked = peaked_wanted(args)
     t0 = time.perf_counter()
     target = load_target_source(args)
+    if peaked:
+        target, _ = peak_target(target)
     drafter = load_drafter_source(args)
     jax.block_until_ready((target.params, drafter[1]))
     load_s = time.perf_counter() - t0
@@ -933,7 +940,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     if not args.no_write:
         extra = {
             "target": args.model or args.random_weights, "drafter": args.drafter or args.random_drafter,
-            "weights": "checkpoint" if args.model else "random", "dtype": args.dtype, "concurrency": conc,
+            "weights": "checkpoint" if args.model else "peaked random" if peaked else "random",
+            "peaked_random_weights": peaked, "peaked_random_weights_detail": describe() if peaked else None,
+            "dtype": args.dtype, "concurrency": conc,
             "output_len": args.output_len, "repeats": args.repeats, "seed": args.seed, "budget": args.budget,
             "cohort_yield_min": args.cohort_yield_min, "max_model_len": max_len, "page_size": args.page_size,
             "prefill_chunk": args.prefill_chunk, "prefill_batch": args.prefill_batch,

@@ -3,9 +3,15 @@
 1. Step overhead (``bN.step_overhead``): device time of one draft + DDTree + verify + commit round divided by one
    AR decode step, same batch B, same context, both the engine's compiled executables run back to back.
 2. Oracle draft (``oracle_tau{T}.b1.*``, clearly forced acceptance): the target's own greedy continuation is
-   recorded by AR decoding, then a B=1 speculative loop proposes it as the tree's chain, each position replaced
-   by a random token with the probability that makes the expected tokens per round T. Verification, acceptance
-   and commit are the real ones; the emitted tokens must equal the AR continuation (checked).
+   recorded by AR decoding, then a B=1 speculative loop proposes it as the tree's chain, right up to a length drawn
+   per round from the distribution of a chain whose positions are each right with the probability that makes the
+   expected tokens per round T (``accepted_lengths``), then a wrong token. Verification, acceptance and commit are
+   the real ones; the emitted tokens must equal the AR continuation (checked). With ``--random-weights`` the target
+   is peaked by default (``bench/peaked.py``: a confident bigram target at an unchanged cost), so that the bf16
+   verify pass and the AR decode step pick the same tokens and the run meets T; ``--no-peaked-random-weights``
+   measures the plain random target. ``tok_s`` = tokens emitted / time of the timed rounds (at ``tau_measured``, a
+   sample mean over the run's rounds); ``tok_s_at_tau`` = T / ``round_ms``: a round's cost does not depend on how
+   much of it is accepted (fixed shapes), so this is the rate at exactly T.
 """
 
 from __future__ import annotations
@@ -13,14 +19,16 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from collections.abc import Iterator
 
 import jax
 import numpy as np
 
 from dflash_jax.bench import results
 from dflash_jax.bench.ar import device_step_ms
+from dflash_jax.bench.peaked import add_peaked_argument, describe, peak_target, peaked_wanted
 from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
-from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.engine.sampling import SamplingArrays
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
 
@@ -28,7 +36,8 @@ from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_source_arguments(p)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16],
+                   help="batch sizes timed; only these (and 1, for the oracle run) are compiled")
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache when steps are timed")
     p.add_argument("--page-size", type=int, default=16)
@@ -36,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--oracle-tau", type=float, default=6.5, help="0 skips the oracle-draft run")
     p.add_argument("--oracle-tokens", type=int, default=128)
+    add_peaked_argument(p)
 
 
 def chain_keep_prob(tau: float, depth: int) -> float:
@@ -51,6 +61,20 @@ def chain_keep_prob(tau: float, depth: int) -> float:
         else:
             hi = q
     return (lo + hi) / 2
+
+
+def accepted_lengths(tau: float, depth: int, seed: int = 0) -> Iterator[int]:
+    """Per round, how many leading proposals are right (0..depth): distributed as in a chain whose positions are
+    independently right with ``chain_keep_prob(tau, depth)`` (so 1 + the mean is ``tau``), drawn by inverse CDF at
+    the golden-ratio sequence (offset by ``seed``) instead of at random, so that the mean over n rounds is within
+    O(log n / n) of its expectation (random draws: ~0.75 tau / sqrt(n) at tau 6.5, 17 % over 128 tokens)."""
+    q = chain_keep_prob(tau, depth)
+    p = np.array([q ** k * (1 - q) for k in range(depth)] + [q ** depth])
+    cdf = np.cumsum(p)
+    u = np.random.default_rng(seed).random()
+    while True:
+        u = (u + 0.6180339887498949) % 1.0
+        yield min(int(np.searchsorted(cdf, u, side="right")), depth)
 
 
 def spec_step_ms(eng: Engine, b: int, context: int, iters: int) -> float:
@@ -74,19 +98,22 @@ def spec_step_ms(eng: Engine, b: int, context: int, iters: int) -> float:
 
 def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, tau: float, seed: int = 0,
                max_resyncs: int = 32) -> dict:
-    """B=1 loop with proposals from the recorded greedy continuation, corrupted to expected ``tau``.
+    """B=1 loop with proposals from the recorded greedy continuation, corrupted to expected ``tau`` (per round,
+    ``accepted_lengths`` right proposals, then random tokens, the first of them wrong).
 
     The continuation is recorded by AR decoding. In low precision the tree-verify pass and the AR decode step can
     pick different argmaxes where the top logits nearly tie (random weights make that common); the speculative
     output is then still the target's own choice, but the recorded continuation no longer predicts it. So on the
     first difference the run re-records the continuation from the tokens emitted so far and goes on (``resyncs``),
-    and only the rounds themselves are timed. In float32 any difference is an error.
+    and only the rounds themselves are timed. Every resync ends a round's acceptance early, so with many of them the
+    measured tau falls well short of ``tau``: peaked random weights (``bench/peaked.py``) remove them. In float32
+    any difference is an error.
     """
     cfg, dcfg = eng.cfg, eng.dcfg
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
     depth = dcfg.block_size - 1
-    q = chain_keep_prob(tau, min(depth, spec.budget))  # the tree's chain holds at most `budget` nodes
+    lengths = accepted_lengths(tau, min(depth, spec.budget), seed)  # the tree's chain holds at most `budget` nodes
     step = eng.compile_step(functools.partial(oracle_step, cfg, dcfg, spec), extra_inputs=1)
     samp = eng.put(SamplingArrays.from_rows([], 1))
     exact = eng.target.params["embed"].dtype == np.float32
@@ -98,7 +125,12 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
             raise RuntimeError(f"oracle run: more than {max_resyncs} resyncs of the recorded continuation")
         ctx = prompt + history
         left = n_tokens - len(history)
-        truth = eng.generate([ctx], SamplingParams(max_tokens=left + dcfg.block_size, ignore_eos=True))[0].token_ids
+        # logprobs=True keeps the request on the AR decode path (the engine otherwise decodes it speculatively)
+        rec = eng.generate([ctx], SamplingParams(max_tokens=left + dcfg.block_size, ignore_eos=True,
+                                                 logprobs=True))[0]
+        if rec.stats["spec_mode"] != "ar" or rec.stats["draft_steps"]:
+            raise RuntimeError(f"oracle run: the continuation was not recorded by AR decoding ({rec.stats})")
+        truth = rec.token_ids
         # prefill through the engine, then drive rounds by hand on that request's slot and pages
         rid = eng.submit(ctx, SamplingParams(max_tokens=left + dcfg.block_size + 1, ignore_eos=True))
         while not eng.running.get(rid) or not eng.running[rid].tokens:
@@ -110,8 +142,11 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
         table = eng.pages.page_tables([rid], eng.width)
         while len(seg) < left and seg == truth[:len(seg)]:
             pos = len(seg)  # proposals for depths 1..L: the continuation after the root
-            prop = np.array([truth[pos + d] if rng.random() < q else int(rng.integers(0, cfg.vocab_size))
-                             for d in range(depth)], np.int32)[None]
+            k = next(lengths)
+            prop = rng.integers(0, cfg.vocab_size, (1, depth), dtype=np.int32)
+            prop[0, :k] = truth[pos:pos + k]
+            if k < depth and prop[0, k] == truth[pos + k]:
+                prop[0, k] = (prop[0, k] + 1) % cfg.vocab_size
             inp = SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32),
                             slots=np.array([r.slot], np.int32), active=np.ones(1, bool), page_table=table)
             t0 = time.perf_counter()
@@ -138,14 +173,18 @@ def run(args: argparse.Namespace, command: str) -> int:
     if args.data_parallel != 1:
         raise SystemExit("bench spec drives single rounds by hand on one replica: use --data-parallel 1 "
                          "(--tensor-parallel works)")
+    peaked = peaked_wanted(args)
     target = load_target_source(args)
+    if peaked:
+        target, _ = peak_target(target)
     dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))
     spec = SpecConfig(budget=args.budget)
     max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
-                                             cohort_yield_min=0.0, **parallel_options(args)),
+                                             cohort_yield_min=0.0, batch_buckets=replica_buckets({1, *args.batch}),
+                                             **parallel_options(args)),
                  drafter=(dcfg, dparams))
     t0 = time.perf_counter()
     eng.warmup(lambda name, dt: print(f"  compiled {name} in {dt:.1f}s", flush=True))
@@ -159,15 +198,19 @@ def run(args: argparse.Namespace, command: str) -> int:
     if args.oracle_tau > 0:
         m = oracle_run(eng, spec, args.context, args.oracle_tokens, args.oracle_tau)
         key = f"oracle_tau{args.oracle_tau:g}.b1"
-        figures.update({f"{key}.tok_s": m["tok_s"], f"{key}.tau_measured": m["tau_measured"],
+        figures.update({f"{key}.tok_s": m["tok_s"], f"{key}.tok_s_at_tau": 1e3 * args.oracle_tau / m["round_ms"],
+                        f"{key}.tau_measured": m["tau_measured"],
                         f"{key}.round_ms": m["round_ms"], f"{key}.resyncs": m["resyncs"]})
-        print(f"oracle draft (forced acceptance, tau {args.oracle_tau}): {m['tok_s']:.1f} tok/s, "
-              f"measured tau {m['tau_measured']:.2f}", flush=True)
+        print(f"oracle draft (forced acceptance, tau {args.oracle_tau}{', peaked random weights' if peaked else ''}): "
+              f"{m['tok_s']:.1f} tok/s, measured tau {m['tau_measured']:.2f}, {m['resyncs']} resyncs", flush=True)
     results.print_table(figures)
     if not args.no_write:
         extra = {"target": args.model or args.random_weights, "drafter": args.drafter or args.random_drafter,
-                 "weights": "checkpoint" if args.model else "random", "dtype": args.dtype, "context": args.context,
-                 "oracle": "forced acceptance: proposals are the target's own greedy continuation, corrupted "
-                           "per position to the requested expected tokens per round"}
+                 "weights": "checkpoint" if args.model else "peaked random" if peaked else "random",
+                 "peaked_random_weights": peaked, "peaked_random_weights_detail": describe() if peaked else None,
+                 "dtype": args.dtype, "context": args.context,
+                 "oracle": "forced acceptance: proposals are the target's own greedy continuation, right up to a "
+                           "length drawn per round (golden-ratio inverse CDF) from the chain distribution of the "
+                           "requested expected tokens per round, then wrong"}
         print("wrote", results.write_result("spec", figures, command, extra, out_dir=args.out_dir))
     return 0
