@@ -7,7 +7,6 @@ import functools
 import os
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 import dflash_jax as dj
 from conftest import FIXTURES
-from dflash_jax.config import TargetConfig
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.models import dflash, loader, quant, qwen36
 from dflash_jax.models.loader import CheckpointError
