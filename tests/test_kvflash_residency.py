@@ -213,6 +213,23 @@ def test_sinks_and_recent_window_stay_and_lru_evicts_the_oldest_use():
     assert kept == [0, 8, 9]  # the rest by recency: pages 1..7 were used least recently
 
 
+def _grow_summarised(sim, vec: dict, pages: int = 8):
+    """Sequence 0 grows by ``pages`` full pages, each resident full page summarised by ``vec[logical]`` before
+    every step (what the engine does); returns the summarising function."""
+    res = sim.res
+
+    def summaries():
+        need = res.summaries_needed()
+        res.set_summaries([(a, b) for a, b, _ in need], [vec[b] for _, b, _ in need])
+
+    for _ in range(pages):
+        n = res.num_tokens(0)
+        summaries()
+        sim.step([(0, n, n + 4)])
+    summaries()
+    return summaries
+
+
 def test_keys_scoring_keeps_the_best_matching_page_and_a_raising_scorer_falls_back_to_lru():
     sim = Sim(pool_pages=5, page_size=4, scoring="keys", sink_pages=1, window_pages=1, rescore_every=1)
     res = sim.res
@@ -221,15 +238,7 @@ def test_keys_scoring_keeps_the_best_matching_page_and_a_raising_scorer_falls_ba
     vec[3] = np.eye(4)[0] * 5  # the latest full page (7) matches page 3 best
     vec[7] = np.eye(4)[0]
 
-    def summaries():  # what the engine does before every step: summarise resident full pages
-        need = res.summaries_needed()
-        res.set_summaries([(a, b) for a, b, _ in need], [vec[b] for _, b, _ in need])
-
-    for _ in range(8):
-        n = res.num_tokens(0)
-        summaries()
-        sim.step([(0, n, n + 4)])
-    summaries()
+    _grow_summarised(sim, vec)
     sim.step([(1, 0, 8)])  # sequence 1 needs pages: 0 drops to its quota, keeping its best-scored page
     kept = res.resident_of(0)
     assert 3 in kept and 0 in kept and 7 in kept
@@ -286,15 +295,7 @@ def test_drafter_scoring_ranks_by_query_dot_summary_and_falls_back_to_lru_withou
     assert sim.admit(0, 100) and sim.admit(1, 100)
     vec = {lp: np.eye(8)[lp] for lp in range(8)}  # page lp's mean drafter keys point along axis lp
 
-    def summaries():
-        need = res.summaries_needed()
-        res.set_summaries([(a, b) for a, b, _ in need], [vec[b] for _, b, _ in need])
-
-    for _ in range(8):
-        n = res.num_tokens(0)
-        summaries()
-        sim.step([(0, n, n + 4)])
-    summaries()
+    summaries = _grow_summarised(sim, vec)
     assert all(res._seqs[0].pages[lp].summary is not None for lp in range(8))
     sim.step([(1, 0, 8)])  # no drafter query yet: sequence 0 keeps its sink, window and most recent page (LRU)
     assert res.resident_of(0) == [0, 6, 7]
