@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, nano_drafter_config
 from dflash_jax.bench.__main__ import main
 from dflash_jax.bench.concurrency import map_preset, prove, prove_pflash
 
@@ -15,13 +15,7 @@ TARGET = os.path.join(FIXTURES, "qwen36_tiny_a")
 
 
 def _drafter(tmp_path) -> str:
-    p = tmp_path / "drafter.json"
-    p.write_text(json.dumps({
-        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1e7,
-        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "block_size": 8,
-        "dflash_config": {"mask_token_id": 250, "target_layer_ids": [0, 1, 2]}}))
-    return str(p)
+    return nano_drafter_config(tmp_path)
 
 
 def _scorer(tmp_path) -> str:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, nano_drafter_config
 from dflash_jax.bench.__main__ import main
 from dflash_jax.bench.peaked import peak_target, successor
 from dflash_jax.bench.spec import accepted_lengths, chain_keep_prob
@@ -82,13 +82,7 @@ def test_accepted_lengths_follow_the_chain_distribution_closely():
 
 
 def _drafter(tmp_path) -> str:
-    path = tmp_path / "drafter.json"
-    path.write_text(json.dumps({
-        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1e7,
-        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "block_size": 16,
-        "dflash_config": {"mask_token_id": 250, "target_layer_ids": [0, 1, 2]}}))
-    return str(path)
+    return nano_drafter_config(tmp_path, block_size=16)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, nano_drafter_config
 from dflash_jax.bench.__main__ import main
 from dflash_jax.bench.spec import chain_keep_prob
 
@@ -21,12 +21,7 @@ def test_chain_keep_prob_hits_the_expected_tokens_per_round():
 
 
 def test_spec_bench_smoke(tmp_path):
-    drafter = tmp_path / "drafter.json"
-    drafter.write_text(json.dumps({
-        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1e7,
-        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "block_size": 8,
-        "dflash_config": {"mask_token_id": 250, "target_layer_ids": [0, 1, 2]}}))
+    drafter = nano_drafter_config(tmp_path)
     rc = main(["spec", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-drafter", str(drafter),
                "--dtype", "float32", "--batch", "1", "2", "--budget", "6", "--context", "40", "--prefill-chunk", "32",
                "--iters", "2", "--oracle-tau", "3", "--oracle-tokens", "24", "--out-dir", str(tmp_path)])
