@@ -71,6 +71,7 @@ Method (the engine API, not the HTTP server):
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import hashlib
 import os
@@ -520,6 +521,19 @@ def make_oracle(truth: dict[tuple[int, ...], list[int]], keep: float, depth: int
     return oracle
 
 
+def step_time_figures(seconds: collections.Counter, counters: collections.Counter, repeats: int) -> dict:
+    """Where the measured batches' time went: ``<kind>_step_ms`` (mean wall time of one engine step of that kind,
+    dispatch to outputs on the host) and ``host_ms`` (per repeat, the host loop's own time outside the steps)."""
+    out = {}
+    for kind in ("prefill", "decode", "spec"):
+        n = counters[f"{kind}_steps"]
+        if n:
+            out[f"{kind}_step_ms"] = 1e3 * seconds[kind] / n
+            out[f"{kind}_steps"] = n / repeats
+    out["host_ms"] = 1e3 * max(0.0, seconds["step"] - sum(seconds[k] for k in ("prefill", "decode", "spec"))) / repeats
+    return out
+
+
 def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, args, max_len: int,
              prep: Prep | None = None, progress: Progress | None = None, oracle=None) -> dict:
     """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches (each prompt through
@@ -545,6 +559,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     warm = run_batch(eng, warm_prompts, WARMUP_TOKENS, args.seed, prep, progress, "warm-up")
     case["accounting"] += [f"warm-up: {m}" for m in account(warm["requests"], c, WARMUP_TOKENS)]
     compiles0, lazy0 = compile_count(), eng.counters["lazy_compiles"]
+    seconds0, counters0 = collections.Counter(eng.step_seconds), collections.Counter(eng.counters)
     for rep in range(args.repeats):
         b = run_batch(eng, prompts, args.output_len, args.seed, prep, progress, f"repeat {rep + 1}/{args.repeats}")
         case["accounting"] += [f"repeat {rep}: {m}" for m in account(b["requests"], c, args.output_len)]
@@ -582,6 +597,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     ev = case["figures"]["cohort_yield_events"]
     case["figures"]["cohort_yield_events"] = int(ev) if ev is not None and float(ev).is_integer() else ev
     case["n_requests"] = c * args.repeats
+    case["figures"].update(step_time_figures(eng.step_seconds - seconds0, eng.counters - counters0, args.repeats))
     if eng.kvf is not None:
         rep_ = eng.kvflash_report()
         case["kvflash"] = rep_

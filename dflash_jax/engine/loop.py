@@ -310,6 +310,9 @@ class Engine:
         self._ids = itertools.count()
         self.warmup_report: dict[str, float] = {}
         self.counters = collections.Counter()
+        # wall seconds by step kind (dispatch to outputs on the host) and of whole ``step()`` calls ("step"):
+        # "step" minus the kinds is the host loop's own time
+        self.step_seconds: collections.Counter[str] = collections.Counter()
 
     # ---- KVFlash --------------------------------------------------------------------------------------------
     def _kv_bytes_per_token(self, kv_dtype) -> int:
@@ -659,6 +662,13 @@ class Engine:
     # ---- one iteration --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit, prefill one chunk, decode one token; returns the requests that changed."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds["step"] += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         self._admit()
         changed: dict[int, _Request] = {}
         pre = self._take([r for r in self.running.values() if r.cursor < len(r.prompt)], self.prefill_buckets[-1])
@@ -780,9 +790,11 @@ class Engine:
         if fn is None:
             self.counters["lazy_compiles"] += 1
             fn = self._exec[(kind, b)] = self._lower(kind, b).compile()
+        t0 = time.perf_counter()
         self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, inp, samp)
         self.counters[f"{kind}_steps"] += 1
         out = to_host(out)
+        self.step_seconds[kind] += time.perf_counter() - t0
         self._kv_done()
         return out
 
