@@ -267,37 +267,8 @@ def test_fp8_checkpoint_with_other_quant_method_is_rejected(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the Pallas kernel (interpret mode here) and the benchmark
+# the benchmark (the Pallas kernel and its routing: tests/test_pallas_skinny_matmul.py)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("m", [1, 3, 16, 20])
-def test_pallas_fp8_matmul_equals_reference(m):
-    from pallas_kernels.fp8_matmul import fp8_matmul_pallas, fp8_matmul_reference
-
-    rng = np.random.default_rng(m)
-    q = quant.quantize_fp8(jnp.asarray(rng.standard_normal((128, 512)), jnp.float32))
-    x = jnp.asarray(rng.standard_normal((m, 512)), jnp.bfloat16)
-    got = fp8_matmul_pallas(x, q.data, q.scale, block_n=64, block_k=256)
-    chex.assert_shape(got, (m, 128))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(fp8_matmul_reference(x, q.data, q.scale)),
-                               rtol=1e-4, atol=1e-4)
-
-
-def test_kernel_choice_routes_linear_through_pallas(monkeypatch):
-    import pallas_kernels.fp8_matmul as k
-
-    rng = np.random.default_rng(0)
-    q = quant.quantize_fp8(jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16))
-    x = jnp.asarray(rng.standard_normal((2, 1, 256)), jnp.bfloat16)
-    want = qwen36.linear(x, q)
-    calls = []
-    real = k.fp8_matmul_pallas
-    monkeypatch.setattr(k, "fp8_matmul_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setenv("DFLASH_KERNELS", "fp8_matmul=pallas_triton")
-    got = qwen36.linear(x, q)
-    assert calls and got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-
-
 def test_bench_linear_smoke(tmp_path):
     from dflash_jax.bench.__main__ import main
 
