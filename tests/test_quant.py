@@ -272,10 +272,17 @@ def test_fp8_checkpoint_with_other_quant_method_is_rejected(tmp_path):
 def test_bench_linear_smoke(tmp_path):
     from dflash_jax.bench.__main__ import main
 
-    assert main(["linear", "--shapes", "tiny", "--batch", "1", "--copies", "2", "--iters", "1",
-                 "--out-dir", str(tmp_path)]) == 0
+    assert main(["linear", "--shapes", "tiny", "--batch", "1", "--copies", "2", "--iters", "1", "--sweep",
+                 "--sweep-copies", "1", "--sweep-budget-s", "0", "--out-dir", str(tmp_path)]) == 0
     [f] = list(tmp_path.iterdir())
-    figs = json.load(open(f))["figures"]
-    for v in ("bf16", "fp8", "fp8_block128", "fp8_pallas"):
-        assert figs[f"{v}.tiny.b1.us"] > 0
-    assert figs["fp8_speedup.tiny.b1"] > 0
+    res = json.load(open(f))
+    figs, extra = res["figures"], res["extra"]
+    for v in ("bf16", "bf16_pallas", "fp8", "fp8_block128", "fp8_pallas"):
+        assert figs[f"{v}.tiny.b1.us"] > 0 and figs[f"{v}.tiny.b1.gbps"] > 0
+    assert figs["fp8_speedup.tiny.b1"] > 0 and figs["bf16_pallas_speedup.tiny.b1"] > 0
+    for v in ("bf16_pallas", "fp8_pallas"):  # a zero budget still times the default config
+        assert figs[f"{v}.tiny.b1.best_us"] > 0 and figs[f"{v}.tiny.b1.best_gbps"] > 0
+        assert set(extra["best_configs"][f"{v}.tiny.b1"]) == {"block_n", "block_k", "split_k", "num_warps",
+                                                              "num_stages"}
+        assert len(extra["sweep"][f"{v}.tiny.b1"]) == 1
+    assert not extra["errors"]
