@@ -273,7 +273,7 @@ def test_bench_linear_smoke(tmp_path):
     from dflash_jax.bench.__main__ import main
 
     assert main(["linear", "--shapes", "tiny", "--batch", "1", "--copies", "2", "--iters", "1", "--sweep",
-                 "--sweep-copies", "1", "--sweep-budget-s", "0", "--out-dir", str(tmp_path)]) == 0
+                 "--sweep-copies", "1", "--budget-s", "0", "--out-dir", str(tmp_path)]) == 0
     [f] = list(tmp_path.iterdir())
     res = json.load(open(f))
     figs, extra = res["figures"], res["extra"]

@@ -13,8 +13,9 @@ Pallas ones call the kernel with its ``default_config``. Figures per variant: ``
 
 ``--sweep`` also times each Pallas variant over a pruned launch grid (:data:`SWEEP_GRID`: block_n, block_k,
 split_k (None = auto), num_warps, num_stages; configs failing the static tile check or resolving to a config
-already timed are skipped) per shape and batch, with ``--sweep-copies`` weights, within ``--sweep-budget-s``
-split evenly over (variant, shape, batch) (the default config is always timed first). It records
+already timed are skipped) per shape and batch, with ``--sweep-copies`` weights; each (variant, shape, batch)
+sweep gets an even share of what is left of ``--budget-s`` (the whole command's wall-time target, 200 s: the
+default config is always timed first, the rest in :data:`SWEEP_GRID` order until the share is spent). It records
 ``{variant}.{shape}.b{B}.best_us`` / ``.best_gbps`` / ``.best_speedup`` (bf16 XLA time / best), and in the
 JSON's extra ``best_configs`` (the winning config, split_k resolved) and ``sweep`` (every timed config).
 Failures of a Pallas launch are recorded under ``errors``, never fatal.
@@ -41,13 +42,13 @@ SHAPES = {"mlp_gate": (17408, 5120), "mlp_down": (5120, 17408), "gdn_qkv": (1024
 VARIANTS = ("bf16", "bf16_pallas", "fp8", "fp8_block128", "fp8_pallas")
 PALLAS = ("bf16_pallas", "fp8_pallas")
 # (block_n, block_k, split_k (None: auto), num_warps, num_stages), pruned from block_n 32/64/128 x block_k
-# 128/256/512 x split_k auto/1/2/4/8 x warps 4/8 x stages 2/3/4: the block shapes at 3 stages, the deep and
-# shallow pipelines of the 32 KiB tiles, and explicit split-K around the default tile.
+# 128/256/512 x split_k auto/1/2/4/8 x warps 4/8 x stages 2/3/4 to 16, most telling first (a sweep cut short by
+# its time share keeps those): the split-K extremes, the tile sizes at 3 stages, then deeper / shallower pipelines.
 SWEEP_GRID = (
-    (64, 256, None, 4, 3), (32, 256, None, 4, 3), (128, 256, None, 8, 3), (64, 128, None, 4, 4),
-    (64, 512, None, 4, 2), (64, 512, None, 8, 3), (32, 512, None, 4, 3), (128, 512, None, 8, 2),
-    (32, 128, None, 4, 4), (128, 128, None, 8, 4), (64, 256, None, 8, 4), (32, 256, None, 4, 4),
-    (64, 256, 1, 4, 3), (64, 256, 2, 4, 3), (64, 256, 4, 4, 3), (64, 256, 8, 4, 3),
+    (64, 256, None, 4, 3), (64, 256, 1, 4, 3), (64, 512, None, 4, 2), (128, 256, None, 8, 3),
+    (32, 256, None, 4, 3), (64, 256, 8, 4, 3), (64, 128, None, 4, 4), (64, 512, None, 8, 3),
+    (64, 256, 2, 4, 3), (64, 256, 4, 4, 3), (32, 512, None, 4, 3), (128, 512, None, 8, 2),
+    (64, 256, None, 8, 4), (32, 128, None, 4, 4), (128, 128, None, 8, 4), (32, 256, None, 4, 4),
 )
 CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
 
@@ -60,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="time the Pallas variants over SWEEP_GRID per shape/batch")
     p.add_argument("--sweep-copies", type=int, default=4, help="distinct weights per step in the sweep")
-    p.add_argument("--sweep-budget-s", type=float, default=120.0,
-                   help="wall-time budget of the whole sweep, split evenly over (variant, shape, batch)")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="with --sweep: wall-time target of the whole command; each (variant, shape, batch) sweep gets "
+                        "an even share of what is left (its default config is always timed)")
 
 
 def _weights(variant: str, shape: tuple[int, int], copies: int):
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     errors: dict[str, str] = {}
     extra: dict = {"sweep": {}, "best_configs": {}, "sweep_truncated": []}
     sweeps = [v for v in args.variants if v in PALLAS] if args.sweep else []
-    per_sweep = args.sweep_budget_s / max(1, len(sweeps) * len(args.shapes) * len(args.batch))
+    n_sweeps = len(sweeps) * len(args.shapes) * len(args.batch)
     t_start = time.perf_counter()
     for name in args.shapes:
         shape = SHAPES[name]
@@ -197,7 +199,9 @@ def run(args: argparse.Namespace, command: str) -> int:
             if v in sweeps:
                 ws = ws[:args.sweep_copies]
                 for b in args.batch:
-                    _sweep(v, name, ws, b, args.iters, per_sweep, figures, extra, errors)
+                    left = args.budget_s - (time.perf_counter() - t_start)
+                    _sweep(v, name, ws, b, args.iters, max(0.0, left) / n_sweeps, figures, extra, errors)
+                    n_sweeps -= 1
             del ws
         for b in args.batch:
             base = figures.get(f"bf16.{name}.b{b}.us")
