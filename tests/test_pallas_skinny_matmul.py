@@ -1,6 +1,7 @@
 """The weight-streaming skinny matmul (``pallas_kernels.skinny_matmul``) in interpret mode: equal to the reference
 for bf16 / f32 and per-channel fp8 weights, any M (padded tiles, several M tiles), split-K 1 and > 1; the auto
-split-K rule; the static tile check; and the model's routing (``DFLASH_KERNELS=skinny_matmul=pallas_triton``)."""
+split-K rule; the static tile check; and the model's routing (``DFLASH_KERNELS=skinny_matmul=pallas_triton``),
+kept off tensor-parallel meshes."""
 
 from __future__ import annotations
 
@@ -152,3 +153,16 @@ def test_model_with_the_kernel_equals_xla(monkeypatch):
         target_mod._full_pass.clear_cache()
     assert len(calls) >= 4 * t.config.num_layers  # every large matmul of every layer, and the LM head
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_engine_warns_when_the_kernel_meets_tensor_parallelism(monkeypatch):
+    import warnings
+
+    from dflash_jax.engine import loop
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop._warn_skinny_matmul_under_tp()  # not selected: silent
+    monkeypatch.setenv(registry.ENV_VAR, "skinny_matmul=pallas_triton")
+    with pytest.warns(RuntimeWarning, match="tensor_parallel > 1"):
+        loop._warn_skinny_matmul_under_tp()
