@@ -49,17 +49,18 @@ def skinny_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None 
     return y if scale is None else y * scale.astype(acc)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_k: int, precision):
-    # x_ref [bm, K / split_k] activations; w_ref [block_n, K / split_k] weight (bf16 / fp8);
-    # o_ref [bm, block_n] f32: this program's partial sum over its K range
+def _kernel(x_ref, w_ref, o_ref, *, m: int, block_k: int, n_k: int, precision):
+    # x_ref [bm, K / split_k] activations (rows past M masked: x is not padded); w_ref [block_n, K / split_k]
+    # weight (bf16 / fp8); o_ref [bm, block_n] f32: this program's partial sum over its K range
     bm, bn = o_ref.shape
+    rows = (pl.program_id(0) * bm + jnp.arange(bm) < m)[:, None]
 
     def body(i, acc):
-        x = x_ref[:, pl.ds(i * block_k, block_k)]
+        x = plt.load(x_ref.at[:, pl.ds(i * block_k, block_k)], mask=rows, other=0)
         w = w_ref[:, pl.ds(i * block_k, block_k)].astype(x.dtype)
         return acc + plt.dot(x, w, trans_b=True, precision=precision)
 
-    o_ref[...] = lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
+    plt.store(o_ref, lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32)), mask=rows)
 
 
 def padded_m(m: int) -> int:
@@ -142,8 +143,9 @@ def skinny_matmul_pallas(x: jax.Array, w: jax.Array, scale: jax.Array | None = N
                          num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
     """x [M, K] (bf16 / f32), w [N, K] (bf16 / f32, or float8_e4m3fn with scale [N] f32) -> [M, N] float32.
 
-    Blocks left None take :func:`default_config` (``split_k`` None: :func:`auto_split_k`). M is padded to a
-    power of two >= 16 (one tile up to 64 rows); N and K must divide by the blocks (ValueError otherwise)."""
+    Blocks left None take :func:`default_config` (``split_k`` None: :func:`auto_split_k`). M tiles are a power of
+    two >= 16 rows (one tile up to 64 rows) whose rows past M are masked loads and stores (x and the output are
+    not padded); N and K must divide by the blocks (ValueError otherwise)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape != (n, k):
@@ -161,13 +163,11 @@ def skinny_matmul_pallas(x: jax.Array, w: jax.Array, scale: jax.Array | None = N
     plan = block_plan(m, n, k, x_dtype=x.dtype, w_dtype=w.dtype, block_n=cfg["block_n"], block_k=cfg["block_k"],
                       split_k=split_k, num_stages=cfg["num_stages"])
     bm, s, bn = plan["bm"], plan["split_k"], cfg["block_n"]
-    mp = plan["m_tiles"] * bm
     ks = k // s
-    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
     part = pl.pallas_call(
-        functools.partial(_kernel, block_k=cfg["block_k"], n_k=plan["n_k"], precision=precision),
-        out_shape=jax.ShapeDtypeStruct((s, mp, n), jnp.float32),
+        functools.partial(_kernel, m=m, block_k=cfg["block_k"], n_k=plan["n_k"], precision=precision),
+        out_shape=jax.ShapeDtypeStruct((s, m, n), jnp.float32),
         grid=(plan["m_tiles"], n // bn, s),
         in_specs=[pl.BlockSpec((bm, ks), lambda i, j, p: (i, p)),
                   pl.BlockSpec((bn, ks), lambda i, j, p: (j, p))],
@@ -175,8 +175,8 @@ def skinny_matmul_pallas(x: jax.Array, w: jax.Array, scale: jax.Array | None = N
         compiler_params=plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         interpret=interpret,
         name=f"skinny_matmul_{jnp.dtype(w.dtype).name}",
-    )(xp, w)
-    y = (part[0] if s == 1 else jnp.sum(part, axis=0))[:m]
+    )(x, w)
+    y = part[0] if s == 1 else jnp.sum(part, axis=0)
     return y if scale is None else y * scale.astype(jnp.float32)
 
 
