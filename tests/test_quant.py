@@ -269,13 +269,15 @@ def test_fp8_checkpoint_with_other_quant_method_is_rejected(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # the benchmark (the Pallas kernel and its routing: tests/test_pallas_skinny_matmul.py)
 # ---------------------------------------------------------------------------------------------
-def test_bench_linear_smoke(tmp_path):
+def test_bench_linear_smoke(tmp_path, monkeypatch):
     from dflash_jax.bench.__main__ import main
 
+    monkeypatch.setenv("DFLASH_KERNELS", "skinny_matmul=pallas_triton")  # the XLA variants hold it off while traced
     assert main(["linear", "--shapes", "tiny", "--batch", "1", "--copies", "2", "--iters", "1", "--sweep",
                  "--sweep-copies", "1", "--budget-s", "0", "--out-dir", str(tmp_path)]) == 0
     [f] = list(tmp_path.iterdir())
     res = json.load(open(f))
+    assert res["kernel_overrides"] == os.environ["DFLASH_KERNELS"] == "skinny_matmul=pallas_triton"
     figs, extra = res["figures"], res["extra"]
     for v in ("bf16", "bf16_pallas", "fp8", "fp8_block128", "fp8_pallas"):
         assert figs[f"{v}.tiny.b1.us"] > 0 and figs[f"{v}.tiny.b1.gbps"] > 0
