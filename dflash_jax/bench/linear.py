@@ -14,7 +14,7 @@ Pallas ones call the kernel with its ``default_config``. Figures per variant: ``
 ``--sweep`` also times each Pallas variant over a pruned launch grid (:data:`SWEEP_GRID`: block_n, block_k,
 split_k (None = auto), num_warps, num_stages; configs failing the static tile check or resolving to a config
 already timed are skipped) per shape and batch, with ``--sweep-copies`` weights; each (variant, shape, batch)
-sweep gets an even share of what is left of ``--budget-s`` (the whole command's wall-time target, 200 s: the
+sweep gets an even share of what is left of ``--budget-s`` (the whole command's wall-time target, 170 s: the
 default config is always timed first, the rest in :data:`SWEEP_GRID` order until the share is spent). It records
 ``{variant}.{shape}.b{B}.best_us`` / ``.best_gbps`` / ``.best_speedup`` (bf16 XLA time / best), and in the
 JSON's extra ``best_configs`` (the winning config, split_k resolved) and ``sweep`` (every timed config).
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="time the Pallas variants over SWEEP_GRID per shape/batch")
     p.add_argument("--sweep-copies", type=int, default=4, help="distinct weights per step in the sweep")
-    p.add_argument("--budget-s", type=float, default=200.0,
+    p.add_argument("--budget-s", type=float, default=170.0,
                    help="with --sweep: wall-time target of the whole command; each (variant, shape, batch) sweep gets "
                         "an even share of what is left (its default config is always timed)")
 
