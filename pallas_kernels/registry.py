@@ -42,7 +42,7 @@ _BUILTIN_MODULES = {
     "tree_attention": "pallas_kernels.tree_attention",
     "gdn_chunked": "pallas_kernels.gdn",
     "gdn_step": "pallas_kernels.gdn",
-    "fp8_matmul": "pallas_kernels.fp8_matmul",
+    "skinny_matmul": "pallas_kernels.skinny_matmul",
 }
 
 

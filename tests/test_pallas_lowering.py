@@ -120,3 +120,17 @@ def test_tree_attention_lowers_quantized(platform, kv_dtype, b, n, parts, prefet
         num_partitions=parts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=prefetch)
     text = lower(platform, fn, q, kq, kq, pt, start, kt, kt, anc)
     assert "__gpu$xla.gpu.triton" in text and f"_kv{jnp.dtype(kv_dtype).name}" in text
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("m,n,k", [(1, 5120, 17408), (16, 10240, 5120), (64, 17408, 5120)])
+def test_skinny_matmul_lowers(platform, w_dtype, m, n, k):
+    from pallas_kernels import skinny_matmul
+
+    if platform == "rocm" and w_dtype == jnp.float8_e4m3fn:
+        pytest.skip("gfx942's Triton converts only e4m3fnuz")
+    scale = sd((n,), jnp.float32) if w_dtype == jnp.float8_e4m3fn else None
+    fn = lambda *a: skinny_matmul.skinny_matmul_pallas(*a, interpret=False)  # noqa: E731
+    text = lower(platform, fn, sd((m, k), jnp.bfloat16), sd((n, k), w_dtype), scale)
+    assert "__gpu$xla.gpu.triton" in text

@@ -267,44 +267,24 @@ def test_fp8_checkpoint_with_other_quant_method_is_rejected(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the Pallas kernel (interpret mode here) and the benchmark
+# the benchmark (the Pallas kernel and its routing: tests/test_pallas_skinny_matmul.py)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("m", [1, 3, 16, 20])
-def test_pallas_fp8_matmul_equals_reference(m):
-    from pallas_kernels.fp8_matmul import fp8_matmul_pallas, fp8_matmul_reference
-
-    rng = np.random.default_rng(m)
-    q = quant.quantize_fp8(jnp.asarray(rng.standard_normal((128, 512)), jnp.float32))
-    x = jnp.asarray(rng.standard_normal((m, 512)), jnp.bfloat16)
-    got = fp8_matmul_pallas(x, q.data, q.scale, block_n=64, block_k=256)
-    chex.assert_shape(got, (m, 128))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(fp8_matmul_reference(x, q.data, q.scale)),
-                               rtol=1e-4, atol=1e-4)
-
-
-def test_kernel_choice_routes_linear_through_pallas(monkeypatch):
-    import pallas_kernels.fp8_matmul as k
-
-    rng = np.random.default_rng(0)
-    q = quant.quantize_fp8(jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16))
-    x = jnp.asarray(rng.standard_normal((2, 1, 256)), jnp.bfloat16)
-    want = qwen36.linear(x, q)
-    calls = []
-    real = k.fp8_matmul_pallas
-    monkeypatch.setattr(k, "fp8_matmul_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setenv("DFLASH_KERNELS", "fp8_matmul=pallas_triton")
-    got = qwen36.linear(x, q)
-    assert calls and got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-
-
-def test_bench_linear_smoke(tmp_path):
+def test_bench_linear_smoke(tmp_path, monkeypatch):
     from dflash_jax.bench.__main__ import main
 
-    assert main(["linear", "--shapes", "tiny", "--batch", "1", "--copies", "2", "--iters", "1",
-                 "--out-dir", str(tmp_path)]) == 0
+    monkeypatch.setenv("DFLASH_KERNELS", "skinny_matmul=pallas_triton")  # the XLA variants hold it off while traced
+    assert main(["linear", "--shapes", "tiny", "--batch", "1", "--copies", "2", "--iters", "1", "--sweep",
+                 "--sweep-copies", "1", "--budget-s", "0", "--out-dir", str(tmp_path)]) == 0
     [f] = list(tmp_path.iterdir())
-    figs = json.load(open(f))["figures"]
-    for v in ("bf16", "fp8", "fp8_block128", "fp8_pallas"):
-        assert figs[f"{v}.tiny.b1.us"] > 0
-    assert figs["fp8_speedup.tiny.b1"] > 0
+    res = json.load(open(f))
+    assert res["kernel_overrides"] == os.environ["DFLASH_KERNELS"] == "skinny_matmul=pallas_triton"
+    figs, extra = res["figures"], res["extra"]
+    for v in ("bf16", "bf16_pallas", "fp8", "fp8_block128", "fp8_pallas"):
+        assert figs[f"{v}.tiny.b1.us"] > 0 and figs[f"{v}.tiny.b1.gbps"] > 0
+    assert figs["fp8_speedup.tiny.b1"] > 0 and figs["bf16_pallas_speedup.tiny.b1"] > 0
+    for v in ("bf16_pallas", "fp8_pallas"):  # a zero budget still times the default config
+        assert figs[f"{v}.tiny.b1.best_us"] > 0 and figs[f"{v}.tiny.b1.best_gbps"] > 0
+        assert set(extra["best_configs"][f"{v}.tiny.b1"]) == {"block_n", "block_k", "split_k", "num_warps",
+                                                              "num_stages"}
+        assert len(extra["sweep"][f"{v}.tiny.b1"]) == 1
+    assert not extra["errors"]

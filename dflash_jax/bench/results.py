@@ -85,7 +85,8 @@ def write_result(bench: str, figures: dict[str, float], command: str, extra: dic
     """Write ``<out_dir>/<bench>_<device>_<yyyymmdd-hhmm>.json`` and return its path.
 
     A file of the same name (same bench, device and minute) is never overwritten: ``-2``, ``-3``...
-    is appended instead. ``out_path`` names the file exactly instead (replaced if it exists).
+    is appended instead. ``out_path`` names the file exactly instead (replaced if it exists). The record
+    carries ``DFLASH_KERNELS`` as ``kernel_overrides`` (None when unset).
     """
     import jax
 
@@ -104,6 +105,7 @@ def write_result(bench: str, figures: dict[str, float], command: str, extra: dic
         "commit": commit,
         "dirty": dirty,
         "versions": _versions(),
+        "kernel_overrides": os.environ.get("DFLASH_KERNELS") or None,  # not in `command`: set in the environment
         "date": now.isoformat(timespec="seconds"),
         "figures": figs,
         "extra": extra or {},

@@ -16,6 +16,7 @@ import functools
 import itertools
 import os
 import time
+import warnings
 from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
@@ -149,6 +150,18 @@ class _Request:
         return self.cursor + max(0, len(self.tokens) - 1)
 
 
+def _warn_skinny_matmul_under_tp() -> None:
+    """The opt-in Pallas decode matmul takes whole weights: under tensor parallelism (``model`` axis left to the
+    partitioner, no mesh in the trace context when data_parallel is 1) the partitioner would gather each sharded
+    weight around it."""
+    from pallas_kernels import registry
+
+    if registry.resolve("skinny_matmul").name != "reference":
+        warnings.warn(f"{registry.ENV_VAR} selects skinny_matmul={registry.resolve('skinny_matmul').name} with "
+                      "tensor_parallel > 1: the kernel reads whole weights, so each sharded weight would be gathered "
+                      "around it; unset it for tensor-parallel runs", RuntimeWarning, stacklevel=3)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """How an ``Engine`` is built (fixed for its lifetime: buckets and pool sizes are compiled in).
@@ -237,6 +250,8 @@ class Engine:
         if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
             target = shard_target(target, o.tensor_parallel, o.data_parallel)
         self.layout: Layout | None = target.layout
+        if self.layout is not None and self.layout.tp > 1:
+            _warn_skinny_matmul_under_tp()
         if drafter is not None and self.layout is not None:  # the drafter is small: replicated on every device
             drafter = (drafter[0], jax.device_put(drafter[1], self.layout.replicated))
         if quant.check_quantization(o.quantization) is not None:  # no-op for leaves quantized at load

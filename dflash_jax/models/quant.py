@@ -125,26 +125,20 @@ def dequantize(w: QuantizedWeight, dtype=F32) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # the matmul
 # ---------------------------------------------------------------------------------------------
-def _pallas_chosen() -> bool:
-    """``DFLASH_KERNELS=fp8_matmul=pallas_triton`` (read at trace time) routes per-channel fp8 matmuls through
-    the Pallas kernel of ``pallas_kernels.fp8_matmul``; by default XLA's fused convert + dot is used."""
-    from pallas_kernels.registry import ENV_VAR, parse_overrides
-
-    return parse_overrides(os.environ.get(ENV_VAR)).get("fp8_matmul") == "pallas_triton"
-
-
 def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
     """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 weights converted to ``x.dtype`` inside the matmul,
-    float32 accumulation, result in ``out_dtype`` (default ``x.dtype``)."""
+    float32 accumulation, result in ``out_dtype`` (default ``x.dtype``). Per-channel weights at <= 64 tokens go
+    through the Pallas ``skinny_matmul`` kernel when ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` (read at
+    trace time; ``pallas_kernels.skinny_matmul.route``), otherwise XLA's fused convert + dot."""
     out_dtype = out_dtype or x.dtype
     acc = jnp.promote_types(x.dtype, F32)
     if w.block is None:
-        if _pallas_chosen() and acc == F32:
-            from pallas_kernels import fp8_matmul
+        if acc == F32:
+            from pallas_kernels import skinny_matmul
 
-            if fp8_matmul.supports(*w.shape):
-                y = fp8_matmul.fp8_matmul_pallas(x.reshape(-1, x.shape[-1]), w.data, w.scale)
-                return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
+            y = skinny_matmul.route(x, w.data, w.scale)
+            if y is not None:
+                return y.astype(out_dtype)
         y = jnp.einsum("...i,oi->...o", x, w.data.astype(x.dtype), preferred_element_type=acc)
         return (y * w.scale.astype(acc)).astype(out_dtype)
     bo, bi = w.block

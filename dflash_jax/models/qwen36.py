@@ -112,9 +112,17 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=Non
 # ---------------------------------------------------------------------------------------------
 def linear(x: jax.Array, w: jax.Array | quant.QuantizedWeight, out_dtype=None) -> jax.Array:
     """x [..., in] @ w[out, in]^T -> [..., out] in ``out_dtype`` (default x.dtype). ``w`` may be an fp8
-    ``QuantizedWeight`` (converted inside the matmul, float32 accumulation)."""
+    ``QuantizedWeight`` (converted inside the matmul, float32 accumulation). At <= 64 tokens a 2-D weight goes
+    through the Pallas ``skinny_matmul`` kernel when ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` (split-K
+    weight streaming, f32 accumulation; ``pallas_kernels.skinny_matmul.route``), otherwise XLA's dot."""
     if isinstance(w, quant.QuantizedWeight):
         return quant.qmatmul(x, w, out_dtype)
+    if w.ndim == 2 and acc_dtype(x.dtype) == F32:
+        from pallas_kernels import skinny_matmul
+
+        y = skinny_matmul.route(x, w)
+        if y is not None:
+            return y.astype(out_dtype or x.dtype)
     if out_dtype is None:
         return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=out_dtype)

@@ -1,0 +1,224 @@
+"""Weight-streaming skinny matmul (decode GEMV/GEMM): op ``"skinny_matmul"`` in :mod:`pallas_kernels.registry`.
+
+``skinny_matmul(x [M, K], w [N, K], scale [N] | None) -> [M, N] float32`` = ``(x @ w^T) * scale`` for the
+decode shapes of the model (M <= 64 tokens, a large weight read once per step). ``w`` is bf16 / f32 (no scale)
+or ``float8_e4m3fn`` with a per-output-channel f32 ``scale``; the weight tile is converted to x's dtype in
+registers and the dot accumulates in float32. The result is always **float32** (the caller casts: the model's
+``linear`` / ``qmatmul`` cast to their output dtype, fused by XLA with the split-K sum and the scale).
+Implementations:
+
+- ``"reference"``: jnp (XLA's dot, converting an fp8 weight inside it), any backend;
+- ``"pallas_triton"``: :func:`skinny_matmul_pallas`, grid ``(M tiles, N / block_n, split_k)``: each program
+  reduces ``K / split_k`` of the weight's columns for one ``[bm, block_n]`` output tile in ``block_k`` steps
+  and writes its f32 partial sum to ``[split_k, M, N]``; XLA sums the partials and applies the scale once
+  (no atomics). Split-K is what fills the GPU when N alone gives few programs (N=5120 at block_n=64: 80
+  programs on 132 SMs). Opt-in (``preferred=False``) until measured on the H200:
+  ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` routes ``qwen36.linear`` (bf16 weights) and
+  ``quant.qmatmul`` (per-channel fp8) through it (:func:`route`).
+
+Launch configuration (:func:`default_config`, overridable per call): ``block_n`` / ``block_k`` (powers of two
+>= 16), ``num_warps``, ``num_stages`` and ``split_k`` (None = :func:`auto_split_k`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import registry
+
+MIN_DOT = 16          # tl.dot needs M, N, K >= 16
+MAX_BM = 64           # rows of x per program (decode batches up to 64 take one M tile)
+N_SM_TARGET = 132     # H200 SMs
+TARGET_PROGRAMS = 2 * N_SM_TARGET
+MAX_SPLIT_K = 16
+MIN_ROUTE_N = 64      # narrower weights (the GDN b/a gates, N = 48) stay with XLA's dot in the model
+WEIGHT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
+
+
+def skinny_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """x [M, K] @ w [N, K]^T (* scale [N]) -> [M, N] float32 (w converted to x's dtype, f32 accumulation)."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    y = jnp.einsum("mk,nk->mn", x, w.astype(x.dtype), preferred_element_type=acc)
+    return y if scale is None else y * scale.astype(acc)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, m: int, block_k: int, n_k: int, precision):
+    # x_ref [bm, K / split_k] activations (rows past M masked: x is not padded); w_ref [block_n, K / split_k]
+    # weight (bf16 / fp8); o_ref [bm, block_n] f32: this program's partial sum over its K range
+    bm, bn = o_ref.shape
+    rows = (pl.program_id(0) * bm + jnp.arange(bm) < m)[:, None]
+
+    def body(i, acc):
+        x = plt.load(x_ref.at[:, pl.ds(i * block_k, block_k)], mask=rows, other=0)
+        w = w_ref[:, pl.ds(i * block_k, block_k)].astype(x.dtype)
+        return acc + plt.dot(x, w, trans_b=True, precision=precision)
+
+    plt.store(o_ref, lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32)), mask=rows)
+
+
+def padded_m(m: int) -> int:
+    """Rows of x's M tile: the next power of two >= max(m, 16), at most 64 (larger M: several 64-row tiles)."""
+    return min(MAX_BM, max(MIN_DOT, 1 << max(0, (m - 1).bit_length())))
+
+
+def auto_split_k(n: int, k: int, *, block_n: int, block_k: int, m_tiles: int = 1,
+                 target_programs: int = TARGET_PROGRAMS) -> int:
+    """The smallest power of two ``s`` with ``m_tiles * (n / block_n) * s >= target_programs`` (2 programs per
+    H200 SM) whose K range ``k / s`` is still a multiple of ``block_k``; capped at 16. When no larger split
+    divides K, the largest that does (1 at worst). E.g. block_n 64, block_k 256: N=5120 (80 programs) -> 4,
+    N=10240 / 12288 -> 2, N=17408 (272 programs) -> 1."""
+    programs = m_tiles * (n // block_n)
+    s = 1
+    while programs * s < target_programs and s < MAX_SPLIT_K and k % (2 * s * block_k) == 0:
+        s *= 2
+    return s
+
+
+def _pow2_divisor(n: int, want: int) -> int:
+    """The largest power of two <= want dividing n (1 if n is odd)."""
+    b = want
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def default_config(n: int, k: int, m: int = 1, dtype=jnp.bfloat16, x_dtype=jnp.bfloat16) -> dict | None:
+    """Launch defaults for an ``[N, K]`` weight of ``dtype`` (bf16 or float8_e4m3fn) at M rows of ``x_dtype``:
+    block_n, block_k, split_k (None: :func:`auto_split_k`), num_warps, num_stages; None if the shape has no
+    valid tiling (N or K without a power-of-two divisor >= 16). Starting guesses (not yet swept on the H200:
+    ``bench linear --sweep`` records the best per shape and batch): 64 output channels per program, 256-wide K
+    steps for bf16 and 512-wide for fp8 (the same 32 KiB weight tile), 3 stages, 4 warps; block_k halves until
+    the tiles of an M tile of ``padded_m(m)`` rows fit the shared-memory budget."""
+    block_n = _pow2_divisor(n, 64)
+    block_k = _pow2_divisor(k, 512 if jnp.dtype(dtype).itemsize == 1 else 256)
+    if block_n < MIN_DOT or block_k < MIN_DOT:
+        return None
+    cfg = dict(block_n=block_n, block_k=block_k, split_k=None, num_warps=4, num_stages=3)
+    while True:
+        try:
+            block_plan(m, n, k, x_dtype=x_dtype, w_dtype=dtype, **{key: cfg[key] for key in
+                                                                  ("block_n", "block_k", "split_k", "num_stages")})
+            return cfg
+        except ValueError:
+            if cfg["block_k"] // 2 < MIN_DOT:
+                return None
+            cfg["block_k"] //= 2
+
+
+def block_plan(m: int, n: int, k: int, *, x_dtype, w_dtype, block_n: int, block_k: int,
+               split_k: int | None, num_stages: int, backend: str | None = None) -> dict:
+    """Static launch shapes after the Triton tile checks: ``bm`` (M tile), ``m_tiles``, ``split_k`` (auto
+    resolved), ``n_k`` (block_k steps per program). Raises ValueError naming the block that does not fit."""
+    if n % block_n or k % block_k:
+        raise ValueError(f"skinny_matmul: N={n} and K={k} must be multiples of block_n={block_n} / "
+                         f"block_k={block_k}; pick blocks that divide the weight's shape")
+    bm = padded_m(m)
+    m_tiles = -(-m // bm)
+    s = auto_split_k(n, k, block_n=block_n, block_k=block_k, m_tiles=m_tiles) if split_k is None else split_k
+    if s < 1 or k % (s * block_k):
+        raise ValueError(f"skinny_matmul: split_k={s} must be >= 1 and divide K={k} into multiples of "
+                         f"block_k={block_k}")
+    xi, wi = jnp.dtype(x_dtype).itemsize, jnp.dtype(w_dtype).itemsize
+    registry.check_block_shapes(
+        "skinny_matmul", {"x": (bm, block_k), "w": (block_n, block_k), "o": (bm, block_n)},
+        dots={"xw": (bm, block_n, block_k)},
+        # staged loads, plus the weight tile converted to x's dtype when it is narrower (fp8)
+        smem={"x": num_stages * bm * block_k * xi, "w": num_stages * block_n * block_k * wi,
+              "w_cvt": block_n * block_k * xi if wi < xi else 0},
+        backend=backend)
+    return dict(bm=bm, m_tiles=m_tiles, split_k=s, n_k=k // (s * block_k))
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "num_warps", "num_stages",
+                                             "interpret"))
+def skinny_matmul_pallas(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, block_n: int | None = None,
+                         block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
+    """x [M, K] (bf16 / f32), w [N, K] (bf16 / f32, or float8_e4m3fn with scale [N] f32) -> [M, N] float32.
+
+    Blocks left None take :func:`default_config` (``split_k`` None: :func:`auto_split_k`). M tiles are a power of
+    two >= 16 rows (one tile up to 64 rows) whose rows past M are masked loads and stores (x and the output are
+    not padded); N and K must divide by the blocks (ValueError otherwise)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape != (n, k):
+        raise ValueError(f"skinny_matmul: weight shape {w.shape} does not match x {x.shape} ([N, K] with K={k})")
+    if jnp.dtype(w.dtype) == jnp.float8_e4m3fn and scale is None:
+        raise ValueError("skinny_matmul: a float8_e4m3fn weight needs its per-output-channel scale [N]")
+    cfg = default_config(n, k, m, w.dtype, x.dtype) or dict(num_warps=4, num_stages=3)
+    given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    cfg.update({key: v for key, v in given.items() if v is not None})
+    if "block_n" not in cfg or "block_k" not in cfg:
+        raise ValueError(f"skinny_matmul: no power-of-two tiling >= {MIN_DOT} for an [{n}, {k}] weight; pass "
+                         f"block_n / block_k or use the reference")
+    if interpret is None:
+        interpret = registry.current_backend() not in registry.GPU_BACKENDS
+    plan = block_plan(m, n, k, x_dtype=x.dtype, w_dtype=w.dtype, block_n=cfg["block_n"], block_k=cfg["block_k"],
+                      split_k=split_k, num_stages=cfg["num_stages"])
+    bm, s, bn = plan["bm"], plan["split_k"], cfg["block_n"]
+    ks = k // s
+    precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None
+    part = pl.pallas_call(
+        functools.partial(_kernel, m=m, block_k=cfg["block_k"], n_k=plan["n_k"], precision=precision),
+        out_shape=jax.ShapeDtypeStruct((s, m, n), jnp.float32),
+        grid=(plan["m_tiles"], n // bn, s),
+        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, p: (i, p)),
+                  pl.BlockSpec((bn, ks), lambda i, j, p: (j, p))],
+        out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, p: (p, i, j)),
+        compiler_params=plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        name=f"skinny_matmul_{jnp.dtype(w.dtype).name}",
+    )(x, w)
+    y = part[0] if s == 1 else jnp.sum(part, axis=0)
+    return y if scale is None else y * scale.astype(jnp.float32)
+
+
+def supports(m: int, n: int, k: int, x_dtype, w_dtype) -> bool:
+    """Whether the model routes this matmul to the kernel: M <= 64 rows, x bf16 / f16 / f32, a bf16 / f16 / f32
+    / fp8 weight, and a valid default tiling that passes the static check."""
+    if not 0 < m <= MAX_BM or jnp.dtype(x_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return False
+    if jnp.dtype(w_dtype) not in tuple(jnp.dtype(d) for d in WEIGHT_DTYPES):
+        return False
+    return default_config(n, k, m, w_dtype, x_dtype) is not None
+
+
+def _unsharded_trace() -> bool:
+    """False under a mesh context with a non-manual axis of size > 1 (a tensor-parallel ``model`` axis left to
+    the partitioner, which would gather the sharded weight around the kernel): the caller then keeps XLA's dot.
+    A data-parallel ``shard_map`` (manual ``data`` axis, ``model`` of size 1) passes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return True
+    manual = jax.sharding.AxisType.Manual
+    return all(size == 1 or t == manual for size, t in zip(mesh.axis_sizes, mesh.axis_types))
+
+
+def route(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array | None:
+    """``x [..., K] @ w [N, K]^T (* scale)`` as [..., N] float32 through the registry's ``skinny_matmul`` op when
+    it resolves to a kernel (``DFLASH_KERNELS=skinny_matmul=pallas_triton``; read at trace time), the
+    flattened M is <= 64, N >= 64 and the shape :func:`supports`, outside a tensor-parallel mesh context; None
+    otherwise (the caller runs its XLA dot)."""
+    impl = registry.resolve("skinny_matmul")
+    if impl.name == "reference":
+        return None
+    n, k = w.shape
+    m = math.prod(x.shape[:-1])
+    if n < MIN_ROUTE_N or not supports(m, n, k, x.dtype, w.dtype) or not _unsharded_trace():
+        return None
+    y = impl.fn(x.reshape(m, k), w, scale)
+    return y.reshape(*x.shape[:-1], n)
+
+
+registry.register("skinny_matmul", "reference", skinny_matmul_reference, backends=("any",))
+registry.register("skinny_matmul", "pallas_triton", skinny_matmul_pallas, backends=("gpu",), preferred=False)
+
+__all__ = ["auto_split_k", "block_plan", "default_config", "padded_m", "route", "skinny_matmul_pallas",
+           "skinny_matmul_reference", "supports"]
