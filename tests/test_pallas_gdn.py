@@ -78,7 +78,7 @@ def test_opt_in_registration_and_dispatch(monkeypatch):
 
 
 def test_rejects_bad_blocks():
-    with pytest.raises(ValueError, match=r"dot 'u' has N=8"):
+    with pytest.raises(ValueError, match=r"dot 'ws' has N=8"):
         block_plan(dk=16, dv=8, chunk=16, block_v=8)
     with pytest.raises(ValueError, match="not a multiple of block_v"):
         block_plan(dk=16, dv=48, chunk=16, block_v=32)
