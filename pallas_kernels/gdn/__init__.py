@@ -7,8 +7,8 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 - ``"reference"``: pure jnp (``dflash_jax.models.gdn.gdn_chunked_reference``), any backend, the default everywhere;
 - ``"pallas_triton"``: :func:`kernel.gdn_chunked`, a parallel chunk-local pass (XLA) then a sequential state
   pass (Pallas), dots at the inputs' precision (:func:`kernel.default_precision`); its own chunk length from
-  :func:`kernel.default_config` (the ``chunk`` argument is the reference's). Registered **opt-in** (not the GPU default) until it has been measured
-  on a GPU: ``DFLASH_KERNELS=gdn_chunked=pallas_triton``. Interpret mode off GPU.
+  :func:`kernel.default_config` (the ``chunk`` argument is the reference's). Registered **opt-in** (not the GPU
+  default) until it has been measured on a GPU: ``DFLASH_KERNELS=gdn_chunked=pallas_triton``. Interpret mode off GPU.
 
 ``"gdn_step"`` (signature ``(q, k [B,H,dk], v [B,H,dv], beta, g [B,H], state [B,H,dk,dv]) -> (o, state)``, as
 ``qwen36.gdn_layer`` calls ``gdn.gdn_step`` for decode): ``"reference"`` = ``gdn.gdn_step_reference``;
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import registry
-from pallas_kernels.gdn.kernel import (block_plan, chunk_local, default_config, default_precision, gdn_chunked, gdn_step,
-                                      operand_dtype, step_block_plan)
+from pallas_kernels.gdn.kernel import (block_plan, chunk_local, default_config, default_precision, gdn_chunked,
+                                      gdn_step, operand_dtype, step_block_plan)
 from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_step_reference
 
 
