@@ -392,8 +392,11 @@ _TREE_BASE = dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, pre
 _TREE = _configs(_TREE_BASE, dict(block_m=64), dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
                  dict(num_stages=3), dict(prefetch=True), dict(num_warps=16), dict(num_warps=4, block_m=64),
                  dict(target_programs=132), dict(target_programs=528))
-_GDN = [dict(chunk=c, block_v=bv, num_warps=w) for c in (64, 32) for bv in (32, 64, 128) for w in (4, 8)] + [
-    dict(chunk=64, block_v=bv, num_warps=8, precision="tf32x3") for bv in (32, 64)]  # fp32 inputs on tensor cores
+_GDN = ([dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
+        + [dict(chunk=64, block_v=bv, num_warps=w, precision="tf32x3") for bv, w in ((64, 8), (32, 4))]  # tensor cores
+        + [dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 8), (128, 4))]
+        + [dict(chunk=32, block_v=bv, num_warps=w) for bv in (32, 64, 128) for w in (4, 8)]
+        + [dict(chunk=32, block_v=bv, num_warps=4, num_stages=2) for bv in (32, 64)])  # most likely first: --budget-s
 SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, to tune default_config from
     "tree_attention": [((16, 16, 4096), _TREE),
                        ((64, 32, 4096), _configs(_TREE_BASE, dict(block_m=64), dict(prefetch=True)))],
