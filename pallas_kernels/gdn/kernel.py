@@ -75,8 +75,8 @@ def chunk_local(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: ja
     dv = v.shape[-1]
     c, n = chunk, tp // chunk
     f32 = jnp.float32
-    opd = jnp.bfloat16 if precision == "bf16" else f32
-    prec = None if precision == "bf16" else HI
+    opd = operand_dtype(precision)
+    prec = None if precision == "bf16" else HI  # tf32x3 too: this pass is parallel, not the bottleneck
     ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=f32)
     split = lambda a: a.reshape((b, n, c) + a.shape[2:])  # noqa: E731  [B, n, C, H, ...]
     q, k, v = (split(a).astype(opd) for a in (q, k, v))
