@@ -127,3 +127,29 @@ def test_quantized_problem_counts_stored_bytes():
     assert prob.nbytes == 80 * 2 * 64 * 2 * 2 + qo + tree
     assert q.nbytes == 80 * 2 * (64 + 4) * 2 + qo + tree
     assert q.args[1].dtype == jnp.float8_e4m3fn and q.args[1].compute_dtype == jnp.bfloat16
+
+
+def test_gdn_chunked_checks_bf16_inputs(tmp_path):
+    """GDN chunked is checked with bf16 q, k, v too (bf16 dot operands, fp32 state) against the fp32 oracle."""
+    out = tmp_path / "k.json"
+    tiny = [x for x in TINY if x != "float32"]
+    at = tiny.index("--check-dtypes") + 1
+    rc = bench_main.main(["kernels", "--out", str(out), "--ops", "gdn_chunked", "--no-grid", "--gdn-dtype",
+                          "bfloat16", *tiny[:at], "bfloat16", *tiny[at:]])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    f = rec["figures"]
+    assert f["gdn_chunked.check.ok"] == 1 and rec["extra"]["gdn_dtype"] == "bfloat16"
+    for name in ("kernel", "kernel_c32"):
+        assert 0 < f[f"gdn_chunked.check.c0.bfloat16.{name}.rel_err"] <= kernels.TOL["bfloat16"]
+    assert rec["extra"]["errors"] == {}
+
+
+def test_gdn_problem_dtype_and_bytes():
+    import jax
+    import jax.numpy as jnp
+
+    p32 = kernels.gdn_problem(jax.random.key(0), 2, 8, 3, 16, 32)
+    p16 = kernels.gdn_problem(jax.random.key(0), 2, 8, 3, 16, 32, dtype=jnp.bfloat16)
+    assert [x.dtype for x in p16.args] == [jnp.bfloat16] * 3 + [jnp.float32] * 3
+    assert p32.nbytes - p16.nbytes == 2 * 2 * 8 * 3 * (2 * 16 + 2 * 32)  # q, k, v, o at half the bytes

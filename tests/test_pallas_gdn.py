@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from dflash_jax.models import gdn
 from pallas_kernels import registry
-from pallas_kernels.gdn import block_plan, gdn_chunked, gdn_chunked_reference
+from pallas_kernels.gdn import (block_plan, default_config, default_precision, gdn_chunked,
+                                gdn_chunked_reference, operand_dtype)
 from test_pallas_paged_decode import FAST_COMPILE
 
 pytestmark = pytest.mark.xdist_group("pallas")
@@ -52,6 +53,8 @@ def gdn_cases(draw):
 @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(gdn_cases())
 @example((dict(seed=1, b=2, t=45, h=3, dk=32, dv=64, decay_scale=1.0, n_pad=3), dict(chunk=32, block_v=32)))
+@example((dict(seed=2, b=2, t=20, h=2, dk=16, dv=64, decay_scale=0.05, n_pad=0), dict(chunk=64, block_v=16)))
+@example((dict(seed=3, b=1, t=130, h=2, dk=32, dv=32, decay_scale=1.0, n_pad=2), dict(chunk=64, block_v=16)))
 def test_kernel_matches_recurrence_fp32(c):
     case, static = c
     args = make_case(**case)
@@ -62,6 +65,50 @@ def test_kernel_matches_recurrence_fp32(c):
     np.testing.assert_allclose(np.asarray(s), np.asarray(s_r), atol=tol)
     o_c, s_c = gdn_chunked_reference(*args)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_c), atol=tol)
+
+
+@pytest.mark.parametrize("case,static", [
+    (dict(seed=4, b=2, t=45, h=2, dk=32, dv=64, decay_scale=1.0, n_pad=3), dict(chunk=16, block_v=32)),
+    (dict(seed=5, b=1, t=100, h=1, dk=16, dv=32, decay_scale=0.05, n_pad=0), dict(chunk=64, block_v=16)),
+])
+def test_kernel_bf16_inputs_within_2e_2(case, static):
+    """bf16 q, k, v (bf16 dot operands, fp32 accumulation and state) against the fp32 recurrence on the same
+    rounded values."""
+    args = make_case(**case)
+    a16 = tuple(x.astype(jnp.bfloat16) for x in args[:3]) + args[3:]
+    o, s = run_kernel(a16, **static)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    o_r, s_r = gdn.gdn_recurrent(*(x.astype(jnp.float32) for x in a16))
+    for out, ref in ((o, o_r), (s, s_r)):
+        err = float(jnp.abs(out.astype(jnp.float32) - ref).max()) / max(1.0, float(jnp.abs(ref).max()))
+        assert err <= 2e-2, err
+
+
+def test_precision_choices():
+    args = make_case(6, 1, 20, 1, 16, 16, 1.0, 0)
+    with pytest.raises(ValueError, match="expected one of"):
+        gdn_chunked(*args, chunk=16, block_v=16, precision="fp16", interpret=True)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        gdn_chunked(*args, chunk=16, block_v=16, precision="tf32x3", interpret=True)
+    o, s = run_kernel(args, chunk=16, block_v=16, precision="bf16")  # fp32 inputs, bf16 operands on request
+    o_r, s_r = gdn.gdn_recurrent(*args)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s_r), atol=2e-2 * max(1.0, float(jnp.abs(s_r).max())))
+
+
+def test_default_config_fits_its_plan():
+    for backend in ("cuda", "rocm"):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            cfg = default_config(128, 128, dtype=dtype, backend=backend)
+            isz = jnp.dtype(operand_dtype(default_precision(dtype))).itemsize
+            plan = block_plan(dk=128, dv=128, chunk=cfg["chunk"], block_v=cfg["block_v"], itemsize=isz,
+                              num_stages=cfg["num_stages"], backend=backend)
+            assert plan["smem_bytes"] <= registry.smem_budget_bytes(backend)
+    # H200's 227 KiB: 64-token chunks; bf16 operands halve the tiles
+    f32 = block_plan(dk=128, dv=128, chunk=64, block_v=32, smem_budget=227 * 1024)["smem_bytes"]
+    bf16 = block_plan(dk=128, dv=128, chunk=64, block_v=32, itemsize=2, smem_budget=227 * 1024)["smem_bytes"]
+    assert bf16 == f32 // 2
+    with pytest.raises(ValueError, match="exceeds the budget"):
+        block_plan(dk=128, dv=128, chunk=64, block_v=32, num_stages=2, smem_budget=227 * 1024)
 
 
 def test_opt_in_registration_and_dispatch(monkeypatch):
@@ -78,7 +125,7 @@ def test_opt_in_registration_and_dispatch(monkeypatch):
 
 
 def test_rejects_bad_blocks():
-    with pytest.raises(ValueError, match=r"dot 'u' has N=8"):
+    with pytest.raises(ValueError, match=r"dot 'ws' has N=8"):
         block_plan(dk=16, dv=8, chunk=16, block_v=8)
     with pytest.raises(ValueError, match="not a multiple of block_v"):
         block_plan(dk=16, dv=48, chunk=16, block_v=32)

@@ -63,14 +63,19 @@ def test_paged_decode_lowers(platform, dtype, b, parts, prefetch):
     assert "__gpu$xla.gpu.triton" in lower(platform, fn, q, kp, vp, pt, lens)
 
 
-@pytest.mark.parametrize("platform", sorted(TARGETS))
-def test_gdn_chunked_lowers(platform):
+H200_GDN = dict(chunk=64, block_v=64, num_warps=8, num_stages=1)  # fp32 64-token chunks: fit only the H200 budget
+
+
+@pytest.mark.parametrize("platform,dtype,precision,cfg", [(p, d, None, None) for p in sorted(TARGETS)
+                                                          for d in (jnp.float32, jnp.bfloat16)]
+                         + [("cuda", jnp.float32, "tf32x3", None), ("cuda", jnp.float32, None, H200_GDN)])
+def test_gdn_chunked_lowers(platform, dtype, precision, cfg):
     b, t, h, dk, dv = 2, 1000, CFG.lin_num_v_heads, CFG.lin_k_dim, CFG.lin_v_dim
-    x = sd((b, t, h, dk), jnp.float32)
+    x = sd((b, t, h, dk), dtype)
     gates = sd((b, t, h), jnp.float32)
-    cfg = gdn.default_config(dk, dv, backend=platform)
-    fn = lambda *a: gdn.gdn_chunked(*a, **cfg)  # noqa: E731
-    text = lower(platform, fn, x, x, sd((b, t, h, dv), jnp.float32), gates, gates, sd((b, h, dk, dv), jnp.float32))
+    cfg = cfg or gdn.default_config(dk, dv, dtype=dtype, backend=platform)
+    fn = lambda *a: gdn.gdn_chunked(*a, **cfg, precision=precision)  # noqa: E731
+    text = lower(platform, fn, x, x, sd((b, t, h, dv), dtype), gates, gates, sd((b, h, dk, dv), jnp.float32))
     assert "__gpu$xla.gpu.triton" in text
 
 

@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gdn-heads", type=int, default=48, help="GDN value heads (the keys are expanded to them)")
     p.add_argument("--gdn-dim", type=int, default=128, help="GDN key and value head dim")
+    p.add_argument("--gdn-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of the GDN chunked q, k, v in the timing grid and sweep (the model feeds fp32; "
+                        "bfloat16 times the bf16-operand path; gates and state stay fp32)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=5)
@@ -156,8 +159,9 @@ def tree_problem(rng, key, b, n, h, hkv, d, ps, starts, dtype, n_sets=1, non_res
     return Problem((q, k, v, pts[0], jnp.asarray(starts), k_tree, v_tree, anc, d ** -0.5), pts, 0, nbytes)
 
 
-def gdn_problem(key, b, t, h, dk, dv, n_pad=0) -> Problem:
-    """Model-like fp32 inputs: L2-normalised q/k, beta in (0,1), g <= 0; the last n_pad tokens are padding."""
+def gdn_problem(key, b, t, h, dk, dv, n_pad=0, dtype=jnp.float32) -> Problem:
+    """Model-like inputs: L2-normalised q/k, beta in (0,1), g <= 0; the last n_pad tokens are padding. q, k, v in
+    ``dtype``; gates and state fp32."""
     from dflash_jax.models import gdn
 
     ks = jax.random.split(key, 6)
@@ -168,7 +172,9 @@ def gdn_problem(key, b, t, h, dk, dv, n_pad=0) -> Problem:
     beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h))) * m
     g = -jax.random.exponential(ks[4], (b, t, h)) * m
     s0 = jax.random.normal(ks[5], (b, h, dk, dv))
-    nbytes = 4 * (b * t * h * (2 * dk + 2 * dv + 2) + 2 * b * h * dk * dv)
+    isz = jnp.dtype(dtype).itemsize
+    nbytes = isz * b * t * h * (2 * dk + 2 * dv) + 4 * (b * t * h * 2 + 2 * b * h * dk * dv)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
     return Problem((q, k, v, beta, g, s0), None, 3, nbytes)
 
 
@@ -207,7 +213,8 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
         from pallas_kernels import gdn as m
 
         kernel, pallas_fn, ref_fn = m.gdn_chunked, m.gdn_chunked_pallas, m.gdn_chunked_reference
-        defaults = lambda args: m.default_config(args[0].shape[-1], args[2].shape[-1])  # noqa: E731
+        defaults = lambda args: m.default_config(args[0].shape[-1], args[2].shape[-1],  # noqa: E731
+                                                 dtype=args[0].dtype)
     else:
         from pallas_kernels import gdn as m
 
@@ -261,10 +268,12 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
             dtype = jnp.dtype(dt)
             key = jax.random.key(100 + ci)
             c = dict(case)
-            if op in ("gdn_chunked", "gdn_step"):
+            if op == "gdn_step":
                 if dt != "float32":
                     continue  # the model feeds the delta rule fp32
-                prob = (gdn_problem if op == "gdn_chunked" else gdn_step_problem)(key, **c)
+                prob = gdn_step_problem(key, **c)
+            elif op == "gdn_chunked":  # bfloat16: q, k, v in bf16 (bf16 dot operands), gates and state fp32
+                prob = gdn_problem(key, **c, dtype=dtype)
             elif op == "paged_decode":
                 prob = decode_problem(rng, key, c.pop("b"), c.pop("h"), c.pop("hkv"), c.pop("d"), a.page_size,
                                       c.pop("lengths"), dtype, non_resident=c.pop("non_resident"))
@@ -277,7 +286,9 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
                 oracle = jax.block_until_ready(ref_fn(*f32))
             variants = {"kernel": lambda: pallas_fn(*args), "reference": lambda: ref_fn(*args)}
             if op == "gdn_chunked":
-                variants["kernel_c64"] = lambda: explicit(*args, chunk=64)
+                variants["kernel_c32"] = lambda: explicit(*args, chunk=32)
+                if dt == "float32" and jax.default_backend() in ("gpu", "cuda"):
+                    variants["kernel_tf32x3"] = lambda: explicit(*args, precision="tf32x3")
             elif op == "gdn_step":
                 variants["kernel_bv64"] = lambda: explicit(*args, block_v=min(64, args[2].shape[-1]))
             else:
@@ -357,7 +368,7 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
 GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' region first
     "paged_decode": (([1, 16, 64], [512, 2048, 8192, 32768], [None]), ([1, 64], [2048, 8192], [None])),
     "tree_attention": (([16, 64, 1], [2048, 8192, 16384], [16, 32, 64]), ([16, 64], [4096], [16, 32])),
-    "gdn_chunked": (([1, 4, 16], [1024, 4096], [None]), ([1, 4], [2048], [None])),
+    "gdn_chunked": (([1, 4, 16], [1024, 4096, 8192], [None]), ([1, 4], [2048], [None])),
     "gdn_step": (([1, 16, 64], [1], [None]), ([16, 64], [1], [None])),  # "prefix" 1 = one token
 }
 def _configs(base: dict, *variants: dict) -> list[dict]:
@@ -381,16 +392,20 @@ _TREE_BASE = dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, pre
 _TREE = _configs(_TREE_BASE, dict(block_m=64), dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
                  dict(num_stages=3), dict(prefetch=True), dict(num_warps=16), dict(num_warps=4, block_m=64),
                  dict(target_programs=132), dict(target_programs=528))
+_GDN = ([dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
+        + [dict(chunk=64, block_v=bv, num_warps=w, precision="tf32x3") for bv, w in ((64, 8), (32, 4))]  # tensor cores
+        + [dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 8), (128, 4))]
+        + [dict(chunk=32, block_v=bv, num_warps=w) for bv in (32, 64, 128) for w in (4, 8)]
+        + [dict(chunk=32, block_v=bv, num_warps=4, num_stages=2) for bv in (32, 64)])  # most likely first: --budget-s
 SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, to tune default_config from
     "tree_attention": [((16, 16, 4096), _TREE),
                        ((64, 32, 4096), _configs(_TREE_BASE, dict(block_m=64), dict(prefetch=True)))],
     "paged_decode": [((1, None, 8192), _DECODE_B1), ((64, None, 8192), _DECODE_B64)],
-    "gdn_chunked": [((4, None, 2048), [dict(chunk=c, block_v=bv, num_warps=w)
-                                      for c in (16, 32, 64) for bv in (16, 32, 64) for w in (4,)])],
+    "gdn_chunked": [((1, None, 8192), _GDN), ((16, None, 8192), _GDN)],
     "gdn_step": [((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)])],
 }
 SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
-         "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c"}
+         "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c", "precision": "p"}
 
 
 def config_name(cfg: dict) -> str:
@@ -409,7 +424,7 @@ def grid(op: str, a: argparse.Namespace) -> list[tuple]:
 def _problem(op, a, b, n, p, dtype, rng):
     key = jax.random.key(b * 7919 + p + (n or 0))
     if op == "gdn_chunked":
-        return gdn_problem(key, b, p, a.gdn_heads, a.gdn_dim, a.gdn_dim)
+        return gdn_problem(key, b, p, a.gdn_heads, a.gdn_dim, a.gdn_dim, dtype=jnp.dtype(a.gdn_dtype))
     if op == "gdn_step":
         return gdn_step_problem(key, b, a.gdn_heads, a.gdn_dim, a.gdn_dim)
     set_bytes = b * p * a.kv_heads * a.head_dim * 2 * dtype.itemsize
@@ -441,6 +456,7 @@ def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, err
     printed): data to pick the per-device defaults from."""
     _, ref_fn, explicit = implementations(op)
     dtype = jnp.dtype(a.dtype)
+    tol = TOL[a.gdn_dtype if op == "gdn_chunked" else a.dtype]
     for (b, n, p), configs in sweep_cases(op, a):
         case = _tag(op, b, n, p)[len(op) + 1:]
         if time.perf_counter() > deadline:
@@ -467,7 +483,7 @@ def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, err
                 continue
             figures[f"{tag}.kernel_us"] = t * 1e6
             figures[f"{tag}.bandwidth_fraction"] = prob.nbytes / t / copy_bw
-            if np.isfinite(err) and err <= TOL[a.dtype] and (best is None or t < best[0]):
+            if np.isfinite(err) and err <= tol and (best is None or t < best[0]):
                 best = (t, name)
             print(f"sweep {op}.{case} {name}: {t * 1e6:.1f} us, {prob.nbytes / t / copy_bw:.3f} of copy bw",
                   flush=True)
@@ -680,9 +696,9 @@ def run(a: argparse.Namespace, command: str) -> int:
         if a.no_write:
             return
         extra = {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "page_size": a.page_size,
-                 "gdn_heads": a.gdn_heads, "gdn_dim": a.gdn_dim, "dtype": a.dtype, "quick": a.quick,
-                 "errors": errors, "skipped": skipped, "tolerances": TOL, "backend": jax.default_backend(),
-                 "complete": final}
+                 "gdn_heads": a.gdn_heads, "gdn_dim": a.gdn_dim, "gdn_dtype": a.gdn_dtype, "dtype": a.dtype,
+                 "quick": a.quick, "errors": errors, "skipped": skipped, "tolerances": TOL,
+                 "backend": jax.default_backend(), "complete": final}
         out_path = results.write_result("kernels", figures, command, extra, out_dir=a.out_dir, out_path=out_path)
         if final:
             print(f"wrote {out_path}")

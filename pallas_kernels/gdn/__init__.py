@@ -5,9 +5,10 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 -> (o [B,T,H,dv], state)``, as ``dflash_jax.models.qwen36.gdn_layer`` calls ``gdn.gdn_chunked``):
 
 - ``"reference"``: pure jnp (``dflash_jax.models.gdn.gdn_chunked_reference``), any backend, the default everywhere;
-- ``"pallas_triton"``: :func:`kernel.gdn_chunked` (its own chunk length from :func:`kernel.default_config`; the
-  ``chunk`` argument is the reference's). Registered **opt-in** (not the GPU default) until it has been measured
-  on a GPU: ``DFLASH_KERNELS=gdn_chunked=pallas_triton``. Interpret mode off GPU.
+- ``"pallas_triton"``: :func:`kernel.gdn_chunked`, a parallel chunk-local pass (XLA) then a sequential state
+  pass (Pallas), dots at the inputs' precision (:func:`kernel.default_precision`); its own chunk length from
+  :func:`kernel.default_config` (the ``chunk`` argument is the reference's). Registered **opt-in** (not the GPU
+  default) until it has been measured on a GPU: ``DFLASH_KERNELS=gdn_chunked=pallas_triton``. Interpret mode off GPU.
 
 ``"gdn_step"`` (signature ``(q, k [B,H,dk], v [B,H,dv], beta, g [B,H], state [B,H,dk,dv]) -> (o, state)``, as
 ``qwen36.gdn_layer`` calls ``gdn.gdn_step`` for decode): ``"reference"`` = ``gdn.gdn_step_reference``;
@@ -17,9 +18,11 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import registry
-from pallas_kernels.gdn.kernel import block_plan, default_config, gdn_chunked, gdn_step, step_block_plan
+from pallas_kernels.gdn.kernel import (block_plan, chunk_local, default_config, default_precision, gdn_chunked,
+                                      gdn_step, operand_dtype, step_block_plan)
 from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_step_reference
 
 
@@ -30,9 +33,11 @@ def gdn_chunked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     del chunk
     backend = registry.current_backend()
     dk, dv = q.shape[-1], v.shape[-1]
-    cfg = default_config(dk, dv, backend=backend)
+    cfg = default_config(dk, dv, dtype=q.dtype, backend=backend)
     try:
-        block_plan(dk=dk, dv=dv, chunk=cfg["chunk"], block_v=cfg["block_v"], backend=backend)
+        block_plan(dk=dk, dv=dv, chunk=cfg["chunk"], block_v=cfg["block_v"],
+                   itemsize=jnp.dtype(operand_dtype(default_precision(q.dtype))).itemsize,
+                   num_stages=cfg["num_stages"], backend=backend)
     except ValueError as e:
         registry.warn_fallback("gdn_chunked", e)
         return gdn_chunked_reference(q, k, v, beta, g, state)
@@ -58,5 +63,6 @@ registry.register("gdn_chunked", "pallas_triton", gdn_chunked_pallas, backends=(
 registry.register("gdn_step", "reference", gdn_step_reference, backends=("any",))
 registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",), preferred=False)
 
-__all__ = ["block_plan", "default_config", "gdn_chunked", "gdn_chunked_pallas", "gdn_chunked_reference", "gdn_step",
-           "gdn_step_pallas", "gdn_step_reference", "step_block_plan"]
+__all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
+           "gdn_chunked_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "operand_dtype",
+           "step_block_plan"]

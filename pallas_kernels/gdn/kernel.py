@@ -5,12 +5,23 @@ Same math as ``dflash_jax.models.gdn._chunk`` (WY form), per chunk of C tokens:
 ``T = (I + M)^-1``, ``U = T (beta v)``, ``W = T (beta e^gam k)``, ``V' = U - W S``,
 ``o = (q e^gam) S + ((q k^T) * Gam) V'``, ``S <- e^{gam_C} S + (k e^{gam_C - gam})^T V'``.
 
-The value columns of the state are independent (every product above is linear in v and S column by
-column), so the grid is ``(B, H, dv / block_v)``: a program carries its ``[dk, block_v]`` slice of the
-state in registers through all chunks of its (sequence, head) and writes it once at the end. The
-unit-lower-triangular inverse is a product of log2(C) factors, ``(I + M)^-1 = prod_i (I + (-M)^(2^i))``
-(exact: M is nilpotent, M^C = 0), so every step is a ``dot`` (no row-by-row substitution, which
-Triton cannot index). All dots are f32 (IEEE precision on GPU), like the reference's HIGHEST.
+Two passes, as production GDN kernels (flash-linear-attention's ``chunk_gated_delta_rule``) split it:
+
+1. :func:`chunk_local` (XLA batched matmuls, parallel over B x chunks x H): everything that does not depend on
+   the state: ``gam``, ``T`` (one batched unit-lower-triangular solve), ``W``, ``U`` and the intra-chunk
+   ``P = (q k^T) * Gam``. Outputs keep the batched matmuls' natural ``[B, n, H, C, *]`` layout (viewed as
+   ``[B, n*H*C, *]``, no transpose), so chunk i of head h is rows ``(i*H + h)*C ...`` of its sequence.
+2. :func:`_state_kernel` (Pallas), grid ``(B, H, dv / block_v)``: the value columns of the state are independent
+   (every product above is linear in v and S column by column), so a program carries its ``[dk, block_v]`` slice
+   of the state in registers through the chunks of its (sequence, head), doing only the state-dependent products
+   per chunk (``W S``, ``(q e^gam) S``, ``P V'``, ``(k e^{gam_C-gam})^T V'``), and writes the state once at the end.
+
+Precision (``precision``; default by q's dtype): ``"fp32"`` (fp32 inputs): every dot of both passes at HIGHEST
+(IEEE fp32 on a GPU, no tensor cores), so the result equals the reference to fp32 round-off. ``"bf16"`` (16-bit
+inputs): dot operands in bf16 with fp32 accumulation, the state and every elementwise step (gates, decays,
+``V'``) fp32 and ``T`` solved in fp32, then rounded to bf16 as a matmul operand, as flash-linear-attention
+does. ``"tf32x3"`` (GPU only, opt-in for fp32 inputs): the state pass's dots on tensor cores as three TF32
+products (about fp32 accuracy); the chunk-local pass stays at HIGHEST.
 """
 
 from __future__ import annotations
@@ -26,78 +37,147 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.registry import check_block_shapes, current_backend
 
 HI = lax.Precision.HIGHEST
+PRECISIONS = ("fp32", "tf32x3", "bf16")
 
 
-def _kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, s_ref, o_ref, s_out_ref, *, chunk: int, n_chunks: int):
-    # q_ref, k_ref [Tp, dk]; v_ref [Tp, BV]; beta_ref, g_ref [Tp]; s_ref [dk, BV]; o_ref [Tp, BV]
+def default_precision(dtype) -> str:
+    """``"fp32"`` for fp32 (or wider) inputs, ``"bf16"`` for 16-bit ones."""
+    return "fp32" if jnp.dtype(dtype).itemsize >= 4 else "bf16"
+
+
+def _dot_dtype_and_precision(precision: str):
+    """(operand dtype, ``lax`` precision) of the state pass's dots."""
+    if precision == "bf16":
+        return jnp.bfloat16, None  # bf16 x bf16 -> f32 accumulation
+    if precision == "tf32x3":
+        return jnp.float32, lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    if precision == "fp32":
+        return jnp.float32, HI
+    raise ValueError(f"gdn_chunked: precision={precision!r}; expected one of {PRECISIONS}")
+
+
+def operand_dtype(precision: str):
+    """The dtype the dots of ``precision`` read their operands in (the chunk-local outputs are stored in it)."""
+    return _dot_dtype_and_precision(precision)[0]
+
+
+# ------------------------------------------------------------------------------------------ pass 1: chunk-local
+
+def chunk_local(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, *, chunk: int,
+                precision: str) -> dict:
+    """The state-independent part of every chunk, all chunks at once (inputs padded to n whole chunks).
+
+    q, k [B, n*C, H, dk]; v [B, n*C, H, dv]; beta, g [B, n*C, H]. Returns, with ``r = n*H*C`` rows per sequence
+    in chunk-major, head, token order: ``w`` [B, r, dk] and ``u`` [B, r, dv] (dot operand dtype), ``p`` [B, r, C]
+    (``(q k^T) * Gam``, operand dtype), ``gam`` [B, r] (fp32, the in-chunk cumulative log-decay).
+    """
+    b, tp, h, dk = q.shape
+    dv = v.shape[-1]
+    c, n = chunk, tp // chunk
+    f32 = jnp.float32
+    opd = operand_dtype(precision)
+    prec = None if precision == "bf16" else HI  # tf32x3 too: this pass is parallel, not the bottleneck
+    ein = functools.partial(jnp.einsum, precision=prec, preferred_element_type=f32)
+    split = lambda a: a.reshape((b, n, c) + a.shape[2:])  # noqa: E731  [B, n, C, H, ...]
+    q, k, v = (split(a).astype(opd) for a in (q, k, v))
+    beta, g = (jnp.swapaxes(split(a).astype(f32), 2, 3) for a in (beta, g))  # [B, n, H, C]
+    gam = jnp.cumsum(g, axis=-1)
+    incl = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.where(incl, jnp.exp(jnp.where(incl, gam[..., :, None] - gam[..., None, :], 0.0)), 0.0)
+    kk = ein("bnihd,bnjhd->bnhij", k, k)
+    a = jnp.eye(c, dtype=f32) + jnp.where(jnp.tril(incl, -1), beta[..., :, None] * kk * decay, 0.0)
+    t = lax.linalg.triangular_solve(a, jnp.broadcast_to(jnp.eye(c, dtype=f32), a.shape), left_side=True,
+                                    lower=True, unit_diagonal=True).astype(opd)  # (I + M)^-1 [B, n, H, C, C]
+    kb = jnp.swapaxes(beta * jnp.exp(gam), 2, 3)[..., None] * k.astype(f32)  # beta e^gam k [B, n, C, H, dk]
+    vb = jnp.swapaxes(beta, 2, 3)[..., None] * v.astype(f32)
+    w = ein("bnhij,bnjhd->bnhid", t, kb.astype(opd))
+    u = ein("bnhij,bnjhd->bnhid", t, vb.astype(opd))
+    p = ein("bnihd,bnjhd->bnhij", q, k) * decay
+    rows = n * h * c
+    return dict(w=w.astype(opd).reshape(b, rows, dk), u=u.astype(opd).reshape(b, rows, dv),
+                p=p.astype(opd).reshape(b, rows, c), gam=gam.reshape(b, rows))
+
+
+# ------------------------------------------------------------------------------------------ pass 2: the state
+
+def _state_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, gam_ref, s_ref, o_ref, s_out_ref, *, chunk: int,
+                  n_chunks: int, n_heads: int, precision: str):
+    # q_ref, k_ref [Tp, dk] (token-major); w_ref [n*H*C, dk], u_ref [n*H*C, BV], p_ref [n*H*C, C], gam_ref [n*H*C]
+    # (chunk-local pass layout); s_ref [dk, BV]; o_ref [Tp, BV]
     c = chunk
-    rows = jnp.arange(c)[:, None]
-    cols = jnp.arange(c)[None, :]
-    incl = rows >= cols
-    strict = rows > cols
-    eye = (rows == cols).astype(jnp.float32)
-    dot = functools.partial(plt.dot, precision=HI)
+    h = pl.program_id(1)
+    opd, prec = _dot_dtype_and_precision(precision)
+    dot = functools.partial(plt.dot, precision=prec)
+    last = (jnp.arange(c) == c - 1).astype(jnp.float32)
 
     def body(i, s):
-        sl = pl.ds(i * c, c)
-        q = q_ref[sl, :].astype(jnp.float32)
-        k = k_ref[sl, :].astype(jnp.float32)
-        v = v_ref[sl, :].astype(jnp.float32)
-        beta = beta_ref[sl].astype(jnp.float32)
-        g = g_ref[sl].astype(jnp.float32)
-        gam = jnp.cumsum(g)
-        g_end = jnp.sum(g)  # gam[C-1]
-        decay = jnp.where(incl, jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        m = jnp.where(strict, beta[:, None] * dot(k, k, trans_b=True) * decay, 0.0)
-        n = -m
-        t = eye + n
-        p = n
-        for _ in range(max(0, (c - 1).bit_length() - 1)):  # T = (I + N)(I + N^2)(I + N^4)...
-            p = dot(p, p)
-            t = t + dot(t, p)
-        u = dot(t, beta[:, None] * v)                                   # [C, BV]
-        w = dot(t, (beta * jnp.exp(gam))[:, None] * k)                  # [C, dk]
-        vp = u - dot(w, s)                                              # [C, BV]
-        qk = dot(q, k, trans_b=True) * decay
-        o = dot(q * jnp.exp(gam)[:, None], s) + dot(qk, vp)
-        o_ref[sl, :] = o.astype(o_ref.dtype)
-        return s * jnp.exp(g_end) + dot(k * jnp.exp(g_end - gam)[:, None], vp, trans_a=True)
+        tok = pl.ds(i * c, c)
+        loc = pl.ds((i * n_heads + h) * c, c)
+        gam = gam_ref[loc]
+        g_end = jnp.sum(gam * last)  # gam[C-1]
+        s_op = s.astype(opd)
+        vp = u_ref[loc, :].astype(jnp.float32) - dot(w_ref[loc, :].astype(opd), s_op)           # V' [C, BV]
+        vp_op = vp.astype(opd)
+        qg = (q_ref[tok, :].astype(jnp.float32) * jnp.exp(gam)[:, None]).astype(opd)
+        o = dot(qg, s_op) + dot(p_ref[loc, :].astype(opd), vp_op)
+        o_ref[tok, :] = o.astype(o_ref.dtype)
+        kd = (k_ref[tok, :].astype(jnp.float32) * jnp.exp(g_end - gam)[:, None]).astype(opd)
+        return s * jnp.exp(g_end) + dot(kd, vp_op, trans_a=True)
 
     s = lax.fori_loop(0, n_chunks, body, s_ref[...].astype(jnp.float32))
     s_out_ref[...] = s.astype(s_out_ref.dtype)
 
 
-def default_config(dk: int, dv: int, *, backend: str | None = None) -> dict:
-    """chunk (tokens per step), block_v (state columns per program), num_warps, num_stages by backend."""
+def default_config(dk: int, dv: int, *, dtype=jnp.float32, backend: str | None = None) -> dict:
+    """chunk (tokens per step), block_v (state columns per program), num_warps, num_stages by backend: the
+    largest of chunk 64 / 32 and 2 / 1 pipeline stages whose tiles fit the shared-memory budget."""
     b = backend or current_backend()
-    return dict(chunk=32, block_v=min(dv, 32), num_warps=4, num_stages=1 if b == "rocm" else 2)
+    isz = jnp.dtype(operand_dtype(default_precision(dtype))).itemsize
+    block_v = min(dv, 32)
+    stages = (1,) if b == "rocm" else (2, 1)
+    first = None
+    for chunk in (64, 32):
+        for st in stages:
+            cfg = dict(chunk=chunk, block_v=block_v, num_warps=4, num_stages=st)
+            try:
+                block_plan(dk=dk, dv=dv, chunk=chunk, block_v=block_v, itemsize=isz, num_stages=st, backend=b)
+            except ValueError:
+                first = first or cfg
+                continue
+            return cfg
+    return first  # nothing fits: block_plan will say why where it is used
 
 
-def block_plan(*, dk: int, dv: int, chunk: int, block_v: int, smem_budget: int | None = None,
-               backend: str | None = None) -> dict:
-    """Static tiles of a launch, checked with :func:`check_block_shapes` (raises ValueError)."""
+def block_plan(*, dk: int, dv: int, chunk: int, block_v: int, itemsize: int = 4, num_stages: int = 1,
+               smem_budget: int | None = None, backend: str | None = None) -> dict:
+    """Static tiles of a state-pass launch, checked with :func:`check_block_shapes` (raises ValueError).
+
+    Shared memory is estimated as the per-chunk loads (q, k, W [C, dk], U [C, block_v], P [C, C] in the dot
+    operand dtype of ``itemsize`` bytes), once per pipeline stage."""
     if dv % block_v:
         raise ValueError(f"gdn_chunked: dv={dv} is not a multiple of block_v={block_v}")
-    f = 4
-    smem = {"qk": 2 * chunk * dk * f, "v": chunk * block_v * f, "cc": 2 * chunk * chunk * f}
+    loads = {"qkw": 3 * chunk * dk, "u": chunk * block_v, "p": chunk * chunk}
     total = check_block_shapes(
         "gdn_chunked",
-        {"q": (chunk, dk), "v": (chunk, block_v), "state": (dk, block_v), "cc": (chunk, chunk)},
-        dots={"kk": (chunk, chunk, dk), "tt": (chunk, chunk, chunk), "u": (chunk, block_v, chunk),
-              "w": (chunk, dk, chunk), "ws": (chunk, block_v, dk), "state": (dk, block_v, chunk)},
-        smem=smem, smem_budget=smem_budget, backend=backend)
+        {"q": (chunk, dk), "u": (chunk, block_v), "state": (dk, block_v), "p": (chunk, chunk)},
+        dots={"ws": (chunk, block_v, dk), "qs": (chunk, block_v, dk), "pv": (chunk, block_v, chunk),
+              "state": (dk, block_v, chunk)},
+        smem={name: n * itemsize * max(1, num_stages) for name, n in loads.items()},
+        smem_budget=smem_budget, backend=backend)
     return dict(n_v_blocks=dv // block_v, smem_bytes=total)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "block_v", "num_warps", "num_stages", "precision",
+                                             "interpret"))
 def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array, *,
-                chunk: int = 32, block_v: int = 32, num_warps: int = 4, num_stages: int = 2,
-                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                chunk: int = 64, block_v: int = 32, num_warps: int = 4, num_stages: int = 1,
+                precision: str | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Chunked gated delta rule (``dflash_jax.models.gdn.gdn_chunked``'s contract).
 
     q, k [B, T, H, dk]; v [B, T, H, dv]; beta, g [B, T, H]; state [B, H, dk, dv] (fp32). Returns
     (o [B, T, H, dv] in v's dtype, final state in state's dtype). T is padded to whole chunks with
-    beta = g = 0, k = v = 0 tokens, which leave the state unchanged.
+    beta = g = 0, k = v = 0 tokens, which leave the state unchanged. ``precision``: see the module docstring
+    (None: :func:`default_precision` of q's dtype).
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -105,22 +185,30 @@ def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: ja
             or state.shape != (b, h, dk, dv):
         raise ValueError(f"gdn_chunked: q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, g {g.shape}, "
                          f"state {state.shape} disagree")
-    plan = block_plan(dk=dk, dv=dv, chunk=chunk, block_v=block_v)
+    precision = precision or default_precision(q.dtype)
+    opd = operand_dtype(precision)
+    if precision == "tf32x3" and interpret:
+        raise ValueError("gdn_chunked: precision='tf32x3' needs a GPU (XLA:CPU has no TF32 dot); use 'fp32'")
+    plan = block_plan(dk=dk, dv=dv, chunk=chunk, block_v=block_v, itemsize=jnp.dtype(opd).itemsize,
+                      num_stages=num_stages)
     n = -(-t // chunk)
     tp = n * chunk
     if tp != t:
         pad = lambda a: jnp.pad(a, [(0, 0), (0, tp - t)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
         q, k, v, beta, g = map(pad, (q, k, v, beta, g))
-    kernel = functools.partial(_kernel, chunk=chunk, n_chunks=n)
+    loc = chunk_local(q, k, v, beta, g, chunk=chunk, precision=precision)
+    rows = n * h * chunk
+    kernel = functools.partial(_state_kernel, chunk=chunk, n_chunks=n, n_heads=h, precision=precision)
     o, s = pl.pallas_call(
         kernel,
         grid=(b, h, plan["n_v_blocks"]),
         in_specs=[
             pl.BlockSpec((None, tp, None, dk), lambda i, j, c: (i, 0, j, 0)),          # q
             pl.BlockSpec((None, tp, None, dk), lambda i, j, c: (i, 0, j, 0)),          # k
-            pl.BlockSpec((None, tp, None, block_v), lambda i, j, c: (i, 0, j, c)),     # v columns
-            pl.BlockSpec((None, tp, None), lambda i, j, c: (i, 0, j)),                 # beta
-            pl.BlockSpec((None, tp, None), lambda i, j, c: (i, 0, j)),                 # g
+            pl.BlockSpec((None, rows, dk), lambda i, j, c: (i, 0, 0)),                 # W
+            pl.BlockSpec((None, rows, block_v), lambda i, j, c: (i, 0, c)),            # U columns
+            pl.BlockSpec((None, rows, chunk), lambda i, j, c: (i, 0, 0)),              # P
+            pl.BlockSpec((None, rows), lambda i, j, c: (i, 0)),                        # gam
             pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c)),     # state columns
         ],
         out_specs=[
@@ -130,8 +218,8 @@ def gdn_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: ja
         out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunked_c{chunk}_dk{dk}_bv{block_v}",
-    )(q, k, v, beta, g, state)
+        name=f"gdn_chunked_state_c{chunk}_dk{dk}_bv{block_v}_{precision}",
+    )(q, k, loc["w"], loc["u"], loc["p"], loc["gam"], state)
     return o[:, :t], s
 
 
