@@ -23,11 +23,12 @@ def test_chain_keep_prob_hits_the_expected_tokens_per_round():
 def test_spec_bench_smoke(tmp_path):
     drafter = nano_drafter_config(tmp_path)
     rc = main(["spec", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-drafter", str(drafter),
-               "--dtype", "float32", "--batch", "1", "2", "--budget", "6", "--context", "40", "--prefill-chunk", "32",
+               "--dtype", "float32", "--batch", "1", "2", "--budget", "6", "--max-verify-tokens", "8", "--context", "40", "--prefill-chunk", "32",
                "--iters", "2", "--oracle-tau", "3", "--oracle-tokens", "24", "--out-dir", str(tmp_path)])
     assert rc == 0
     (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("spec_")]
     figs = json.loads(res.read_text())["figures"]
-    assert figs["b1.step_overhead"] > 0 and figs["b2.spec_step_ms"] > 0
+    assert figs["b1.step_overhead"] > 0 and figs["b2.spec_step_ms"] > 0 and figs["b2.spec_round_sync_ms"] > 0
+    assert (figs["b1.budget"], figs["b2.budget"]) == (6, 3)  # 8 verified tokens at most over the 2-row bucket
     assert figs["oracle_tau3.b1.tau_measured"] >= 1 and figs["oracle_tau3.b1.tok_s"] > 0
     assert figs["oracle_tau3.b1.resyncs"] == 0  # float32: the recorded continuation always predicts the output

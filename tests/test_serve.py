@@ -525,7 +525,8 @@ def test_ddtree_flags_start_a_speculative_server(tmp_path):
     save_drafter(str(tmp_path / "drafter"), dcfg, dflash.init_params(dcfg, jax.random.key(0), jnp.float32))
     proc, base = _spawn(["--model", model, "--max-concurrency", "1", "--max-model-len", "128", "--page-size", "8",
                          "--prefill-chunk", "32", "--ddtree", "--drafter", str(tmp_path / "drafter"),
-                         "--ddtree-budget", "4", "--cohort-yield-min", "0", "--fast-rollback"])
+                         "--ddtree-budget", "4", "--ddtree-max-verify-tokens", "4", "--cohort-yield-min", "0",
+                         "--fast-rollback"])
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,

@@ -24,6 +24,8 @@ def _resolve(*argv):
     (("--model", MODEL, "--fast-rollback"), "--fast-rollback selects how DDTree rounds commit"),
     (("--ddtree", "--fast-rollback", "--max-concurrency", "4"), "use --max-concurrency 1"),
     (("--cohort-reprobe-tokens", "-1"), "--cohort-reprobe-tokens must be >= 0"),
+    (("--model", MODEL, "--ddtree-max-verify-tokens", "64"), "--ddtree-max-verify-tokens caps DDTree rounds"),
+    (("--ddtree", "--ddtree-max-verify-tokens", "1"), "--ddtree-max-verify-tokens must be >= 2"),
     (("--model", MODEL, "--prefill-compression", "auto"), "needs --prefill-drafter"),
     (("--model", MODEL, "--prefill-drafter", MODEL), "only used with --prefill-compression"),
     (("--model", MODEL, "--target-device", "cuda:0", "--draft-device", "cpu:0"), "mixed-device"),

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dflash_jax as dj
 from conftest import FIXTURES
@@ -240,3 +242,37 @@ def test_fast_rollback_is_lossless_and_reported():
     assert a.stats["rollback_mode"] == "fast-rollback" and b.stats["rollback_mode"] == "replay"
     with pytest.raises(ValueError, match="single sequence"):
         Engine(t, None, EngineOptions(max_batch=2, spec=SpecConfig(fast_rollback=True)), drafter=(dcfg, dparams))
+
+
+@given(budget=st.integers(1, 64), cap=st.one_of(st.none(), st.integers(2, 512)), batch=st.integers(1, 128))
+@settings(max_examples=200, deadline=None)
+def test_max_verify_tokens_lowers_the_budget_by_bucket_and_never_below_one(budget, cap, batch):
+    spec = SpecConfig(budget=budget, max_verify_tokens=cap)
+    got = spec.budget_for(batch)
+    assert 1 <= got <= budget
+    if cap is None:
+        assert got == budget
+    else:
+        assert got == budget or batch * (got + 1) <= cap or got == 1  # within the cap unless at the floor
+        assert spec.budget_for(batch + 1) <= got  # larger buckets never get more nodes
+    fixed = spec.for_batch(batch)
+    assert fixed.budget == got and fixed.max_verify_tokens is None
+
+
+def test_bucket_budgets_stay_lossless_and_bound_each_round():
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    spec = SpecConfig(budget=6, max_verify_tokens=8)  # buckets 1 / 2 / 4 -> budgets 6 / 3 / 1
+    eng = Engine(t, None, EngineOptions(max_batch=4, prefill_batch=4, prefill_chunk=32, max_model_len=128,
+                                        page_size=8, spec=spec, cohort_yield_min=0.0), drafter=(dcfg, dparams))
+    assert eng.spec_budgets == {1: 6, 2: 3, 4: 1}
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, t.config.vocab_size - 1, n).tolist() for n in (7, 19, 12, 4)]
+    want = [t.greedy(p, 9) for p in prompts]
+    outs = eng.generate(prompts[:3], SamplingParams(max_tokens=9))  # three rows: the 4-row bucket, budget 1
+    alone = eng.generate(prompts[3:], SamplingParams(max_tokens=9))  # one row: bucket 1, budget 6
+    assert [o.token_ids for o in outs + alone] == want
+    for o in outs:  # bucket 4 (budget 1), or bucket 2 (budget 3) once a row has finished; never the full 6
+        assert o.stats["draft_nodes"] <= 3 * o.stats["draft_steps"]
+    assert alone[0].stats["draft_nodes"] > alone[0].stats["draft_steps"]  # the lone row drafts wider trees
+    with pytest.raises(ValueError, match="max_verify_tokens"):
+        SpecConfig(max_verify_tokens=1)

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16],
                    help="batch sizes timed; only these (and 1, for the oracle run) are compiled")
     p.add_argument("--budget", type=int, default=22)
+    p.add_argument("--max-verify-tokens", type=int, default=None,
+                   help="cap on tree tokens verified per round over a bucket (lowers the budget at large batch)")
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache when steps are timed")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=1024)
@@ -77,8 +79,10 @@ def accepted_lengths(tau: float, depth: int, seed: int = 0) -> Iterator[int]:
         yield min(int(np.searchsorted(cdf, u, side="right")), depth)
 
 
-def spec_step_ms(eng: Engine, b: int, context: int, iters: int) -> float:
-    """Back-to-back speculative rounds of bucket ``b`` at ``context`` (device time per round)."""
+def spec_step_ms(eng: Engine, b: int, context: int, iters: int, sync: bool = False) -> float:
+    """Back-to-back speculative rounds of bucket ``b`` at ``context`` (device time per round); ``sync``: each round's
+    outputs copied to the host before the next is dispatched, as the engine's loop does (dispatch and launch not
+    hidden behind the previous round)."""
     w = eng.width
     inp = SpecInput(root=np.zeros(b, np.int32), start=np.full(b, context, np.int32),
                     slots=np.arange(1, b + 1, dtype=np.int32), active=np.ones(b, bool),
@@ -92,6 +96,8 @@ def spec_step_ms(eng: Engine, b: int, context: int, iters: int) -> float:
     t0 = time.perf_counter()
     for _ in range(iters):
         eng.state, eng.dkv, out = fn(*args())
+        if sync:
+            jax.device_get(out)
     jax.block_until_ready(out)
     return 1e3 * (time.perf_counter() - t0) / iters
 
@@ -113,8 +119,8 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
     depth = dcfg.block_size - 1
-    lengths = accepted_lengths(tau, min(depth, spec.budget), seed)  # the tree's chain holds at most `budget` nodes
-    step = eng.compile_step(functools.partial(oracle_step, cfg, dcfg, spec), extra_inputs=1)
+    lengths = accepted_lengths(tau, min(depth, spec.budget_for(1)), seed)  # the tree's chain holds at most `budget` nodes
+    step = eng.compile_step(functools.partial(oracle_step, cfg, dcfg, spec.for_batch(1)), extra_inputs=1)
     samp = eng.put(SamplingArrays.from_rows([], 1))
     exact = eng.target.params["embed"].dtype == np.float32
     history: list[int] = []  # tokens emitted after the prompt
@@ -179,7 +185,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         target, _ = peak_target(target)
     dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))
-    spec = SpecConfig(budget=args.budget)
+    spec = SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens)
     max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
@@ -193,8 +199,11 @@ def run(args: argparse.Namespace, command: str) -> int:
     for b in args.batch:
         ar_ms = device_step_ms(eng, b, args.context, args.iters)
         sp_ms = spec_step_ms(eng, b, args.context, args.iters)
-        figures.update({f"b{b}.ar_step_ms": ar_ms, f"b{b}.spec_step_ms": sp_ms, f"b{b}.step_overhead": sp_ms / ar_ms})
-        print(f"b{b}: AR {ar_ms:.2f} ms, DDTree round {sp_ms:.2f} ms, overhead {sp_ms / ar_ms:.3f}", flush=True)
+        sync_ms = spec_step_ms(eng, b, args.context, args.iters, sync=True)
+        figures.update({f"b{b}.ar_step_ms": ar_ms, f"b{b}.spec_step_ms": sp_ms, f"b{b}.step_overhead": sp_ms / ar_ms,
+                        f"b{b}.spec_round_sync_ms": sync_ms, f"b{b}.budget": spec.budget_for(b)})
+        print(f"b{b}: AR {ar_ms:.2f} ms, DDTree round {sp_ms:.2f} ms (budget {spec.budget_for(b)}), overhead "
+              f"{sp_ms / ar_ms:.3f}; one round with its outputs on the host {sync_ms:.2f} ms", flush=True)
     if args.oracle_tau > 0:
         m = oracle_run(eng, spec, args.context, args.oracle_tokens, args.oracle_tau)
         key = f"oracle_tau{args.oracle_tau:g}.b1"

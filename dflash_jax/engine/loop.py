@@ -316,9 +316,8 @@ class Engine:
         self.prefill_buckets = (_buckets(pb) if o.batch_buckets is None
                                 else tuple(b for b in self.decode_buckets if b < pb) + (pb,))
         self._jit = self.compile_step(functools.partial(step, self.cfg, self.dcfg))
-        spec_cfg = dataclasses.replace(o.spec, draft_query=True) if self.draft_scoring else o.spec
-        self._spec_jit = (self.compile_step(functools.partial(spec_step, self.cfg, self.dcfg, spec_cfg))
-                          if o.spec is not None else None)
+        self.spec_cfg = dataclasses.replace(o.spec, draft_query=True) if self.draft_scoring else o.spec
+        self._spec_jits: dict[int, Callable] = {}  # bucket -> jitted round (each bucket has its own node budget)
         self._exec: dict[tuple[str, int], Callable] = {}
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: dict[int, _Request] = {}  # admitted, in prefill or decode
@@ -565,13 +564,24 @@ class Engine:
         lead = () if self.dp == 1 else (self.dp,)
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(lead + a.shape, a.dtype), (inp, samp))
 
+    @property
+    def spec_budgets(self) -> dict[int, int]:
+        """DDTree node budget per decode bucket (``SpecConfig.max_verify_tokens`` lowers it at large buckets)."""
+        return {} if self.spec_cfg is None else {b: self.spec_cfg.budget_for(b) for b in self.decode_buckets}
+
+    def _spec_fn(self, b: int) -> Callable:
+        if b not in self._spec_jits:
+            self._spec_jits[b] = self.compile_step(
+                functools.partial(spec_step, self.cfg, self.dcfg, self.spec_cfg.for_batch(b)))
+        return self._spec_jits[b]
+
     def _lower(self, kind: str, b: int):
-        fn = self._spec_jit if kind == "spec" else self._jit
+        fn = self._spec_fn(b) if kind == "spec" else self._jit
         return fn.lower(self.target.params, self.dparams, self.state, self.dkv, *self._shapes(kind, b))
 
     def _kinds(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         kinds = (("prefill", self.prefill_buckets), ("decode", self.decode_buckets))
-        return kinds + ((("spec", self.decode_buckets),) if self._spec_jit is not None else ())
+        return kinds + ((("spec", self.decode_buckets),) if self.spec_cfg is not None else ())
 
     def warmup(self, progress: Callable[[str, float], None] | None = None,
                workers: int | None = None) -> dict[str, float]:
@@ -647,7 +657,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else rid
         stats = RequestStats(time.perf_counter())
         # min_tokens bans and per-token logprobs exist on the AR path only
-        if self._spec_jit is not None and not sampling.min_tokens and not sampling.logprobs:
+        if self.spec_cfg is not None and not sampling.min_tokens and not sampling.logprobs:
             stats.spec_mode = "ddtree"
         self.waiting.append(_Request(rid, ids, sampling, seed, stats))
         return rid

@@ -30,6 +30,26 @@ class SpecConfig:
     # also return the drafter's anchor queries (SpecOutput.draft_query; KVFlash drafter scoring). Off by default:
     # the executable is then the plain round, with nothing extra computed or copied to the host
     draft_query: bool = False
+    # cap on the tree tokens one round verifies over its batch bucket: a bucket of B rows gets the node budget
+    # min(budget, max_verify_tokens // B - 1) (>= 1), so verify stays near the weight-streaming regime at large B
+    # instead of turning compute-bound (B x (budget + 1) tokens through every matmul). None: budget at every B
+    max_verify_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"the DDTree budget must be >= 1, got {self.budget}")
+        if self.max_verify_tokens is not None and self.max_verify_tokens < 2:
+            raise ValueError(f"max_verify_tokens must be >= 2 (one root + one node), got {self.max_verify_tokens}")
+
+    def budget_for(self, batch: int) -> int:
+        """The node budget of a round over a bucket of ``batch`` rows (see ``max_verify_tokens``)."""
+        if self.max_verify_tokens is None:
+            return self.budget
+        return max(1, min(self.budget, self.max_verify_tokens // max(1, batch) - 1))
+
+    def for_batch(self, batch: int) -> "SpecConfig":
+        """The static settings of the executable for a bucket of ``batch`` rows."""
+        return dataclasses.replace(self, budget=self.budget_for(batch), max_verify_tokens=None)
 
 
 @jax.tree_util.register_dataclass

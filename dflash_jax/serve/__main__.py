@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="independent batch replicas over M groups of --tensor-parallel devices")
     ap.add_argument("--ddtree", action="store_true", default=None, help="DDTree speculative decoding")
     ap.add_argument("--ddtree-budget", type=int, default=None)
+    ap.add_argument("--ddtree-max-verify-tokens", type=int, default=None, metavar="N",
+                    help="cap on the tree tokens one round verifies over its batch bucket: a bucket of B rows gets "
+                         "the node budget min(budget, N // B - 1) (default: no cap)")
     ap.add_argument("--draft-residency", choices=("persistent",), default=None,
                     help="persistent (the only mode): the drafter and the PFlash scorer stay loaded on the device for "
                          "the server's life, next to the target")
@@ -94,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
-            "ddtree_budget": 22, "prefill_compression": "off", "kvflash": "off", "kvflash_scoring": "keys",
+            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "prefill_compression": "off", "kvflash": "off",
+            "kvflash_scoring": "keys",
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
 
@@ -144,6 +148,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError(f"--drafter {ns.drafter}: not a directory")
     if ns.ddtree and not 1 <= int(ns.ddtree_budget) <= 256:
         raise StartupError(f"--ddtree-budget must be in [1, 256], got {ns.ddtree_budget}")
+    if ns.ddtree_max_verify_tokens is not None and not ns.ddtree:
+        raise StartupError("--ddtree-max-verify-tokens caps DDTree rounds: it needs --ddtree")
+    if ns.ddtree_max_verify_tokens is not None and int(ns.ddtree_max_verify_tokens) < 2:
+        raise StartupError(f"--ddtree-max-verify-tokens must be >= 2, got {ns.ddtree_max_verify_tokens}")
     if ns.fast_rollback and not ns.ddtree:
         raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
     if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:
@@ -284,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sharding: {note}", flush=True)
         drafter = (load_drafter(args.drafter, dtype=target.params["embed"].dtype, quantization=q)
                    if args.ddtree else None)
-        spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback)) if args.ddtree
-                else None)
+        spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback),
+                           max_verify_tokens=args.ddtree_max_verify_tokens) if args.ddtree else None)
         try:
             eng = Engine(target, Tokenizer.from_dir(args.model),
                          EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
@@ -337,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
                     default_thinking=args.enable_thinking, pflash=pflash)
     commit = "fast-rollback" if args.fast_rollback else "replay"
-    mode = (f"ddtree(budget={args.ddtree_budget}, drafter={args.drafter}, mode=packed-verify-{commit}, "
+    budgets = eng.spec_budgets
+    shown = (args.ddtree_budget if len(set(budgets.values())) <= 1
+             else "/".join(f"{v}@B{b}" for b, v in budgets.items()))
+    mode = (f"ddtree(budget={shown}, drafter={args.drafter}, mode=packed-verify-{commit}, "
             f"cohort_yield_min={args.cohort_yield_min}, cohort_reprobe_tokens={args.cohort_reprobe_tokens})"
             if args.ddtree else "ar")
     pf = (f"{pflash[0].mode}(keep_ratio={pflash[0].keep_ratio}, min_tokens={pflash[0].min_tokens}, "
