@@ -262,3 +262,18 @@ def test_conv_zero_state_is_zero_padding():
     y, _ = conv(x, w, jnp.zeros((1, 3, 5)), jnp.asarray([6], jnp.int32))
     acc0 = np.asarray(x[0, 0], np.float64) * np.asarray(w[:, 3], np.float64)  # only w[:, K-1] sees token 0
     assert_close(y[0, 0], acc0 / (1 + np.exp(-acc0)), rtol=1e-5, atol=1e-6)
+
+
+@given(c_log=st.integers(0, 6), batch=st.integers(1, 3), scale=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_unit_lower_inverse_equals_the_triangular_solve(c_log, batch, scale, seed):
+    c = 1 << c_log
+    m = np.tril(np.random.default_rng(seed).uniform(-1, 1, (batch, c, c)), -1) * scale
+    a = jnp.asarray(np.eye(c) + m, jnp.float32)
+    got = gdn.unit_lower_inverse(a)
+    want = jax.lax.linalg.triangular_solve(a, jnp.broadcast_to(jnp.eye(c), a.shape), left_side=True, lower=True,
+                                           unit_diagonal=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.triu(np.asarray(got), 1) == 0) and np.all(np.diagonal(np.asarray(got), axis1=-2, axis2=-1) == 1)
+    with pytest.raises(ValueError, match="power of two"):
+        gdn.unit_lower_inverse(jnp.eye(3))

@@ -8,8 +8,8 @@ Same math as ``dflash_jax.models.gdn._chunk`` (WY form), per chunk of C tokens:
 Two passes, as production GDN kernels (flash-linear-attention's ``chunk_gated_delta_rule``) split it:
 
 1. :func:`chunk_local` (XLA batched matmuls, parallel over B x chunks x H): everything that does not depend on
-   the state: ``gam``, ``T`` (one batched unit-lower-triangular solve), ``W``, ``U`` and the intra-chunk
-   ``P = (q k^T) * Gam``. Outputs keep the batched matmuls' natural ``[B, n, H, C, *]`` layout (viewed as
+   the state: ``gam``, ``T`` (``gdn.unit_lower_inverse``: doubling blocks, batched matmuls), ``W``, ``U`` and
+   the intra-chunk ``P = (q k^T) * Gam``. Outputs keep the batched matmuls' natural ``[B, n, H, C, *]`` layout (viewed as
    ``[B, n*H*C, *]``, no transpose), so chunk i of head h is rows ``(i*H + h)*C ...`` of its sequence.
 2. :func:`_state_kernel` (Pallas), grid ``(B, H, dv / block_v)``: the value columns of the state are independent
    (every product above is linear in v and S column by column), so a program carries its ``[dk, block_v]`` slice
@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dflash_jax.models.gdn import unit_lower_inverse
 from pallas_kernels.registry import check_block_shapes, current_backend
 
 HI = lax.Precision.HIGHEST
@@ -86,8 +87,7 @@ def chunk_local(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: ja
     decay = jnp.where(incl, jnp.exp(jnp.where(incl, gam[..., :, None] - gam[..., None, :], 0.0)), 0.0)
     kk = ein("bnihd,bnjhd->bnhij", k, k)
     a = jnp.eye(c, dtype=f32) + jnp.where(jnp.tril(incl, -1), beta[..., :, None] * kk * decay, 0.0)
-    t = lax.linalg.triangular_solve(a, jnp.broadcast_to(jnp.eye(c, dtype=f32), a.shape), left_side=True,
-                                    lower=True, unit_diagonal=True).astype(opd)  # (I + M)^-1 [B, n, H, C, C]
+    t = unit_lower_inverse(a).astype(opd)  # (I + M)^-1 [B, n, H, C, C] (C is a power of two)
     kb = jnp.swapaxes(beta * jnp.exp(gam), 2, 3)[..., None] * k.astype(f32)  # beta e^gam k [B, n, C, H, dk]
     vb = jnp.swapaxes(beta, 2, 3)[..., None] * v.astype(f32)
     w = ein("bnhij,bnjhd->bnhid", t, kb.astype(opd))
