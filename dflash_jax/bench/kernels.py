@@ -440,9 +440,9 @@ SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, 
     "paged_decode": [((1, None, 8192), _DECODE_B1), ((64, None, 8192), _DECODE_B64)],
     "gdn_chunked": [((1, None, 8192), _GDN), ((16, None, 8192), _GDN)],
     "gdn_step": [((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)])],
-    "gdn_tree": [((16, 32, None), [dict(block_v=bv, num_warps=w) for bv, w in ((64, 4), (32, 4), (64, 8), (16, 4),
-                                                                                (32, 2), (128, 8))]
-                  + [dict(block_v=64, num_warps=4, solve="product")])],  # the nilpotent product: unsafe, timed only
+    "gdn_tree": [((16, 32, None), [dict(block_v=bv, num_warps=w) for bv, w in ((64, 8), (32, 8), (128, 8), (64, 4),
+                                                                                (32, 4), (16, 4), (128, 16))]
+                  + [dict(block_v=64, num_warps=8, solve="product")])],  # the nilpotent product: unsafe, timed only
 }
 SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
          "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c", "precision": "p",
