@@ -9,8 +9,10 @@ Per (sequence, head) of N tree slots with ancestor mask ``A`` (reflexive; ancest
 Grid ``(B, H, dv / block_v)``: every product is linear in v and S0 column by column, so a program owns
 ``block_v`` value columns; it loads the ``[N, N]`` ancestor mask of its row once, recomputes the state-independent
 ``gam``, ``Gam``, ``M``, ``T``, ``W`` (small: N <= 64) and writes ``o`` and ``V'`` for its columns; the programs
-of value block 0 also write ``gam`` and ``Gam`` (``TreeGDNCache.gam`` / ``.decay``). N is padded to a power of
-two >= 16 (slots with beta = g = 0, k = v = 0 that see only themselves; their rows are sliced off).
+of value block 0 also write ``gam``, ``Gam`` and the heads-first keys (``TreeGDNCache.gam`` / ``.decay`` /
+``.k``). The kernel's tiles have N padded to a power of two >= 16; the arrays are not padded: the slots past N
+are masked on load (zeros: beta = g = 0, k = v = 0, a slot that sees only itself) and on store, so there is no
+pad, slice or transpose around the kernel.
 
 The inverse ``T`` (``solve``):
 
@@ -86,22 +88,41 @@ def _inverse_product(m: jax.Array, dot) -> jax.Array:
     return t
 
 
-def _tree_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, s_ref, o_ref, vp_ref, gam_ref, decay_ref, *,
-                 precision: str, solve: str):
+def _tree_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, s_ref, o_ref, vp_ref, gam_ref, decay_ref, k_out_ref,
+                 *, n_valid: int, precision: str, solve: str):
     # q_ref, k_ref [N, dk]; v_ref [N, BV]; beta_ref, g_ref [N]; anc_ref [N, N] int8; s_ref [dk, BV]
-    # o_ref [N, BV]; vp_ref [N, BV]; gam_ref [N]; decay_ref [N, N]
+    # o_ref [N, BV]; vp_ref [N, BV]; gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k)
+    # N = the padded slot count: slots >= n_valid are past the arrays' ends, masked on load (zeros: beta = g = 0,
+    # k = v = 0, a padding slot that sees only itself) and on store.
     f32 = jnp.float32
     opd, prec = _dot_dtype_and_precision(precision)
     dot = functools.partial(plt.dot, precision=prec)
     n = anc_ref.shape[0]
+    slot = lax.broadcasted_iota(jnp.int32, (n,), 0)
+    m0 = m1 = m2 = None  # masks of valid slots [N], rows [N, 1], pairs [N, N]
+    if n_valid < n:
+        m0 = slot < n_valid
+        m1 = m0[:, None]
+        m2 = m1 & m0[None, :]
+
+    def load(ref, mask):
+        return ref[...] if mask is None else plt.load(ref, mask=mask, other=0)
+
+    def store(ref, x, mask):
+        if mask is None:
+            ref[...] = x.astype(ref.dtype)
+        else:
+            plt.store(ref, x.astype(ref.dtype), mask=mask)
+
     rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    anc = (anc_ref[...] != 0) | (rows == cols)  # reflexive even if the caller's is not
-    beta = beta_ref[...].astype(f32)
-    g = g_ref[...].astype(f32)
+    anc = (load(anc_ref, m2) != 0) | (rows == cols)  # reflexive even if the caller's is not
+    beta = load(beta_ref, m0).astype(f32)
+    g = load(g_ref, m0).astype(f32)
     gam = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # A g: log-decay along each root->i path
     decay = jnp.where(anc, jnp.exp(jnp.where(anc, gam[:, None] - gam[None, :], 0.0)), 0.0)  # masked before exp
-    k = k_ref[...].astype(opd)
+    k_in = load(k_ref, m1)
+    k = k_in.astype(opd)
     kk = dot(k, k, trans_b=True)
     m = jnp.where(anc & (rows > cols), beta[:, None] * kk * decay, 0.0)  # strictly lower: what the solve reads
     if solve == "product":
@@ -110,21 +131,22 @@ def _tree_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, s_ref, o_ref, vp
         t = _inverse_substitution(m)
     t_op = t.astype(opd)
     kb = (k.astype(f32) * (beta * jnp.exp(gam))[:, None]).astype(opd)
-    vb = (v_ref[...].astype(f32) * beta[:, None]).astype(opd)
+    vb = (load(v_ref, m1).astype(f32) * beta[:, None]).astype(opd)
     s_op = s_ref[...].astype(f32).astype(opd)
     w = dot(t_op, kb)
     vp = dot(t_op, vb) - dot(w.astype(opd), s_op)  # V' [N, BV]
-    q = q_ref[...]
+    q = load(q_ref, m1)
     qg = (q.astype(f32) * jnp.exp(gam)[:, None]).astype(opd)
     p = (dot(q.astype(opd), k, trans_b=True) * decay).astype(opd)
     o = dot(qg, s_op) + dot(p, vp.astype(opd))
-    o_ref[...] = o.astype(o_ref.dtype)
-    vp_ref[...] = vp.astype(vp_ref.dtype)
+    store(o_ref, o, m1)
+    store(vp_ref, vp, m1)
 
     @pl.when(pl.program_id(2) == 0)
     def _():
-        gam_ref[...] = gam.astype(gam_ref.dtype)
-        decay_ref[...] = decay.astype(decay_ref.dtype)
+        store(gam_ref, gam, m0)
+        store(decay_ref, decay, m2)
+        store(k_out_ref, k_in, m1)
 
 
 def block_plan(*, n: int, dk: int, dv: int, block_v: int, itemsize: int = 4, smem_budget: int | None = None,
@@ -200,15 +222,9 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
         raise ValueError("gdn_tree: precision='tf32x3' needs a GPU (XLA:CPU has no TF32 dot); use 'fp32'")
     plan = block_plan(n=n, dk=dk, dv=dv, block_v=block_v, itemsize=jnp.dtype(opd).itemsize)
     np_ = plan["n_pad"]
-    anc = ancestors.astype(jnp.int8)
-    qp, kp, vp_in, bp, gp = q, k, v, beta, g
-    if np_ != n:  # padding slots: beta = g = 0, k = v = 0, seen by no one (the kernel makes them self-ancestors)
-        pad = lambda a: jnp.pad(a, [(0, 0), (0, np_ - n)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        qp, kp, vp_in, bp, gp = map(pad, (q, k, v, beta, g))
-        anc = jnp.pad(anc, [(0, 0), (0, np_ - n), (0, np_ - n)])
     sdt = state.dtype
-    kernel = functools.partial(_tree_kernel, precision=precision, solve=solve)
-    o, vp, gam, decay = pl.pallas_call(
+    kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve)
+    o, vp, gam, decay, k_hf = pl.pallas_call(  # blocks of np_ >= n slots: the kernel masks the slots past n
         kernel,
         grid=(b, h, plan["n_v_blocks"]),
         in_specs=[
@@ -225,15 +241,15 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
             pl.BlockSpec((None, None, np_, block_v), lambda i, j, c: (i, j, 0, c)),     # V'
             pl.BlockSpec((None, None, np_), lambda i, j, c: (i, j, 0)),                 # gam (value block 0)
             pl.BlockSpec((None, None, np_, np_), lambda i, j, c: (i, j, 0, 0)),         # Gam (value block 0)
+            pl.BlockSpec((None, None, np_, dk), lambda i, j, c: (i, j, 0, 0)),          # k heads-first (block 0)
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, np_, h, dv), v.dtype),
-                   jax.ShapeDtypeStruct((b, h, np_, dv), sdt),
-                   jax.ShapeDtypeStruct((b, h, np_), sdt),
-                   jax.ShapeDtypeStruct((b, h, np_, np_), sdt)],
+        out_shape=[jax.ShapeDtypeStruct((b, n, h, dv), v.dtype),
+                   jax.ShapeDtypeStruct((b, h, n, dv), sdt),
+                   jax.ShapeDtypeStruct((b, h, n), sdt),
+                   jax.ShapeDtypeStruct((b, h, n, n), sdt),
+                   jax.ShapeDtypeStruct((b, h, n, dk), k.dtype)],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"gdn_tree_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
-    )(qp, kp, vp_in, bp, gp, anc, state)
-    if np_ != n:
-        o, vp, gam, decay = o[:, :n], vp[:, :, :n], gam[..., :n], decay[:, :, :n, :n]
-    return o, TreeGDNCache(k=jnp.moveaxis(k, 2, 1), vp=vp, gam=gam, decay=decay)
+    )(q, k, v, beta, g, ancestors.astype(jnp.int8), state)
+    return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
