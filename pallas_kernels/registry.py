@@ -42,6 +42,7 @@ _BUILTIN_MODULES = {
     "tree_attention": "pallas_kernels.tree_attention",
     "gdn_chunked": "pallas_kernels.gdn",
     "gdn_step": "pallas_kernels.gdn",
+    "gdn_tree": "pallas_kernels.gdn",
     "skinny_matmul": "pallas_kernels.skinny_matmul",
 }
 

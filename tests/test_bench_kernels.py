@@ -153,3 +153,33 @@ def test_gdn_problem_dtype_and_bytes():
     p16 = kernels.gdn_problem(jax.random.key(0), 2, 8, 3, 16, 32, dtype=jnp.bfloat16)
     assert [x.dtype for x in p16.args] == [jnp.bfloat16] * 3 + [jnp.float32] * 3
     assert p32.nbytes - p16.nbytes == 2 * 2 * 8 * 3 * (2 * 16 + 2 * 32)  # q, k, v, o at half the bytes
+
+
+def test_gdn_tree_checks_and_times(tmp_path):
+    """gdn_tree: checked against the fp32 oracle (bf16 q, k, v take the same path: --check-dtypes bfloat16 on the
+    GPU; the kernel's bf16 numerics are tests/test_pallas_gdn_tree.py's), then timed over batch x tree slots with
+    the figure names the targets read (``gdn_tree.b{B}.t{N}.speedup``, no prefix)."""
+    out = tmp_path / "k.json"
+    rc = bench_main.main(["kernels", "--out", str(out), "--ops", "gdn_tree", "--batches", "2", "--trees", "16",
+                          *TINY])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    f = rec["figures"]
+    assert f["gdn_tree.ok"] == 1 and f["gdn_tree.check.ok"] == 1
+    for name in ("kernel", "kernel_bv16"):
+        assert 0 <= f[f"gdn_tree.check.c0.float32.{name}.rel_err"] <= 1e-5
+    for k in ("kernel_us", "reference_us", "speedup", "bytes_per_s", "bandwidth_fraction"):
+        assert f[f"gdn_tree.b2.t16.{k}"] > 0
+    assert rec["extra"]["errors"] == {}
+
+
+def test_gdn_tree_problem():
+    import jax
+    import numpy as np
+
+    p = kernels.gdn_tree_problem(jax.random.key(0), 2, 6, 3, 16, 32, tree="chain", n_pad=2)
+    q, k, v, beta, g, s0, anc = p.args
+    a = np.asarray(anc)
+    assert a.shape == (2, 6, 6) and (a[:, :4, :4] == np.tril(np.ones((4, 4), bool))).all()  # the chain
+    assert (a[:, 4:] == np.eye(6, dtype=bool)[4:]).all()  # padding slots see only themselves
+    assert float(np.abs(np.asarray(beta[:, 4:])).max()) == 0.0 and float(np.abs(np.asarray(k[:, 4:])).max()) == 0.0

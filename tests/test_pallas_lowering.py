@@ -139,3 +139,22 @@ def test_skinny_matmul_lowers(platform, w_dtype, m, n, k):
     fn = lambda *a: skinny_matmul.skinny_matmul_pallas(*a, interpret=False)  # noqa: E731
     text = lower(platform, fn, sd((m, k), jnp.bfloat16), sd((n, k), w_dtype), scale)
     assert "__gpu$xla.gpu.triton" in text
+
+
+H200_BUDGET = 227 * 1024
+
+
+@pytest.mark.parametrize("platform,dtype,n,solve", [("cuda", d, n, "substitution") for d in (jnp.float32, jnp.bfloat16)
+                                                    for n in (16, 23, 33)]
+                         + [("cuda", jnp.float32, 32, "product"), ("rocm", jnp.float32, 16, "substitution"),
+                            ("rocm", jnp.bfloat16, 23, "substitution")])
+def test_gdn_tree_lowers(platform, dtype, n, solve):
+    b, h, dk, dv = 16, CFG.lin_num_v_heads, CFG.lin_k_dim, CFG.lin_v_dim
+    cfg = gdn.tree_default_config(n, dk, dv, dtype=dtype, backend=platform,
+                                  smem_budget=H200_BUDGET if platform == "cuda" else None)
+    x = sd((b, n, h, dk), dtype)
+    gates = sd((b, n, h), jnp.float32)
+    fn = lambda *a: gdn.gdn_tree(*a, block_v=cfg["block_v"], num_warps=cfg["num_warps"], solve=solve)  # noqa: E731
+    text = lower(platform, fn, x, x, sd((b, n, h, dv), dtype), gates, gates, sd((b, h, dk, dv), jnp.float32),
+                 sd((b, n, n), jnp.bool_))
+    assert "__gpu$xla.gpu.triton" in text and f"gdn_tree_n{gdn.tree.padded_slots(n)}" in text

@@ -1,6 +1,6 @@
 """``python -m dflash_jax.bench kernels --out FILE.json``: the Pallas kernels against their references on this device.
 
-For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gdn_step``):
+For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gdn_step``, ``gdn_tree``):
 
 1. **Check** (before any timing): the registered Pallas implementation (compiled for this device; interpret
    mode off GPU) and the XLA reference against an f32 oracle (the reference at HIGHEST matmul precision on
@@ -16,6 +16,9 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
    bandwidth_fraction}``, where bytes are the unique bytes a call must move (KV of the prefix, tree K/V, q,
    out; for GDN q, k, v, o, gates and the state in and out) and the fraction is of the device copy bandwidth
    measured in the same run (``device.copy_bytes_per_s``: ``y = x * 2`` over 1 GiB, read + write).
+   ``gdn_tree`` (the tree-form delta rule of verification) is timed over batch x tree slots at the GDN head
+   shapes (``gdn_tree.b{B}.t{N}.{kernel_us,reference_us,speedup,...}``; bytes: q, k, v, o, gates, the ancestor
+   mask, the state in, and the cache's V', gam and Gam out).
 3. Summaries for the targets: ``paged_decode.bandwidth_fraction`` (median over prefixes >= 8K),
    ``tree_attention.b{B}.speedup`` (minimum over trees 16-32 and prefixes 2K-16K at that batch).
 
@@ -56,7 +59,7 @@ from dflash_jax.bench import results
 from dflash_jax.bench.timing import median_seconds
 from dflash_jax.kv import quant as kv_quant
 
-OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step")  # timing order: the first target first
+OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step", "gdn_tree")  # timing order: the first target first
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
@@ -77,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gdn-heads", type=int, default=48, help="GDN value heads (the keys are expanded to them)")
     p.add_argument("--gdn-dim", type=int, default=128, help="GDN key and value head dim")
     p.add_argument("--gdn-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="dtype of the GDN chunked q, k, v in the timing grid and sweep (the model feeds fp32; "
+                   help="dtype of the GDN chunked / tree q, k, v in the timing grid and sweep (the model feeds fp32; "
                         "bfloat16 times the bf16-operand path; gates and state stay fp32)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
@@ -178,6 +181,25 @@ def gdn_problem(key, b, t, h, dk, dv, n_pad=0, dtype=jnp.float32) -> Problem:
     return Problem((q, k, v, beta, g, s0), None, 3, nbytes)
 
 
+def gdn_tree_problem(key, b, n, h, dk, dv, tree="best_first", n_pad=0, dtype=jnp.float32) -> Problem:
+    """A verify pass's tree-form delta rule: ``gdn_problem``'s inputs over N slots of B trees (``tree``:
+    ``"best_first"`` as :func:`_tree_parents` draws them, ``"chain"`` the deepest tree), the last ``n_pad`` slots
+    padding (parent -1, beta = g = 0, k = v = 0). Moves q, k, v, o, gates, the mask, the state in and the cache's
+    V', gam and Gam out."""
+    from dflash_jax.models import tree_ops
+
+    p = gdn_problem(key, b, n, h, dk, dv, n_pad, dtype)
+    q, k, v, beta, g, s0 = p.args
+    rng = np.random.default_rng(n * 131 + b)
+    par = np.tile(np.arange(n, dtype=np.int32) - 1, (b, 1)) if tree == "chain" else _tree_parents(rng, b, n)
+    par = np.where(np.arange(n)[None] < n - n_pad, np.minimum(par, n - n_pad - 1), -1).astype(np.int32)
+    anc = tree_ops.tree_ancestors(jnp.asarray(par))
+    isz = jnp.dtype(dtype).itemsize
+    nbytes = (isz * b * n * h * (2 * dk + 2 * dv) + 4 * (b * n * h * 2 + b * h * dk * dv + b * h * n * dv
+                                                         + b * h * n * (n + 1)) + b * n * n)
+    return Problem((q, k, v, beta, g, s0, anc), None, 3, nbytes)
+
+
 def gdn_step_problem(key, b, h, dk, dv) -> Problem:
     """One decode token: ``gdn_problem`` with T = 1, squeezed; moves the state in and out once."""
     p = gdn_problem(key, b, 1, h, dk, dv)
@@ -215,6 +237,12 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
         kernel, pallas_fn, ref_fn = m.gdn_chunked, m.gdn_chunked_pallas, m.gdn_chunked_reference
         defaults = lambda args: m.default_config(args[0].shape[-1], args[2].shape[-1],  # noqa: E731
                                                  dtype=args[0].dtype)
+    elif op == "gdn_tree":
+        from pallas_kernels import gdn as m
+
+        kernel, pallas_fn, ref_fn = m.gdn_tree, m.gdn_tree_pallas, m.gdn_tree_reference
+        defaults = lambda args: m.tree_default_config(args[0].shape[1], args[0].shape[-1],  # noqa: E731
+                                                      args[2].shape[-1], dtype=args[0].dtype)
     else:
         from pallas_kernels import gdn as m
 
@@ -243,6 +271,10 @@ def check_cases(op: str, a: argparse.Namespace) -> list[dict]:
         cases = [dict(b=2, t=300, h=gh, dk=gd, dv=gd, n_pad=5), dict(b=1, t=33, h=4, dk=64, dv=32, n_pad=0)]
     elif op == "gdn_step":
         cases = [dict(b=8, h=a.gdn_heads, dk=a.gdn_dim, dv=a.gdn_dim), dict(b=3, h=5, dk=64, dv=32)]
+    elif op == "gdn_tree":  # a verify tree with padding slots, the deepest tree, a small odd one
+        gh, gd = a.gdn_heads, a.gdn_dim
+        cases = [dict(b=2, n=23, h=gh, dk=gd, dv=gd, n_pad=3), dict(b=1, n=33, h=gh, dk=gd, dv=gd, tree="chain"),
+                 dict(b=3, n=5, h=4, dk=64, dv=32)]
     else:
         cases = [dict(b=3, n=17, h=h, hkv=hkv, d=d, starts=[0, ps + 1, 64 * ps], non_resident=[(2, 3)]),
                  dict(b=2, n=64, h=h, hkv=hkv, d=d, starts=[40 * ps, 5], non_resident=[]),
@@ -274,6 +306,8 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
                 prob = gdn_step_problem(key, **c)
             elif op == "gdn_chunked":  # bfloat16: q, k, v in bf16 (bf16 dot operands), gates and state fp32
                 prob = gdn_problem(key, **c, dtype=dtype)
+            elif op == "gdn_tree":  # likewise
+                prob = gdn_tree_problem(key, **c, dtype=dtype)
             elif op == "paged_decode":
                 prob = decode_problem(rng, key, c.pop("b"), c.pop("h"), c.pop("hkv"), c.pop("d"), a.page_size,
                                       c.pop("lengths"), dtype, non_resident=c.pop("non_resident"))
@@ -291,6 +325,8 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
                     variants["kernel_tf32x3"] = lambda: explicit(*args, precision="tf32x3")
             elif op == "gdn_step":
                 variants["kernel_bv64"] = lambda: explicit(*args, block_v=min(64, args[2].shape[-1]))
+            elif op == "gdn_tree":
+                variants["kernel_bv16"] = lambda: explicit(*args, block_v=16)
             else:
                 variants["kernel_s1"] = lambda: explicit(*args, num_partitions=1)
             for name, fn in variants.items():
@@ -370,6 +406,7 @@ GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' re
     "tree_attention": (([16, 64, 1], [2048, 8192, 16384], [16, 32, 64]), ([16, 64], [4096], [16, 32])),
     "gdn_chunked": (([1, 4, 16], [1024, 4096, 8192], [None]), ([1, 4], [2048], [None])),
     "gdn_step": (([1, 16, 64], [1], [None]), ([16, 64], [1], [None])),  # "prefix" 1 = one token
+    "gdn_tree": (([16, 1], [None], [32, 16]), ([16], [None], [32])),  # no prefix: the tree alone
 }
 def _configs(base: dict, *variants: dict) -> list[dict]:
     """``base`` first, then ``base`` updated by each variant (duplicates dropped, order kept)."""
@@ -403,9 +440,13 @@ SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, 
     "paged_decode": [((1, None, 8192), _DECODE_B1), ((64, None, 8192), _DECODE_B64)],
     "gdn_chunked": [((1, None, 8192), _GDN), ((16, None, 8192), _GDN)],
     "gdn_step": [((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)])],
+    "gdn_tree": [((16, 32, None), [dict(block_v=bv, num_warps=w) for bv, w in ((64, 8), (32, 8), (128, 8), (64, 4),
+                                                                                (32, 4), (16, 4), (128, 16))]
+                  + [dict(block_v=64, num_warps=8, solve="product")])],  # the nilpotent product: unsafe, timed only
 }
 SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
-         "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c", "precision": "p"}
+         "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c", "precision": "p",
+         "solve": "sv"}
 
 
 def config_name(cfg: dict) -> str:
@@ -416,17 +457,20 @@ def config_name(cfg: dict) -> str:
 def grid(op: str, a: argparse.Namespace) -> list[tuple]:
     """(batch, tree slots or None, prefix) cases of ``op``, without those above ``--max-tokens``."""
     batches, prefixes, trees = GRIDS[op][1 if a.quick else 0]
-    batches, prefixes = a.batches or batches, (a.prefixes or prefixes) if op != "gdn_step" else [1]
-    trees = (a.trees or trees) if op == "tree_attention" else [None]
-    return [(b, n, p) for b in batches for n in trees for p in prefixes if b * p <= a.max_tokens]
+    batches = a.batches or batches
+    prefixes = [1] if op == "gdn_step" else [None] if op == "gdn_tree" else (a.prefixes or prefixes)
+    trees = (a.trees or trees) if op in ("tree_attention", "gdn_tree") else [None]
+    return [(b, n, p) for b in batches for n in trees for p in prefixes if b * (p or 1) <= a.max_tokens]
 
 
 def _problem(op, a, b, n, p, dtype, rng):
-    key = jax.random.key(b * 7919 + p + (n or 0))
+    key = jax.random.key(b * 7919 + (p or 0) + (n or 0))
     if op == "gdn_chunked":
         return gdn_problem(key, b, p, a.gdn_heads, a.gdn_dim, a.gdn_dim, dtype=jnp.dtype(a.gdn_dtype))
     if op == "gdn_step":
         return gdn_step_problem(key, b, a.gdn_heads, a.gdn_dim, a.gdn_dim)
+    if op == "gdn_tree":
+        return gdn_tree_problem(key, b, n, a.gdn_heads, a.gdn_dim, a.gdn_dim, dtype=jnp.dtype(a.gdn_dtype))
     set_bytes = b * p * a.kv_heads * a.head_dim * 2 * dtype.itemsize
     n_sets = int(np.clip(-(-(256 << 20) // max(set_bytes, 1)), 2, 16))  # >= 256 MiB of distinct pages: not in L2
     if op == "paged_decode":
@@ -435,7 +479,7 @@ def _problem(op, a, b, n, p, dtype, rng):
 
 
 def _tag(op, b, n, p):
-    return f"{op}.b{b}" + (f".t{n}" if n else "") + f".p{p}"
+    return f"{op}.b{b}" + (f".t{n}" if n else "") + (f".p{p}" if p is not None else "")
 
 
 def sweep_cases(op: str, a: argparse.Namespace) -> list[tuple]:
@@ -444,7 +488,7 @@ def sweep_cases(op: str, a: argparse.Namespace) -> list[tuple]:
     if not (a.batches or a.prefixes or a.trees):
         return cases
     (b, n, p), configs = cases[0]
-    b, p = (a.batches or [b])[0], (a.prefixes or [p])[0] if op != "gdn_step" else 1
+    b, p = (a.batches or [b])[0], (a.prefixes or [p])[0] if op not in ("gdn_step", "gdn_tree") else p
     n = (a.trees or [n])[0] if n else None
     return [((b, n, p), configs)]
 
@@ -456,7 +500,7 @@ def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, err
     printed): data to pick the per-device defaults from."""
     _, ref_fn, explicit = implementations(op)
     dtype = jnp.dtype(a.dtype)
-    tol = TOL[a.gdn_dtype if op == "gdn_chunked" else a.dtype]
+    tol = TOL[a.gdn_dtype if op in ("gdn_chunked", "gdn_tree") else a.dtype]
     for (b, n, p), configs in sweep_cases(op, a):
         case = _tag(op, b, n, p)[len(op) + 1:]
         if time.perf_counter() > deadline:
@@ -743,7 +787,7 @@ def run(a: argparse.Namespace, command: str) -> int:
     save(final=True)
     print("\ntargets: " + ", ".join(
         f"{k} {figures[k]:.3g}" for k in ("tree_attention.b16.speedup", "tree_attention.b64.speedup",
-                                          "paged_decode.bandwidth_fraction",
+                                          "paged_decode.bandwidth_fraction", "gdn_tree.b16.t32.speedup",
                                           *(f"kv_{dt}.{op}.speedup" for dt in a.kv_dtypes for op in KV_GRIDS))
         if figures.get(k) is not None)
           + "; ok: " + ", ".join(f"{op} {figures[f'{op}.ok']}" for op in a.ops), flush=True)

@@ -166,6 +166,14 @@ class TreeGDNCache:
 
 
 def gdn_tree(q, k, v, beta, g, state, ancestors):
+    """:func:`gdn_tree_reference`'s contract through the kernel registry's ``"gdn_tree"`` op (the Pallas kernel is
+    opt-in: ``DFLASH_KERNELS=gdn_tree=pallas_triton``)."""
+    from pallas_kernels import registry
+
+    return registry.get("gdn_tree")(q, k, v, beta, g, state, ancestors)
+
+
+def gdn_tree_reference(q, k, v, beta, g, state, ancestors):
     """Gated delta rule over B token trees of N slots each, in one ancestor-masked chunk.
 
     q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H] (as for `gdn_recurrent`), state [B,H,dk,dv] = S0 (the state

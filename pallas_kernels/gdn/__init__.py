@@ -13,6 +13,13 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 ``"gdn_step"`` (signature ``(q, k [B,H,dk], v [B,H,dv], beta, g [B,H], state [B,H,dk,dv]) -> (o, state)``, as
 ``qwen36.gdn_layer`` calls ``gdn.gdn_step`` for decode): ``"reference"`` = ``gdn.gdn_step_reference``;
 ``"pallas_triton"`` = :func:`kernel.gdn_step` (the state read and written once), opt-in likewise.
+
+``"gdn_tree"`` (signature ``(q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H], state [B,H,dk,dv], ancestors [B,N,N])
+-> (o [B,N,H,dv], TreeGDNCache)``, as ``qwen36.forward_tree`` calls ``gdn.gdn_tree`` for verification):
+``"reference"`` = ``gdn.gdn_tree_reference``; ``"pallas_triton"`` = :func:`tree.gdn_tree` (one program per
+(sequence, head, value block), the ancestor-masked system solved in registers), opt-in likewise
+(``DFLASH_KERNELS=gdn_tree=pallas_triton``); trees over 64 slots or tiles that do not fit run the reference,
+with a warning.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ import jax.numpy as jnp
 from pallas_kernels import registry
 from pallas_kernels.gdn.kernel import (block_plan, chunk_local, default_config, default_precision, gdn_chunked,
                                       gdn_step, operand_dtype, step_block_plan)
-from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_step_reference
+from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_step_reference, gdn_tree_reference
+from pallas_kernels.gdn.tree import block_plan as tree_block_plan
+from pallas_kernels.gdn.tree import default_config as tree_default_config
+from pallas_kernels.gdn.tree import gdn_tree
 
 
 def gdn_chunked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
@@ -58,11 +68,31 @@ def gdn_step_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     return gdn_step(q, k, v, beta, g, state, block_v=block_v, interpret=backend not in registry.GPU_BACKENDS)
 
 
+def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
+                    ancestors: jax.Array):
+    """The registered tree kernel with :func:`tree.default_config`; shapes its tiles cannot take (over 64 slots,
+    head dims that are not powers of two >= 16, over the shared-memory budget) run the reference, with a
+    warning."""
+    backend = registry.current_backend()
+    n, dk, dv = q.shape[1], q.shape[-1], v.shape[-1]
+    cfg = tree_default_config(n, dk, dv, dtype=q.dtype, backend=backend)
+    try:
+        tree_block_plan(n=n, dk=dk, dv=dv, block_v=cfg["block_v"],
+                        itemsize=jnp.dtype(operand_dtype(default_precision(q.dtype))).itemsize, backend=backend)
+    except ValueError as e:
+        registry.warn_fallback("gdn_tree", e)
+        return gdn_tree_reference(q, k, v, beta, g, state, ancestors)
+    return gdn_tree(q, k, v, beta, g, state, ancestors, **cfg, interpret=backend not in registry.GPU_BACKENDS)
+
+
 registry.register("gdn_chunked", "reference", gdn_chunked_reference, backends=("any",))
 registry.register("gdn_chunked", "pallas_triton", gdn_chunked_pallas, backends=("gpu",), preferred=False)
 registry.register("gdn_step", "reference", gdn_step_reference, backends=("any",))
 registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",), preferred=False)
+registry.register("gdn_tree", "reference", gdn_tree_reference, backends=("any",))
+registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
-           "gdn_chunked_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "operand_dtype",
-           "step_block_plan"]
+           "gdn_chunked_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
+           "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "step_block_plan", "tree_block_plan",
+           "tree_default_config"]

@@ -1,9 +1,9 @@
 """Pure-jnp references for the gated delta rule kernels: the model's own ``gdn_chunked_reference`` and
 ``gdn_step_reference`` (``dflash_jax.models.gdn``), so the kernels are tested against exactly what the model's
-references run."""
+references run (``gdn_tree_reference``: the ancestor-masked tree form)."""
 
 from __future__ import annotations
 
-from dflash_jax.models.gdn import gdn_chunked_reference, gdn_step_reference
+from dflash_jax.models.gdn import gdn_chunked_reference, gdn_step_reference, gdn_tree_reference
 
-__all__ = ["gdn_chunked_reference", "gdn_step_reference"]
+__all__ = ["gdn_chunked_reference", "gdn_step_reference", "gdn_tree_reference"]
