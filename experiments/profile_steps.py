@@ -1,0 +1,113 @@
+"""Per-op device time of the engine's steps, AR vs DDTree, from a JAX profiler trace.
+
+    python experiments/profile_steps.py [--model DIR --drafter DIR] [--dtype bfloat16] [--concurrency 8]
+                                        [--out-dir experiments/results]
+
+For each mode, a fresh engine (one batch bucket = the concurrency) serves one warm batch of random prompts, then
+a second batch under ``jax.profiler.trace``; the trace's device events are summed by name. Writes
+``profile_steps_<device>_<time>.json``: figures ``<mode>.<kind>_step_ms`` (wall time per engine step of that kind,
+from ``Engine.step_seconds``), ``<mode>.device_ms`` (device time of the traced batch) and, in ``extra``, the top
+device ops of each mode with their total milliseconds and counts. On CPU the trace holds no device events (only
+the step times are then meaningful).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dflash_jax.bench import results  # noqa: E402
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
+from dflash_jax.engine.spec_steps import SpecConfig  # noqa: E402
+from dflash_jax.models.dflash_loader import load_drafter  # noqa: E402
+from dflash_jax.target import load_target  # noqa: E402
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "assets", "tiny")
+
+
+def device_ops(trace_dir: str, top: int) -> tuple[float, list[tuple[str, float, int]]]:
+    """(total device ms, [(op name, ms, count)] largest first) of the trace's device-stream events."""
+    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        return 0.0, []
+    data = json.load(gzip.open(files[0], "rt"))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    tot: collections.Counter = collections.Counter()
+    cnt: collections.Counter = collections.Counter()
+    for e in events:
+        proc = names.get(e.get("pid"), "").lower()
+        if e.get("ph") == "X" and "dur" in e and ("/device:" in proc or "gpu" in proc or "stream" in proc):
+            tot[e["name"][:120]] += e["dur"]
+            cnt[e["name"][:120]] += 1
+    return sum(tot.values()) / 1e3, [(k, v / 1e3, cnt[k]) for k, v in tot.most_common(top)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=os.path.join(TINY, "target"))
+    ap.add_argument("--drafter", default=os.path.join(TINY, "drafter"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-len-min", type=int, default=256)
+    ap.add_argument("--prompt-len-max", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out-dir", default="experiments/results")
+    args = ap.parse_args(argv)
+    target = load_target(args.model, dtype=args.dtype)
+    drafter = load_drafter(args.drafter, dtype=args.dtype)
+    rng = np.random.default_rng(0)
+    vocab = target.config.vocab_size
+    lens = rng.integers(args.prompt_len_min, args.prompt_len_max + 1, args.concurrency)
+    prompts = [rng.integers(10, vocab - 1, n).tolist() for n in lens]
+    sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    max_len = int(lens.max()) + args.output_len + 64
+    figures: dict[str, float] = {}
+    extra: dict = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "prompt_lens": lens.tolist()}
+    for mode in ("ar", "ddtree"):
+        eng = Engine(target, None, EngineOptions(
+            max_batch=args.concurrency, max_model_len=max_len, prefill_chunk=args.prefill_chunk,
+            prefill_batch=min(4, args.concurrency), batch_buckets=(args.concurrency,), cohort_yield_min=0.0,
+            spec=SpecConfig() if mode == "ddtree" else None), drafter=drafter if mode == "ddtree" else None)
+        eng.warmup()
+        eng.generate(prompts, sp)  # warm: every executable has run once
+        eng.step_seconds.clear()
+        steps0 = collections.Counter(eng.counters)
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                eng.generate(prompts, sp)
+            dev_ms, ops = device_ops(d, args.top)
+        n = eng.counters - steps0
+        for kind in ("prefill", "decode", "spec"):
+            if n[f"{kind}_steps"]:
+                figures[f"{mode}.{kind}_step_ms"] = 1e3 * eng.step_seconds[kind] / n[f"{kind}_steps"]
+                figures[f"{mode}.{kind}_steps"] = n[f"{kind}_steps"]
+        figures[f"{mode}.step_wall_ms"] = 1e3 * eng.step_seconds["step"]
+        figures[f"{mode}.device_ms"] = dev_ms
+        extra[f"{mode}.top_device_ops"] = [{"op": k, "ms": ms, "count": c} for k, ms, c in ops]
+        print(f"== {mode}: device {dev_ms:.1f} ms of {figures[f'{mode}.step_wall_ms']:.1f} ms in steps")
+        for k, ms, c in ops:
+            print(f"   {ms:9.3f} ms {c:6d}x  {k}")
+        del eng
+    results.print_table(figures)
+    command = "python experiments/profile_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print("wrote", results.write_result("profile_steps", figures, command, extra, out_dir=args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""experiments/profile_steps.py runs end to end on CPU (step times; the CPU trace has no device events)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+
+
+def test_profile_steps_writes_step_times_for_both_modes(tmp_path):
+    spec = importlib.util.spec_from_file_location("profile_steps", os.path.join(ROOT, "experiments", "profile_steps.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dtype", "float32", "--concurrency", "1", "--prompt-len-min", "16", "--prompt-len-max", "24",
+                     "--output-len", "4", "--prefill-chunk", "32", "--out-dir", str(tmp_path)]) == 0
+    (res,) = tmp_path.glob("profile_steps_*.json")
+    figs = json.loads(res.read_text())["figures"]
+    assert figs["ar.prefill_steps"] == 1 and figs["ar.decode_steps"] == 3 and figs["ar.decode_step_ms"] > 0
+    assert figs["ddtree.spec_steps"] >= 1 and figs["ddtree.spec_step_ms"] > 0
