@@ -277,3 +277,13 @@ def test_unit_lower_inverse_equals_the_triangular_solve(c_log, batch, scale, see
     assert np.all(np.triu(np.asarray(got), 1) == 0) and np.all(np.diagonal(np.asarray(got), axis1=-2, axis2=-1) == 1)
     with pytest.raises(ValueError, match="power of two"):
         gdn.unit_lower_inverse(jnp.eye(3))
+
+
+@pytest.mark.parametrize("c", [1, 5, 23, 64])
+@pytest.mark.parametrize("method", ["inverse", "triangular"])
+def test_solve_unit_lower_both_ways_at_any_size(c, method):
+    rng = np.random.default_rng(c)
+    a = jnp.asarray(np.eye(c) + np.tril(rng.uniform(-0.5, 0.5, (2, c, c)), -1), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(2, c, 3)), jnp.float32)
+    want = jax.lax.linalg.triangular_solve(a, b, left_side=True, lower=True, unit_diagonal=True)
+    np.testing.assert_allclose(np.asarray(gdn.solve_unit_lower(a, b, method)), np.asarray(want), rtol=1e-5, atol=1e-5)

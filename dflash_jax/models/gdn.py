@@ -57,7 +57,8 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     blocks: ``inv([[A, 0], [X, B]]) = [[A^-1, 0], [-B^-1 X A^-1, B^-1]]``, log2(C) levels of batched matmuls.
 
     Exact like a triangular solve (the same products, regrouped), but all batched matmuls: XLA:CPU's batched
-    ``triangular_solve`` runs a row loop per call and took ~7x longer over a 1K-token prefill chunk."""
+    ``triangular_solve`` took ~7x longer over a 1K-token prefill chunk, and one solve over every chunk of a prompt
+    at once (the Pallas kernel's chunk-local pass) is thousands of small systems."""
     c = a.shape[-1]
     if c & (c - 1):
         raise ValueError(f"unit_lower_inverse: size {c} is not a power of two")
@@ -87,6 +88,22 @@ def _pow2_eye_pad(a: jax.Array) -> jax.Array:
     return jnp.pad(a, pad) + jnp.diag((jnp.arange(p) >= c).astype(a.dtype))
 
 
+def solve_unit_lower(a: jax.Array, b: jax.Array, method: str | None = None) -> jax.Array:
+    """``a^-1 b`` for unit lower-triangular ``a [..., C, C]``, ``b [..., C, N]``.
+
+    ``method``: ``"inverse"`` (:func:`unit_lower_inverse`, then a matmul) or ``"triangular"`` (XLA's
+    ``triangular_solve``); None picks by backend: the inverse on CPU, where the batched solve is ~7x slower, the
+    solve elsewhere (what the GPU prefill timings were measured with)."""
+    method = method or ("inverse" if jax.default_backend() == "cpu" else "triangular")
+    if method == "triangular":
+        return lax.linalg.triangular_solve(a, b, left_side=True, lower=True, unit_diagonal=True)
+    if method != "inverse":
+        raise ValueError(f"solve_unit_lower: method must be 'inverse' or 'triangular', got {method!r}")
+    c = a.shape[-1]
+    t = unit_lower_inverse(_pow2_eye_pad(a))[..., :c, :c]
+    return jnp.einsum("...ij,...jn->...in", t, b, precision=HI)
+
+
 def _chunk(q, k, v, beta, g, s0):
     """One chunk, heads-first: q,k [B,H,C,dk], v [B,H,C,dv], beta,g [B,H,C], s0 [B,H,dk,dv]."""
     c = g.shape[-1]
@@ -97,9 +114,10 @@ def _chunk(q, k, v, beta, g, s0):
     decay = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)  # Gamma_ij, j <= i
     kk = jnp.einsum("bhid,bhjd->bhij", k, k, precision=HI)
     m = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
-    t = unit_lower_inverse(_pow2_eye_pad(jnp.eye(c, dtype=m.dtype) + m))[..., :c, :c]  # (I + M)^-1
-    u = jnp.einsum("bhij,bhjv->bhiv", t, beta[..., None] * v, precision=HI)
-    w = jnp.einsum("bhij,bhjk->bhik", t, (beta * jnp.exp(gam))[..., None] * k, precision=HI)
+    a = jnp.eye(c, dtype=m.dtype) + m  # unit lower triangular
+    dv = v.shape[-1]
+    uw = solve_unit_lower(a, jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gam))[..., None] * k], axis=-1))
+    u, w = uw[..., :dv], uw[..., dv:]
     vp = u - jnp.einsum("bhck,bhkv->bhcv", w, s0, precision=HI)  # pseudo-values [B,H,C,dv]
     qk = jnp.einsum("bhid,bhjd->bhij", q, k, precision=HI) * decay
     o = (jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gam)[..., None], s0, precision=HI)
@@ -202,7 +220,7 @@ def gdn_tree_reference(q, k, v, beta, g, state, ancestors):
     a = jnp.eye(n, dtype=m.dtype) + m  # unit lower triangular in slot order
     dv = v.shape[-1]
     rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gam))[..., None] * k], axis=-1)
-    uw = lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    uw = solve_unit_lower(a, rhs)
     u, w = uw[..., :dv], uw[..., dv:]
     vp = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=HI)  # pseudo-values [B,H,N,dv]
     qk = jnp.einsum("bhid,bhjd->bhij", q, k, precision=HI) * decay
