@@ -306,6 +306,8 @@ def test_drafter_scoring_under_pressure_ranks_by_the_drafters_queries():
                                kvflash_scoring="drafter")
     eng = Engine(t, None, opts, drafter=(dcfg, dparams))
     assert eng.kvf.draft_summary_layers == dcfg.full_layers == (1,)
+    eng.kvf.warmup(eng.state, eng.dkv)  # compiles the drafter's summaries only: target keys are not scored here
+    assert {src for src, _ in eng.kvf._sum} == {"draft"}
     res = configure(eng, scoring="drafter", rescore_every=2)
     sps = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
     with checked_round_trips(eng) as checked:

@@ -304,7 +304,8 @@ class Engine:
             from dflash_jax.kv.kvflash_device import KVFlashDevice
 
             self.kvf = KVFlashDevice(self.state, self.dkv, self.pools[0].host_pages, host_kind=o.kvflash_host_kind,
-                                     draft_summary_layers=self.dcfg.full_layers if self.draft_scoring else ())
+                                     draft_summary_layers=self.dcfg.full_layers if self.draft_scoring else (),
+                                     target_summaries=o.kvflash_scoring == "keys")
         self._plan: Plan | None = None
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}

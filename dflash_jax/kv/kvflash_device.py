@@ -118,9 +118,12 @@ class KVFlashDevice:
     """Host slabs + jitted page-out / page-in / key summaries for a resident pool of ``n_pages`` pages."""
 
     def __init__(self, state: EngineState, dkv: DraftKV | None, host_pages: int, device: jax.Device | None = None,
-                 host_kind: str | None = None, draft_summary_layers: Sequence[int] = ()) -> None:
+                 host_kind: str | None = None, draft_summary_layers: Sequence[int] = (),
+                 target_summaries: bool = True) -> None:
         """draft_summary_layers: the drafter layers whose context keys ``draft_summaries`` averages (its
-        full-attention layers, for drafter scoring; empty: no drafter summaries are compiled)."""
+        full-attention layers, for drafter scoring; empty: no drafter summaries are compiled);
+        target_summaries: whether ``warmup`` compiles the target-key summaries (``keys`` scoring uses them; with
+        ``drafter`` or ``lru`` scoring they would only cost start-up time)."""
         leaves = jax.tree_util.tree_leaves(_tensors(state.kv, dkv))
         self.device = device or next(iter(leaves[0].devices()))
         self.host_kind = host_kind or host_memory_kind(self.device)
@@ -142,6 +145,7 @@ class KVFlashDevice:
         self._in: dict[int, object] = {}
         self._sum: dict[tuple[str, int], object] = {}  # ("target" | "draft", bucket) -> jitted mean keys
         self.draft_summary_layers = tuple(draft_summary_layers)
+        self.target_summaries = target_summaries
         if self.draft_summary_layers and dkv is None:
             raise ValueError("drafter summaries need the drafter's context pages (DraftKV)")
         self.lazy_compiles = 0
@@ -199,8 +203,9 @@ class KVFlashDevice:
             else:
                 slab = jax.ShapeDtypeStruct((self.slab_elems,), self.dtype, sharding=self._host)
                 self._in[b] = self._in_fn(b).lower(ts, tuple([slab] * b), idx).compile()
-            self._sum[("target", b)] = self._sum_fn(b).lower(jax.tree_util.tree_map(spec, tuple(state.kv.k)),
-                                                             idx).compile()
+            if self.target_summaries:
+                self._sum[("target", b)] = self._sum_fn(b).lower(jax.tree_util.tree_map(spec, tuple(state.kv.k)),
+                                                                 idx).compile()
             if self.draft_summary_layers:
                 self._sum[("draft", b)] = self._sum_fn(b, "draft").lower(
                     jax.tree_util.tree_map(spec, self._draft_keys(dkv)), idx).compile()
