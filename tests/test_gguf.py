@@ -132,6 +132,13 @@ def test_k_quant_gguf_loads_within_each_formats_error_and_close_logits(tmp_path,
     got, want = g.logits(IDS), h.logits(IDS)
     assert _kl(want, got) < 0.15
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.4
+    # kept as int8 Q8_0 blocks: the Q8_0 tensors' values exactly as the file holds them (no second rounding)
+    q8 = dj.load_target(path, dtype="float32", quantization="int8")
+    for gname, (p, _) in names.items():
+        leaf = loader._get(q8.params, p)
+        if types.get(gname) == "Q8_0" and quant.is_quantized(leaf):
+            np.testing.assert_allclose(np.asarray(quant.dequantize(leaf)), np.asarray(loader._get(g.params, p)),
+                                       rtol=1e-6, atol=1e-7)
     # and re-quantized to fp8 on the device as it loads
     q = dj.load_target(path, dtype="float32", quantization="fp8")
     assert quant.is_quantized(q.params["layers"][0]["gdn"]["qkv"])

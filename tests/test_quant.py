@@ -77,6 +77,43 @@ def test_qmatmul_equals_matmul_with_dequantized_weight(out, inn, tokens, block, 
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(out=st.integers(1, 16), inn=st.sampled_from([32, 40, 96]), tokens=st.integers(1, 5), seed=st.integers(0, 999),
+       many=st.booleans(), log_range=st.floats(-3, 3))
+def test_int8_blocks_round_trip_requantize_exactly_and_multiply_like_the_dequantized_weight(out, inn, tokens, seed,
+                                                                                           many, log_range):
+    """Q8_0's layout: int8 with a scale per 32 inputs of a row; each element within half a step of its block;
+    a dequantized int8 weight quantizes back to the same int8 values (a Q8_0 GGUF keeps its values); the matmul
+    (per-block partial sums at few tokens, the dequantized operand at many) equals x @ dequant(w)^T."""
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal((out, inn)) * 10.0 ** log_range, jnp.float32)
+    q = quant.quantize_int8(w)
+    assert q.data.dtype == jnp.int8 and q.block == quant.INT8_BLOCK and q.scale.shape == (out, -(-inn // 32))
+    sfull = np.asarray(quant.block_scale_full(q.scale, q.block, q.shape))
+    d = np.asarray(quant.dequantize(q))
+    assert np.all(np.abs(d - np.asarray(w)) <= sfull / 2 * (1 + 1e-6))
+    assert np.abs(np.asarray(q.data)).max() == 127
+    again = quant.quantize_int8(jnp.asarray(d))
+    np.testing.assert_array_equal(np.asarray(again.data), np.asarray(q.data))
+    np.testing.assert_allclose(np.asarray(again.scale), np.asarray(q.scale), rtol=1e-6)
+    x = jnp.asarray(rng.standard_normal((2, tokens * (40 if many else 1), inn)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(qwen36.linear(x, q)), np.asarray(x @ quant.dequantize(q).T),
+                               rtol=1e-5, atol=1e-5 * float(np.abs(d).max()) * inn)
+
+
+def test_int8_target_and_engine_equal_their_dequantized_reference():
+    t, q = _target(), _target(quantization="int8")
+    leaf = q.params["layers"][0]["mlp"]["gate"]
+    assert quant.is_quantized(leaf) and leaf.data.dtype == jnp.int8 and leaf.block == quant.INT8_BLOCK
+    assert quant.weight_itemsize(q.params) < 1.2  # 1 byte + a 4-byte scale per 32 (+ unquantized small leaves)
+    ref = dj.Target(t.config, _dequantized(q.params))
+    np.testing.assert_allclose(np.asarray(q.logits(IDS)), np.asarray(ref.logits(IDS)), rtol=1e-4, atol=1e-4)
+    assert _kl(t.logits(IDS), q.logits(IDS)) < 0.01  # 8 bits per 32-block: closer than e4m3's 4-bit mantissa
+    eng = Engine(q, None, EngineOptions(max_batch=1, max_model_len=64, prefill_chunk=16))
+    [o] = eng.generate([IDS[:20]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert o.token_ids == q.greedy(IDS[:20], 6)
+
+
 def test_bf16_activations_accumulate_in_fp32():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((64, 512)), jnp.float32)

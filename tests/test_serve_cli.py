@@ -88,9 +88,10 @@ def test_kvflash_drafter_scoring_needs_ddtree_and_presets_are_checked(tmp_path):
 def test_quantization_flag_and_preset_value_are_checked(tmp_path):
     assert _resolve("--model", MODEL).quantization == "none"
     assert _resolve("--model", MODEL, "--quantization", "fp8").quantization == "fp8"
+    assert _resolve("--model", MODEL, "--quantization", "int8").quantization == "int8"
     preset = tmp_path / "p.yaml"
     preset.write_text("quantization: int3\n")
-    with pytest.raises(StartupError, match="--quantization must be none or fp8"):
+    with pytest.raises(StartupError, match="--quantization must be none, fp8 or int8"):
         _resolve("--model", MODEL, "--config", str(preset))
 
 

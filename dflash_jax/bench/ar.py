@@ -190,9 +190,10 @@ def run(args: argparse.Namespace, command: str) -> int:
         extras[label] = e
         gc.collect()  # the variant's engine and weights are unreferenced now; free them before the next loads
     base = variant_label(args.dtype, "none")
-    if "none" in variants and "fp8" in variants:
-        for c in args.concurrency:
-            figures[f"fp8_speedup.c{c}"] = figures[f"fp8.c{c}.tok_s"] / figures[f"{base}.c{c}.tok_s"]
+    for q in ("fp8", "int8"):
+        if "none" in variants and q in variants:
+            for c in args.concurrency:
+                figures[f"{q}_speedup.c{c}"] = figures[f"{q}.c{c}.tok_s"] / figures[f"{base}.c{c}.tok_s"]
     results.print_table(figures)
     if not args.no_write:
         extra = {"source": args.model or args.random_weights, "weights": "checkpoint" if args.model else "random",

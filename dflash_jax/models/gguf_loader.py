@@ -3,7 +3,9 @@
 Read with the ``gguf`` package (``pip install 'dflash-jax[gguf]'``). Every tensor is dequantized on the host at
 load (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K; anything else is an error naming the tensor and its type), then
 streamed through ``loader.stream_params`` like a safetensors checkpoint: cast to the activation dtype, or
-re-quantized to fp8 on the device with ``quantization="fp8"``. Packed 4/5/6/8-bit weights are not kept packed.
+re-quantized on the device: ``quantization="fp8"``, or ``quantization="int8"`` (Q8_0's own layout, int8 with a scale
+per 32 inputs: the Q8_0 tensors come back to the file's int8 values exactly; K-quants are re-rounded to 8 bits).
+Packed 4/5/6-bit weights are not kept packed.
 
 What llama.cpp's converter (``convert_hf_to_gguf.py``, Qwen3Next -> Qwen3.5 classes) does to the HF tensors,
 and what is undone here:

@@ -1,7 +1,8 @@
-"""FP8 (e4m3) weights: the ``QuantizedWeight`` pytree, quantize / dequantize, and the quantized matmul.
+"""FP8 (e4m3) and int8 weights: the ``QuantizedWeight`` pytree, quantize / dequantize, and the quantized matmul.
 
-A quantized matrix keeps the checkpoint's ``[out, in]`` layout in ``float8_e4m3fn`` with float32 scales,
-``w ~= data * scale``:
+A quantized matrix keeps the checkpoint's ``[out, in]`` layout in ``float8_e4m3fn`` (``quantization="fp8"``) or
+``int8`` (``quantization="int8"``: llama.cpp's Q8_0 layout, 32-element blocks along the input, one scale each) with
+float32 scales, ``w ~= data * scale``:
 
 * per output channel: ``scale [out]`` (what on-the-fly quantization produces; the scale multiplies the matmul
   *output*, so the GEMM/GEMV only reads fp8 bytes and converts them in registers);
@@ -28,7 +29,9 @@ import numpy as np
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-QUANTIZATIONS = ("none", "fp8")
+INT8_MAX = 127.0
+INT8_BLOCK = (1, 32)  # Q8_0: 32 consecutive inputs of one output row share a scale
+QUANTIZATIONS = ("none", "fp8", "int8")
 
 # Parameter names (the last key of a pytree path) of the large matmul weights, target and drafter alike.
 # Not quantized: the embedding (a row gather), norms, conv taps, A_log/dt_bias and the tiny GDN b/a gates.
@@ -41,8 +44,9 @@ BLOCKED_MAX_TOKENS = 64
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """``w [out, in] ~= data * scale``. data: ``float8_e4m3fn [out, in]``; scale: ``float32 [out]`` (``block`` None)
-    or ``[ceil(out/bo), ceil(in/bi)]`` (``block = (bo, bi)``). ``dtype`` is the activation (dequantized) dtype."""
+    """``w [out, in] ~= data * scale``. data: ``float8_e4m3fn`` or ``int8 [out, in]``; scale: ``float32 [out]``
+    (``block`` None) or ``[ceil(out/bo), ceil(in/bi)]`` (``block = (bo, bi)``). ``dtype`` is the activation
+    (dequantized) dtype."""
 
     data: jax.Array
     scale: jax.Array
@@ -70,7 +74,7 @@ def is_quantized(x: Any) -> bool:
 
 
 def check_quantization(q: str | None) -> str | None:
-    """``None``/``"none"`` -> None; ``"fp8"`` -> ``"fp8"``; anything else raises naming the choices."""
+    """``None``/``"none"`` -> None; ``"fp8"`` / ``"int8"`` unchanged; anything else raises naming the choices."""
     if q is None or q == "none":
         return None
     if q not in QUANTIZATIONS:
@@ -115,6 +119,22 @@ def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None, dtype=None)
     return QuantizedWeight(_to_fp8(wf / block_scale_full(scale, block, (out, inn))), scale, tuple(block), dtype)
 
 
+@jax.jit(static_argnames=("dtype",))
+def quantize_int8(w: jax.Array, dtype=None) -> QuantizedWeight:
+    """``w [out, in]`` -> int8 ``QuantizedWeight`` with one scale per 32 inputs of a row (``INT8_BLOCK``, Q8_0's
+    layout): ``scale = amax / 127``, ``data = round(w / scale)``. A weight dequantized from a Q8_0 GGUF comes back
+    to the file's int8 values. ``dtype`` (default ``w.dtype``) is the activation dtype recorded in the result."""
+    dtype = jnp.dtype(dtype or w.dtype)
+    wf = w.astype(F32)
+    out, inn = wf.shape
+    bi = INT8_BLOCK[1]
+    ni = -(-inn // bi)
+    amax = jnp.max(jnp.pad(jnp.abs(wf), ((0, 0), (0, ni * bi - inn))).reshape(out, ni, bi), axis=2)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0).astype(F32)
+    q = jnp.clip(jnp.round(wf / block_scale_full(scale, INT8_BLOCK, (out, inn))), -INT8_MAX, INT8_MAX)
+    return QuantizedWeight(q.astype(jnp.int8), scale, INT8_BLOCK, dtype)
+
+
 def dequantize(w: QuantizedWeight, dtype=F32) -> jax.Array:
     """``data * scale`` as a dense ``[out, in]`` array in ``dtype``."""
     d = w.data.astype(F32)
@@ -126,7 +146,7 @@ def dequantize(w: QuantizedWeight, dtype=F32) -> jax.Array:
 # the matmul
 # ---------------------------------------------------------------------------------------------
 def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
-    """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 weights converted to ``x.dtype`` inside the matmul,
+    """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 / int8 weights converted to ``x.dtype`` inside the matmul,
     float32 accumulation, result in ``out_dtype`` (default ``x.dtype``). Per-channel weights at <= 64 tokens go
     through the Pallas ``skinny_matmul`` kernel when ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` (read at
     trace time; ``pallas_kernels.skinny_matmul.route``), otherwise XLA's fused convert + dot."""
@@ -177,13 +197,14 @@ LeafQuantizer = Callable[[tuple[Any, ...], Any], Any]
 
 
 def leaf_quantizer(quantization: str | None, block: tuple[int, int] | None = None) -> LeafQuantizer:
-    """``f(path, leaf)``: the fp8 version of a quantizable leaf (per channel, or ``block`` scales), else the leaf."""
+    """``f(path, leaf)``: the quantized version of a quantizable leaf (fp8: per channel, or ``block`` scales; int8:
+    Q8_0 blocks), else the leaf."""
     q = check_quantization(quantization)
 
     def f(path, leaf):
         if q is None or not quantizable(path, leaf):
             return leaf
-        return quantize_fp8(leaf, block)
+        return quantize_int8(leaf) if q == "int8" else quantize_fp8(leaf, block)
 
     return f
 
