@@ -211,6 +211,18 @@ def smem_budget_bytes(backend: str | None = None, device=None) -> int:
     return SMEM_BUDGET_BYTES.get(key, DEFAULT_GPU_BUDGET)
 
 
+def first_fitting(candidates: Sequence[dict], check: Callable[[dict], object]) -> dict | None:
+    """The first launch config that ``check`` accepts (it raises ValueError for one whose tiles do not fit); when
+    none fits, the first candidate (its launch then fails with the check's message where it is used)."""
+    for cfg in candidates:
+        try:
+            check(cfg)
+        except ValueError:
+            continue
+        return cfg
+    return candidates[0] if candidates else None
+
+
 def _is_pow2(n: int) -> bool:
     return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
 

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dflash_jax.models.gdn import unit_lower_inverse
-from pallas_kernels.registry import check_block_shapes, current_backend
+from pallas_kernels.registry import check_block_shapes, current_backend, first_fitting
 
 HI = lax.Precision.HIGHEST
 PRECISIONS = ("fp32", "tf32x3", "bf16")
@@ -135,17 +135,10 @@ def default_config(dk: int, dv: int, *, dtype=jnp.float32, backend: str | None =
     isz = jnp.dtype(operand_dtype(default_precision(dtype))).itemsize
     block_v = min(dv, 32)
     stages = (1,) if b == "rocm" else (2, 1)
-    first = None
-    for chunk in (64, 32):
-        for st in stages:
-            cfg = dict(chunk=chunk, block_v=block_v, num_warps=4, num_stages=st)
-            try:
-                block_plan(dk=dk, dv=dv, chunk=chunk, block_v=block_v, itemsize=isz, num_stages=st, backend=b)
-            except ValueError:
-                first = first or cfg
-                continue
-            return cfg
-    return first  # nothing fits: block_plan will say why where it is used
+    return first_fitting(
+        [dict(chunk=chunk, block_v=block_v, num_warps=4, num_stages=st) for chunk in (64, 32) for st in stages],
+        lambda c: block_plan(dk=dk, dv=dv, chunk=c["chunk"], block_v=block_v, itemsize=isz,
+                             num_stages=c["num_stages"], backend=b))
 
 
 def block_plan(*, dk: int, dv: int, chunk: int, block_v: int, itemsize: int = 4, num_stages: int = 1,

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.gdn.kernel import _dot_dtype_and_precision, default_precision, operand_dtype
-from pallas_kernels.registry import check_block_shapes, current_backend
+from pallas_kernels.registry import check_block_shapes, current_backend, first_fitting
 
 SOLVES = ("substitution", "product")
 MAX_SLOTS = 64  # one register tile of [N, N]; verify trees are budget + 1 <= 33 slots
@@ -181,18 +181,10 @@ def default_config(n: int, dk: int, dv: int, *, dtype=jnp.float32, backend: str 
     b = backend or current_backend()
     isz = jnp.dtype(operand_dtype(default_precision(dtype))).itemsize
     warps = 8 if padded_slots(n) * dk >= 4096 else 4
-    first = None
-    for block_v in (64, 32, 16):
-        if block_v > dv:
-            continue
-        cfg = dict(block_v=block_v, num_warps=warps, solve="substitution")
-        try:
-            block_plan(n=n, dk=dk, dv=dv, block_v=block_v, itemsize=isz, smem_budget=smem_budget, backend=b)
-        except ValueError:
-            first = first or cfg
-            continue
-        return cfg
-    return first or dict(block_v=min(dv, 64), num_warps=warps, solve="substitution")
+    cands = [dict(block_v=bv, num_warps=warps, solve="substitution") for bv in (64, 32, 16) if bv <= dv]
+    return first_fitting(cands, lambda c: block_plan(n=n, dk=dk, dv=dv, block_v=c["block_v"], itemsize=isz,
+                                                     smem_budget=smem_budget, backend=b)) or dict(
+        block_v=min(dv, 64), num_warps=warps, solve="substitution")
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "precision", "solve", "interpret"))
