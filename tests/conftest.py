@@ -23,6 +23,25 @@ def fixtures_dir() -> str:
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Make ``--dist loadgroup`` keep each ``xdist_group`` on one worker under pytest >= 9.
+
+    pytest-xdist (3.8) tags a grouped item's node id ("...@name") by assigning ``item._nodeid``; pytest 9 keeps the
+    node id in ``item._id`` and ignores that, so every group was silently spread over all workers: each worker then
+    built the group's module fixtures (compiled engines, server processes) and order-dependent modules ran split.
+    This applies the tag where xdist's did not take (a no-op on pytest 8, and without ``--dist loadgroup``)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        tag = "@" + "_".join(sorted(names))
+        if names and not item.nodeid.endswith(tag):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + tag)
+
+
 def nano_drafter_config(tmp_path, block_size: int = 8) -> str:
     """A 2-layer DFlash drafter config (sliding + full layer) over the tiny fixtures' 256-token vocabulary, written
     under ``tmp_path``, for the benchmarks' ``--random-drafter``; returns its path."""
