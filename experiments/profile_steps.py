@@ -5,8 +5,9 @@
 
 For each mode, a fresh engine (one batch bucket = the concurrency) serves one warm batch of random prompts, then
 a second batch under ``jax.profiler.trace``; the trace's device events are summed by name. Writes
-``profile_steps_<device>_<time>.json``: figures ``<mode>.<kind>_step_ms`` (wall time per engine step of that kind,
-from ``Engine.step_seconds``), ``<mode>.device_ms`` (device time of the traced batch) and, in ``extra``, the top
+``profile_steps_<device>_<time>.json``: figures ``<mode>.<kind>_step_ms`` / ``<mode>.host_ms`` (wall time per engine
+step of that kind and of the host loop, ``bench.concurrency.step_time_figures``), ``<mode>.device_ms`` (device
+time of the traced batch) and, in ``extra``, the top
 device ops of each mode with their total milliseconds and counts. On CPU the trace holds no device events (only
 the step times are then meaningful).
 """
@@ -28,6 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dflash_jax.bench import results  # noqa: E402
+from dflash_jax.bench.concurrency import step_time_figures  # noqa: E402
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
 from dflash_jax.engine.spec_steps import SpecConfig  # noqa: E402
 from dflash_jax.models.dflash_loader import load_drafter  # noqa: E402
@@ -91,11 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 eng.generate(prompts, sp)
             dev_ms, ops = device_ops(d, args.top)
-        n = eng.counters - steps0
-        for kind in ("prefill", "decode", "spec"):
-            if n[f"{kind}_steps"]:
-                figures[f"{mode}.{kind}_step_ms"] = 1e3 * eng.step_seconds[kind] / n[f"{kind}_steps"]
-                figures[f"{mode}.{kind}_steps"] = n[f"{kind}_steps"]
+        times = step_time_figures(eng.step_seconds, eng.counters - steps0, repeats=1)
+        figures.update({f"{mode}.{k}": v for k, v in times.items()})
         figures[f"{mode}.step_wall_ms"] = 1e3 * eng.step_seconds["step"]
         figures[f"{mode}.device_ms"] = dev_ms
         extra[f"{mode}.top_device_ops"] = [{"op": k, "ms": ms, "count": c} for k, ms, c in ops]

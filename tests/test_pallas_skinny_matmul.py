@@ -166,3 +166,11 @@ def test_engine_warns_when_the_kernel_meets_tensor_parallelism(monkeypatch):
     monkeypatch.setenv(registry.ENV_VAR, "skinny_matmul=pallas_triton")
     with pytest.warns(RuntimeWarning, match="tensor_parallel > 1"):
         loop._warn_skinny_matmul_under_tp()
+
+
+def test_fp8_weights_stay_on_xla_on_rocm(monkeypatch):
+    """MI300's Triton converts only e4m3fnuz: an e4m3fn weight is never routed to the kernel there."""
+    assert sm.supports(1, 64, 128, jnp.bfloat16, jnp.float8_e4m3fn)
+    monkeypatch.setattr(sm.registry, "current_backend", lambda: "rocm")
+    assert not sm.supports(1, 64, 128, jnp.bfloat16, jnp.float8_e4m3fn)
+    assert sm.supports(1, 64, 128, jnp.bfloat16, jnp.bfloat16)

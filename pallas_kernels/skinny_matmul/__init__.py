@@ -182,10 +182,13 @@ def skinny_matmul_pallas(x: jax.Array, w: jax.Array, scale: jax.Array | None = N
 
 def supports(m: int, n: int, k: int, x_dtype, w_dtype) -> bool:
     """Whether the model routes this matmul to the kernel: M <= 64 rows, x bf16 / f16 / f32, a bf16 / f16 / f32
-    / fp8 weight, and a valid default tiling that passes the static check."""
+    / fp8 weight (fp8 e4m3fn not on ROCm, whose MI300 Triton converts only e4m3fnuz: XLA's dot runs there), and a
+    valid default tiling that passes the static check."""
     if not 0 < m <= MAX_BM or jnp.dtype(x_dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         return False
     if jnp.dtype(w_dtype) not in tuple(jnp.dtype(d) for d in WEIGHT_DTYPES):
+        return False
+    if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) and registry.current_backend() == "rocm":
         return False
     return default_config(n, k, m, w_dtype, x_dtype) is not None
 
