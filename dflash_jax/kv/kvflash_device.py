@@ -38,6 +38,7 @@ import numpy as np
 
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.kvflash import Transfer
+from dflash_jax.kv.scatter import set_rows_where
 from dflash_jax.state import DraftKV, EngineState, KVPages
 
 BUCKETS = (1, 4, 16, 64)
@@ -82,7 +83,8 @@ def _gather(tensors: tuple, idx: jax.Array) -> jax.Array:
 
 
 def _scatter(tensors: tuple, packed: jax.Array, idx: jax.Array) -> tuple:
-    """Write ``packed [n, slab_elems]`` (from ``_gather``) into physical pages ``idx [n]``; bit-exact."""
+    """Write ``packed [n, slab_elems]`` (from ``_gather``) into physical pages ``idx [n]`` (0: a padding row, not
+    written); bit-exact."""
     leaves, tree = jax.tree_util.tree_flatten(tensors)
     dt = _slab_dtype(leaves)
     out, off = [], 0
@@ -93,7 +95,7 @@ def _scatter(tensors: tuple, packed: jax.Array, idx: jax.Array) -> tuple:
             size = jnp.dtype(t.dtype).itemsize
             part = jax.lax.bitcast_convert_type(
                 part.reshape((idx.shape[0],) + t.shape[1:] + ((size,) if size > 1 else ())), t.dtype)
-        out.append(t.at[idx].set(part.reshape((idx.shape[0],) + t.shape[1:])))
+        out.append(set_rows_where(t, (idx,), part.reshape((idx.shape[0],) + t.shape[1:]), idx > 0))
         off += n
     return jax.tree_util.tree_unflatten(tree, out)
 

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.kv.scatter import set_rows_where
+
 F32 = jnp.float32
 # --kv-dtype names -> storage dtype (None: the model dtype)
 KV_DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,
@@ -97,12 +99,15 @@ def quantize_pages(pages: jax.Array, dtype, compute_dtype=None) -> QuantizedPage
     return QuantizedPages(q, s, jnp.dtype(compute_dtype or pages.dtype))
 
 
-def set_rows(pages: jax.Array | QuantizedPages, page: jax.Array, off: jax.Array, x: jax.Array):
-    """``pages.at[page, off].set(x)`` for ``x [B, T, Hkv, D]`` at page / offset ``[B, T]`` (quantizing if needed)."""
+def set_rows(pages: jax.Array | QuantizedPages, page: jax.Array, off: jax.Array, x: jax.Array,
+             keep: jax.Array) -> jax.Array | QuantizedPages:
+    """``pages.at[page, off].set(x)`` for ``x [B, T, Hkv, D]`` at page / offset ``[B, T]``, only where ``keep [B, T]``
+    (quantizing if needed; see ``kv.scatter``)."""
     if not isinstance(pages, QuantizedPages):
-        return pages.at[page, off].set(x.astype(pages.dtype))
+        return set_rows_where(pages, (page, off), x, keep)
     q, s = quantize_rows(x, pages.data.dtype)
-    return QuantizedPages(pages.data.at[page, off].set(q), pages.scale.at[page, off].set(s), pages.compute_dtype)
+    return QuantizedPages(set_rows_where(pages.data, (page, off), q, keep),
+                          set_rows_where(pages.scale, (page, off), s, keep), pages.compute_dtype)
 
 
 def take(pages: jax.Array | QuantizedPages, idx: jax.Array) -> jax.Array:

@@ -25,16 +25,15 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
              positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V into pages.
 
-    k, v: [B, T, Hkv, D]; page_table: [B, W]; positions, valid: [B, T]. Padding tokens, and tokens
-    whose logical page is not resident (table entry < 0), go to the null page, which is never read unmasked.
+    k, v: [B, T, Hkv, D]; page_table: [B, W]; positions, valid: [B, T]. Padding tokens, tokens whose logical page
+    is not resident (table entry < 0) and tokens of the null page (entry 0) are not written (``kv.scatter``).
     """
     ps = k_pages.shape[1]
-    slot_page = jnp.take_along_axis(page_table, jnp.clip(positions // ps, 0, page_table.shape[1] - 1), axis=1)
-    keep = valid & (slot_page >= 0)
-    page = jnp.where(keep, slot_page, 0)
-    off = jnp.where(keep, positions % ps, 0)
-    k_pages = kv_quant.set_rows(k_pages, page, off, k)
-    v_pages = kv_quant.set_rows(v_pages, page, off, v)
+    page = jnp.take_along_axis(page_table, jnp.clip(positions // ps, 0, page_table.shape[1] - 1), axis=1)
+    keep = valid & (page > 0)
+    off = positions % ps
+    k_pages = kv_quant.set_rows(k_pages, page, off, k, keep)
+    v_pages = kv_quant.set_rows(v_pages, page, off, v, keep)
     return k_pages, v_pages
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.config import FULL, TargetConfig
+from dflash_jax.kv.scatter import set_rows_where
 from dflash_jax.models import attention, gdn, quant, tree_ops
 from dflash_jax.state import KVPages, RecurrentSlots, StepInput, TreeInput
 
@@ -292,8 +293,8 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
             cs = jnp.where(fresh[:, None, None], 0, convs[gi][inp.slots])
             ss = jnp.where(fresh[:, None, None, None], 0, ssms[gi][inp.slots])
             out, cs, ss = gdn_layer(p["gdn"], cfg, u, inp, valid, cs, ss)
-            convs[gi] = convs[gi].at[inp.slots].set(cs)
-            ssms[gi] = ssms[gi].at[inp.slots].set(ss)
+            convs[gi] = set_rows_where(convs[gi], (inp.slots,), cs, inp.slots > 0)
+            ssms[gi] = set_rows_where(ssms[gi], (inp.slots,), ss, inp.slots > 0)
             gi += 1
         h = h + out
         h = h + mlp(p["mlp"], rms_norm_zc(h, p["post_norm"], cfg.rms_norm_eps))
@@ -397,8 +398,8 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
         else:
             s1 = gdn.tree_node_state(cache, s0.astype(cache.vp.dtype), last).astype(s0.dtype)
         c1 = tree_ops.tree_conv_state(x, c0, tree.parents, last)
-        ssms[gi] = ssms[gi].at[tree.slots].set(s1)
-        convs[gi] = convs[gi].at[tree.slots].set(c1)
+        ssms[gi] = set_rows_where(ssms[gi], (tree.slots,), s1, tree.slots > 0)
+        convs[gi] = set_rows_where(convs[gi], (tree.slots,), c1, tree.slots > 0)
     return KVPages(tuple(ks), tuple(vs)), RecurrentSlots(tuple(convs), tuple(ssms))
 
 
