@@ -17,7 +17,7 @@ import itertools
 import os
 import time
 import warnings
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +127,23 @@ class RequestOutput:
 
 
 @dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose outputs the host has not applied yet. ``rows[i]`` is bucket row i (None: padding or
+    a row that had stopped); ``start`` / ``step`` [b]: each row's first position and tokens generated before the
+    step (host or device arrays), from which a chained step's inputs are computed; ``take`` reorders outputs
+    across replicas (data parallelism)."""
+
+    kind: str  # "prefill" | "decode" | "spec"
+    b: int
+    rows: list
+    out: Any
+    start: Any
+    step: Any
+    t0: float
+    take: Callable | None = None
+
+
+@dataclasses.dataclass
 class _Request:
     rid: int
     prompt: list[int]
@@ -199,6 +216,11 @@ class EngineOptions:
     # the powers of two below max_batch / data_parallel, and it; the largest given must be max_batch / data_parallel
     batch_buckets: tuple[int, ...] | None = None
     quantization: str | None = None  # "fp8": matmul weights of target and drafter in fp8 (quant.QuantizedWeight)
+    # overlap the host loop with the device: a decode / speculative step over the same rows as the step in flight is
+    # dispatched before that step's tokens are applied, its roots and positions carried on the device (the step's
+    # dispatch, ~1 us per argument buffer, then hides behind the step in flight). Tokens are identical; a request
+    # that stops runs one discarded step more. Applies with one replica, without KVFlash and without spec_oracle
+    overlap: bool = True
 
 
 def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -266,14 +288,18 @@ class Engine:
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.dcfg, self.dparams = drafter if drafter is not None else (None, None)
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
-        self.width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # page-table width
+        self.dtype = jnp.dtype(self.target.params["layers"][0]["mlp"]["gate"].dtype)
+        self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)
+        self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
+        self.overlap = (o.overlap and o.data_parallel == 1 and o.spec_oracle is None
+                        and self.kvflash_pool_tokens is None)
+        # positions a step in flight may advance a row beyond what the host has applied (overlap)
+        self.ahead = max(self.spec_span, 1) if self.overlap else 0
+        self.width = -(-(o.max_model_len + self.spec_span + self.ahead) // o.page_size)  # page-table width
         # data parallelism: dp replicas, each with its own slots and page pool (state [dp, ...], steps vmapped)
         self.dp = dp = o.data_parallel
         per_replica = o.max_batch // dp
         n_pages = (o.n_pages or o.max_batch * self.width + dp) // dp  # pages of one replica
-        self.dtype = jnp.dtype(self.target.params["layers"][0]["mlp"]["gate"].dtype)
-        self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)
-        self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
         if self.kvflash_pool_tokens is not None and (dp > 1 or self.layout is not None):
             raise ValueError("KVFlash bounded residency runs on one device: it cannot be combined with "
                              "tensor_parallel > 1 or data_parallel > 1; drop one of them")
@@ -320,6 +346,7 @@ class Engine:
         self.spec_cfg = dataclasses.replace(o.spec, draft_query=True) if self.draft_scoring else o.spec
         self._spec_jits: dict[int, Callable] = {}  # bucket -> jitted round (each bucket has its own node budget)
         self._exec: dict[tuple[str, int], Callable] = {}
+        self._inflight: _InFlight | None = None  # overlap: the decode / speculative step not yet applied
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: dict[int, _Request] = {}  # admitted, in prefill or decode
         self._ids = itertools.count()
@@ -577,12 +604,20 @@ class Engine:
         return self._spec_jits[b]
 
     def _lower(self, kind: str, b: int):
+        if kind.startswith("advance_"):
+            return self._lower_advance(kind.removeprefix("advance_"), b)
         fn = self._spec_fn(b) if kind == "spec" else self._jit
         return fn.lower(self.target.params, self.dparams, self.state, self.dkv, *self._shapes(kind, b))
 
     def _kinds(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         kinds = (("prefill", self.prefill_buckets), ("decode", self.decode_buckets))
-        return kinds + ((("spec", self.decode_buckets),) if self.spec_cfg is not None else ())
+        if self.spec_cfg is not None:
+            kinds += (("spec", self.decode_buckets),)
+        if self.overlap:  # the device-side carries of chained steps (tiny)
+            kinds += (("advance_decode", self.decode_buckets),)
+            if self.spec_cfg is not None:
+                kinds += (("advance_spec", self.decode_buckets),)
+        return kinds
 
     def warmup(self, progress: Callable[[str, float], None] | None = None,
                workers: int | None = None) -> dict[str, float]:
@@ -698,11 +733,20 @@ class Engine:
         self._admit()
         changed: dict[int, _Request] = {}
         pre = self._take([r for r in self.running.values() if r.cursor < len(r.prompt)], self.prefill_buckets[-1])
+        if self._inflight is not None:
+            nxt = None if pre else self._chain()
+            for r in self._apply(self._inflight, chained=nxt is not None):
+                changed[r.rid] = r
+            self._inflight = nxt
+            if nxt is not None:
+                return self._outputs(changed)
+        first: set[int] = set()  # rows whose prefill ended this step (their first token): they decode next step
         if pre:
             for r in self._prefill(pre):
                 changed[r.rid] = r
+                first.add(r.rid)
         dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None
-               and r.rid not in changed]
+               and r.rid not in first]
         if self.options.cohort_reprobe_tokens:
             for r in dec:
                 st = r.stats
@@ -712,12 +756,21 @@ class Engine:
                     self.counters["cohort_reprobe"] += 1
         spec = self._take([r for r in dec if r.stats.spec_mode == "ddtree"], self.decode_buckets[-1])
         ar = self._take([r for r in dec if r.stats.spec_mode != "ddtree"], self.decode_buckets[-1])
-        if spec:
-            for r in self._spec(spec):
-                changed[r.rid] = r
-        if ar:
-            for r in self._decode(ar):
-                changed[r.rid] = r
+        # one kind of step in flight at a time: with both kinds to run, both are applied now
+        keep = self.overlap and not (spec and ar)
+        for kind, rows in (("spec", spec), ("decode", ar)):
+            if rows:
+                inf = self._dispatch_spec(rows) if kind == "spec" else self._dispatch_decode(rows)
+                if inf is None:
+                    continue
+                if keep:
+                    self._inflight = inf
+                else:
+                    for r in self._apply(inf, chained=False):
+                        changed[r.rid] = r
+        return self._outputs(changed)
+
+    def _outputs(self, changed: dict[int, "_Request"]) -> list[RequestOutput]:
         now = time.perf_counter()
         for r in self._failed:
             changed.setdefault(r.rid, r)
@@ -744,7 +797,8 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting:
             r = self.waiting[0]
-            need = len(r.prompt) + r.sp.max_tokens + (self.spec_span if r.stats.spec_mode == "ddtree" else 0)
+            need = (len(r.prompt) + r.sp.max_tokens + (self.spec_span if r.stats.spec_mode == "ddtree" else 0)
+                    + self.ahead)
             with_slot = [k for k in range(self.dp) if self.replica_slots[k]]
             if not with_slot:
                 break
@@ -790,7 +844,8 @@ class Engine:
         return next(b for b in buckets if b >= n)
 
     def _run(self, kind: str, rows: list[_Request], tokens: np.ndarray, n_valid: np.ndarray,
-             start: np.ndarray) -> StepOutput:
+             start: np.ndarray) -> "_InFlight":
+        """Dispatch a prefill chunk or decode step over ``rows`` (not waiting for it)."""
         t = tokens.shape[1]
 
         def make(k: int, g: list[int], b: int):
@@ -809,9 +864,10 @@ class Engine:
 
         b, (inp, samp), take = self._by_replica(rows, self.prefill_buckets if kind == "prefill" else
                                                 self.decode_buckets, make)
-        return take(self._call(kind, b, inp, samp))
+        return self._dispatch(kind, b, rows, inp, samp, take)
 
-    def _call(self, kind: str, b: int, inp, samp):
+    def _dispatch(self, kind: str, b: int, rows: list["_Request | None"], inp, samp, take=None,
+                  start=None) -> "_InFlight":
         fn = self._exec.get((kind, b))
         if fn is None:
             self.counters["lazy_compiles"] += 1
@@ -819,21 +875,28 @@ class Engine:
         t0 = time.perf_counter()
         self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, inp, samp)
         self.counters[f"{kind}_steps"] += 1
-        out = to_host(out)
-        self.step_seconds[kind] += time.perf_counter() - t0
-        self._kv_done()
-        return out
+        if start is None:
+            start = inp.start if kind == "spec" else inp.positions[..., 0]
+        return _InFlight(kind, b, list(rows), out, start, samp.step, t0, take)
 
-    def _row_sampling(self, rows: list[_Request], b: int) -> SamplingArrays:
+    def _fetch(self, inf: "_InFlight"):
+        """Wait for a dispatched step; its outputs on the host, rows in ``inf.rows`` order."""
+        out = to_host(inf.out)
+        self.step_seconds[inf.kind] += time.perf_counter() - inf.t0
+        self._kv_done()
+        return inf.take(out) if inf.take is not None else out
+
+    def _row_sampling(self, rows: list["_Request | None"], b: int) -> SamplingArrays:
         return SamplingArrays.from_rows(
-            [RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
+            [RowSampling() if r is None else
+             RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
                          self._banned(r.sp)) for r in rows], b)
 
-    def _spec(self, rows: list[_Request]) -> list[_Request]:
-        """One speculative round for every row; apply each row's burst in order; cohort-yield after round one."""
+    def _dispatch_spec(self, rows: list[_Request]) -> "_InFlight | None":
+        """Dispatch one speculative round for every row (KVFlash may defer some: None when none runs)."""
         rows = self._reside(rows, [(r.n_cached, r.n_cached + self.spec_span) for r in rows])
         if not rows:
-            return []
+            return None
         oracle, depth = self.options.spec_oracle, self.dcfg.block_size - 1
 
         def make(k: int, g: list[int], b: int):
@@ -849,12 +912,88 @@ class Engine:
             return inp, self._row_sampling(rs, b)
 
         b, (inp, samp), take = self._by_replica(rows, self.decode_buckets, make)
-        out = take(self._call("spec", b, inp, samp))
+        return self._dispatch("spec", b, rows, inp, samp, take)
+
+    def _dispatch_decode(self, rows: list[_Request]) -> "_InFlight | None":
+        rows = self._reside(rows, [(r.n_cached, r.n_cached + 1) for r in rows])
+        if not rows:
+            return None
+        toks = np.array([[r.tokens[-1]] for r in rows], np.int32)
+        start = np.array([r.n_cached for r in rows], np.int32)
+        return self._run("decode", rows, toks, np.ones(len(rows), np.int32), start)
+
+    # ---- overlap: the next step dispatched from the device outputs of the one in flight ----------------
+    def _chain(self) -> "_InFlight | None":
+        """Dispatch the step after the one in flight over the same bucket rows, its roots / positions / sampling
+        counters computed on the device from the in-flight outputs; None when the rows to run changed (a row to
+        prefill or to join, a mode switch, a smaller bucket would do): the in-flight step is then applied first."""
+        inf = self._inflight
+        live = [r if r is not None and r.finish is None and r.rid in self.running else None for r in inf.rows]
+        n_live = sum(r is not None for r in live)
+        dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None]
+        want = "spec" if inf.kind == "spec" else "decode"
+        if (n_live == 0 or len(dec) != n_live or self._bucket(self.decode_buckets, n_live) != inf.b
+                or any((r.stats.spec_mode == "ddtree") != (want == "spec") for r in dec)
+                or (self.options.cohort_reprobe_tokens and want == "decode" and any(
+                    r.stats.spec_mode == "yielded" and len(r.tokens) + self.ahead - r.stats.yielded_at
+                    >= r.stats.reprobe_after for r in dec))):
+            return None
+        b, span = inf.b, (self.spec_span if want == "spec" else 1)
+        for r in live:  # the in-flight step may advance a row by up to `ahead` positions before this one writes
+            if r is not None:
+                self.pools[r.replica].grow(r.rid, r.n_cached + self.ahead + span)
+        pad = [None] * (b - len(live))
+        slots = np.array([0 if r is None else r.slot for r in live] + [0] * len(pad), np.int32)
+        table = self.pools[0].page_tables([None if r is None else r.rid for r in live] + pad, self.width)
+        samp = self._row_sampling(live + pad, b)
+        adv = self._advance(want, b)
+        if want == "spec":
+            root, start, step = adv(inf.out.bonus, inf.out.n_accepted, inf.start, inf.step)
+            inp = SpecInput(root=root, start=start, slots=slots, active=np.array([r is not None for r in live + pad]),
+                            page_table=table)
+        else:
+            tok, start, step = adv(inf.out.tokens, inf.start, inf.step)
+            inp = StepInput(tokens=tok[:, None], positions=start[:, None],
+                            n_valid=np.array([int(r is not None) for r in live + pad], np.int32), slots=slots,
+                            page_table=table)
+        samp = dataclasses.replace(samp, step=step)
+        self.counters["chained_steps"] += 1
+        return self._dispatch(want, b, live, inp, samp, start=start)
+
+    def _advance(self, kind: str, b: int) -> Callable:
+        """The device-side carry from a step's outputs to the next step's inputs (compiled per bucket)."""
+        fn = self._exec.get((f"advance_{kind}", b))
+        if fn is None:
+            fn = self._exec[(f"advance_{kind}", b)] = self._lower_advance(kind, b).compile()
+        return fn
+
+    def _lower_advance(self, kind: str, b: int):
+        sh = self.layout.per_replica() if self.layout is not None else None
+        i32 = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=sh)
+        if kind == "spec":  # root <- bonus; start, tokens generated += tokens committed (root counted)
+            return jax.jit(lambda bonus, n, start, step: (bonus, start + n, step + n)).lower(i32, i32, i32, i32)
+        return jax.jit(lambda tok, start, step: (tok, start + 1, step + 1)).lower(i32, i32, i32)
+
+    def _apply(self, inf: "_InFlight", chained: bool) -> list[_Request]:
+        """Wait for a dispatched decode / speculative step and apply its tokens to the rows still running.
+        ``chained``: the next step over these rows is already in flight, so pages it may write are kept."""
+        out = self._fetch(inf)
+        rows = [(i, r) for i, r in enumerate(inf.rows)
+                if r is not None and r.finish is None and self.running.get(r.rid) is r]
+        keep = self.ahead if chained else 0
+        if inf.kind == "decode":
+            if self.draft_scoring:  # decoding without drafting: no drafter query for these rows (LRU until next round)
+                for _, r in rows:
+                    self.pages.set_query(r.rid, None)
+            for i, r in rows:
+                r.stats.decode_steps += 1
+                self._accept(r, out, i)
+            return [r for _, r in rows]
         if self.draft_scoring and out.draft_query is not None:  # None for oracle rounds (nothing drafted)
-            for i, r in enumerate(rows):
+            for i, r in rows:
                 self.pages.set_query(r.rid, out.draft_query[i])
         cohort, emitted = [], 0
-        for i, r in enumerate(rows):
+        for i, r in rows:
             n = int(out.n_accepted[i])
             burst = [int(t) for t in out.accepted[i, 1:n]] + [int(out.bonus[i])]
             st = r.stats
@@ -868,7 +1007,7 @@ class Engine:
                 if r.finish is not None:
                     break
             if r.finish is None:
-                self.pools[r.replica].truncate(r.rid, r.n_cached)
+                self.pools[r.replica].truncate(r.rid, r.n_cached + keep)
             if st.spec_steps == st.probe_base + 1:  # first round since (re)entering DDTree
                 cohort.append(r)
                 emitted += len(burst)
@@ -881,7 +1020,7 @@ class Engine:
                     st.spec_mode, st.cohort_yield_mean, st.yielded_at = "yielded", mean, len(r.tokens)
                     st.reprobe_after = (self.options.cohort_reprobe_tokens if st.reprobes == 0
                                         else 2 * st.reprobe_after)
-        return rows
+        return [r for _, r in rows]
 
     def _prefill(self, rows: list[_Request]) -> list[_Request]:
         c = self.options.prefill_chunk
@@ -895,7 +1034,7 @@ class Engine:
             part = r.prompt[r.cursor: r.cursor + c]
             toks[i, : len(part)] = part
             nv[i] = len(part)
-        out = self._run("prefill", rows, toks, nv, start)
+        out = self._fetch(self._run("prefill", rows, toks, nv, start))
         done = []
         for i, r in enumerate(rows):
             r.cursor += int(nv[i])
@@ -905,21 +1044,6 @@ class Engine:
                 self._accept(r, out, i)
                 done.append(r)
         return done
-
-    def _decode(self, rows: list[_Request]) -> list[_Request]:
-        rows = self._reside(rows, [(r.n_cached, r.n_cached + 1) for r in rows])
-        if not rows:
-            return []
-        toks = np.array([[r.tokens[-1]] for r in rows], np.int32)
-        start = np.array([r.n_cached for r in rows], np.int32)
-        out = self._run("decode", rows, toks, np.ones(len(rows), np.int32), start)
-        if self.draft_scoring:  # decoding without drafting: no drafter query for these rows (LRU until the next round)
-            for r in rows:
-                self.pages.set_query(r.rid, None)
-        for i, r in enumerate(rows):
-            r.stats.decode_steps += 1
-            self._accept(r, out, i)
-        return rows
 
     # ---- the decode contract ----------------------------------------------------------------------
     def _accept(self, r: _Request, out: StepOutput, row: int) -> None:
