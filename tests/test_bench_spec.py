@@ -32,3 +32,8 @@ def test_spec_bench_smoke(tmp_path):
     assert (figs["b1.budget"], figs["b2.budget"]) == (6, 3)  # 8 verified tokens at most over the 2-row bucket
     assert figs["oracle_tau3.b1.tau_measured"] >= 1 and figs["oracle_tau3.b1.tok_s"] > 0
     assert figs["oracle_tau3.b1.resyncs"] == 0  # float32: the recorded continuation always predicts the output
+    # the overlapped loop computes proposals on the device from the previous round's outputs: if it read the
+    # continuation at the wrong position, rounds would accept ~1 token instead of the synchronous loop's tau
+    assert figs["oracle_tau3.b1.sync.resyncs"] == 0 and figs["oracle_tau3.b1.sync.tok_s"] > 0
+    assert abs(figs["oracle_tau3.b1.tau_measured"] - figs["oracle_tau3.b1.sync.tau_measured"]) < 0.5
+    assert figs["oracle_tau3.b1.tau_measured"] > 2

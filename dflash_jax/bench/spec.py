@@ -11,17 +11,21 @@
    verify pass and the AR decode step pick the same tokens and the run meets T; ``--no-peaked-random-weights``
    measures the plain random target. ``tok_s`` = tokens emitted / time of the timed rounds (at ``tau_measured``, a
    sample mean over the run's rounds); ``tok_s_at_tau`` = T / ``round_ms``: a round's cost does not depend on how
-   much of it is accepted (fixed shapes), so this is the rate at exactly T.
+   much of it is accepted (fixed shapes), so this is the rate at exactly T. ``oracle_tau{T}.b1.*`` chains each round
+   on the device from the previous one's outputs, as the engine does (``EngineOptions.overlap``);
+   ``oracle_tau{T}.b1.sync.*`` waits for every round's tokens on the host before dispatching the next.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import results
@@ -103,7 +107,7 @@ def spec_step_ms(eng: Engine, b: int, context: int, iters: int, sync: bool = Fal
 
 
 def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, tau: float, seed: int = 0,
-               max_resyncs: int = 32) -> dict:
+               max_resyncs: int = 32, overlap: bool = True) -> dict:
     """B=1 loop with proposals from the recorded greedy continuation, corrupted to expected ``tau`` (per round,
     ``accepted_lengths`` right proposals, then random tokens, the first of them wrong).
 
@@ -114,6 +118,10 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
     and only the rounds themselves are timed. Every resync ends a round's acceptance early, so with many of them the
     measured tau falls well short of ``tau``: peaked random weights (``bench/peaked.py``) remove them. In float32
     any difference is an error.
+
+    ``overlap`` (as the engine runs by default): each round is dispatched before the previous round's tokens reach
+    the host, its root, position and proposals computed on the device from that round's outputs (the proposals
+    from the recorded continuation held on the device); otherwise every round waits for its outputs on the host.
     """
     cfg, dcfg = eng.cfg, eng.dcfg
     rng = np.random.default_rng(seed)
@@ -123,6 +131,21 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
     step = eng.compile_step(functools.partial(oracle_step, cfg, dcfg, spec.for_batch(1)), extra_inputs=1)
     samp = eng.put(SamplingArrays.from_rows([], 1))
     exact = eng.target.params["embed"].dtype == np.float32
+    slack = 3 * dcfg.block_size  # an overlapped round may run past the last one needed
+
+    @jax.jit
+    def chain(bonus, n_acc, start, truth, k, tail, ctx_len):
+        """The next round's root, start and proposals ([1, depth]) from this round's outputs, on the device."""
+        nxt = start + n_acc
+        j = jnp.arange(depth)
+        t = truth[jnp.clip(nxt[0] - ctx_len + 1 + j, 0, truth.shape[0] - 1)]
+        prop = jnp.where(j < k, t, tail)
+        prop = jnp.where((j == k) & (prop == t), (prop + 1) % cfg.vocab_size, prop)
+        return bonus, nxt, prop[None].astype(jnp.int32)
+
+    def draw() -> tuple[int, np.ndarray]:
+        return next(lengths), rng.integers(0, cfg.vocab_size, depth, dtype=np.int32)
+
     history: list[int] = []  # tokens emitted after the prompt
     rounds, emitted, t_total, resyncs, compiled = 0, 0, 0.0, -1, False
     while len(history) < n_tokens:
@@ -132,41 +155,88 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
         ctx = prompt + history
         left = n_tokens - len(history)
         # logprobs=True keeps the request on the AR decode path (the engine otherwise decodes it speculatively)
-        rec = eng.generate([ctx], SamplingParams(max_tokens=left + dcfg.block_size, ignore_eos=True,
-                                                 logprobs=True))[0]
+        rec = eng.generate([ctx], SamplingParams(max_tokens=left + slack, ignore_eos=True, logprobs=True))[0]
         if rec.stats["spec_mode"] != "ar" or rec.stats["draft_steps"]:
             raise RuntimeError(f"oracle run: the continuation was not recorded by AR decoding ({rec.stats})")
         truth = rec.token_ids
         # prefill through the engine, then drive rounds by hand on that request's slot and pages
-        rid = eng.submit(ctx, SamplingParams(max_tokens=left + dcfg.block_size + 1, ignore_eos=True))
+        rid = eng.submit(ctx, SamplingParams(max_tokens=left + slack + 1, ignore_eos=True))
         while not eng.running.get(rid) or not eng.running[rid].tokens:
             eng.step()
         r = eng.running[rid]
         seg = list(r.tokens)
         start = r.n_cached
-        eng.pages.grow(rid, len(ctx) + left + dcfg.block_size)
+        eng.pages.grow(rid, len(ctx) + left + slack)
         table = eng.pages.page_tables([rid], eng.width)
-        while len(seg) < left and seg == truth[:len(seg)]:
+        slots, active = np.array([r.slot], np.int32), np.ones(1, bool)
+        truth_dev = jnp.asarray(np.pad(np.asarray(truth, np.int32), (0, n_tokens + 2 * slack - len(truth))))
+
+        def dispatch(inp, prop):
+            eng.state, eng.dkv, o = step(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp, prop)
+            return o
+
+        def apply(o) -> int:
+            o = jax.device_get(o)
+            n = int(o.n_accepted[0])
+            seg.extend([int(t) for t in o.accepted[0, 1:n]] + [int(o.bonus[0])])
+            return n
+
+        def on_track() -> bool:
+            return len(seg) < left and seg == truth[:len(seg)]
+
+        if not compiled:  # the first round compiles the oracle step (and the chain): not timed, still applied
+            k, tail = draw()
+            prop = tail[None].copy()
+            prop[0, :k] = truth[len(seg):len(seg) + k]
+            if k < depth and prop[0, k] == truth[len(seg) + k]:
+                prop[0, k] = (prop[0, k] + 1) % cfg.vocab_size
+            inp = SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32), slots=slots,
+                            active=active, page_table=table)
+            o = dispatch(inp, prop)
+            start += apply(o)
+            jax.block_until_ready(chain(o.bonus, o.n_accepted, np.array([start], np.int32), truth_dev, 0, tail,
+                                        len(ctx)))
+            compiled = True
+        if overlap and on_track():
+            inp = SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32), slots=slots,
+                            active=active, page_table=table)
+            t0 = time.perf_counter()
+            # a zero-advance chain from the host state gives the first round's device-side proposals
+            root, st, prop = chain(inp.root, np.zeros(1, np.int32), inp.start, truth_dev, *draw(), len(ctx))
+            pending = (dispatch(dataclasses.replace(inp, root=root, start=st), prop), st)
+            while pending is not None:
+                o, st = pending
+                pending = None
+                if on_track():  # the next round may be needed: dispatch it before reading this one
+                    root, st2, prop = chain(o.bonus, o.n_accepted, st, truth_dev, *draw(), len(ctx))
+                    pending = (dispatch(SpecInput(root=root, start=st2, slots=slots, active=active,
+                                                  page_table=table), prop), st2)
+                n = apply(o)
+                rounds += 1
+                emitted += n
+                start += n
+                if not on_track() and pending is not None:  # done or off track: the round in flight still counts
+                    n = apply(pending[0])
+                    rounds += 1
+                    emitted += n
+                    start += n
+                    pending = None
+            t_total += time.perf_counter() - t0
+        while on_track():
             pos = len(seg)  # proposals for depths 1..L: the continuation after the root
-            k = next(lengths)
-            prop = rng.integers(0, cfg.vocab_size, (1, depth), dtype=np.int32)
+            k, tail = draw()
+            prop = tail[None].copy()
             prop[0, :k] = truth[pos:pos + k]
             if k < depth and prop[0, k] == truth[pos + k]:
                 prop[0, k] = (prop[0, k] + 1) % cfg.vocab_size
-            inp = SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32),
-                            slots=np.array([r.slot], np.int32), active=np.ones(1, bool), page_table=table)
+            inp = SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32), slots=slots,
+                            active=active, page_table=table)
             t0 = time.perf_counter()
-            eng.state, eng.dkv, o = step(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp, prop)
-            o = jax.device_get(o)
-            dt = time.perf_counter() - t0
-            n = int(o.n_accepted[0])
-            seg += [int(t) for t in o.accepted[0, 1:n]] + [int(o.bonus[0])]
+            n = apply(dispatch(inp, prop))
+            t_total += time.perf_counter() - t0
             start += n
-            if compiled:  # the first round compiles the oracle step: not timed, still applied
-                t_total += dt
-                rounds += 1
-                emitted += n
-            compiled = True
+            rounds += 1
+            emitted += n
         eng.abort(rid)
         if seg[:left] != truth[:min(len(seg), left)] and exact:
             raise RuntimeError("oracle speculative output differs from AR greedy in float32: losslessness broken")
@@ -186,7 +256,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))
     spec = SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens)
-    max_len = args.context + args.oracle_tokens + 2 * dcfg.block_size + 8
+    max_len = args.context + args.oracle_tokens + 4 * dcfg.block_size + 8  # oracle_run: 3 blocks of slack
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
                                              cohort_yield_min=0.0, batch_buckets=replica_buckets({1, *args.batch}),
@@ -205,13 +275,16 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"b{b}: AR {ar_ms:.2f} ms, DDTree round {sp_ms:.2f} ms (budget {spec.budget_for(b)}), overhead "
               f"{sp_ms / ar_ms:.3f}; one round with its outputs on the host {sync_ms:.2f} ms", flush=True)
     if args.oracle_tau > 0:
-        m = oracle_run(eng, spec, args.context, args.oracle_tokens, args.oracle_tau)
         key = f"oracle_tau{args.oracle_tau:g}.b1"
-        figures.update({f"{key}.tok_s": m["tok_s"], f"{key}.tok_s_at_tau": 1e3 * args.oracle_tau / m["round_ms"],
-                        f"{key}.tau_measured": m["tau_measured"],
-                        f"{key}.round_ms": m["round_ms"], f"{key}.resyncs": m["resyncs"]})
-        print(f"oracle draft (forced acceptance, tau {args.oracle_tau}{', peaked random weights' if peaked else ''}): "
-              f"{m['tok_s']:.1f} tok/s, measured tau {m['tau_measured']:.2f}, {m['resyncs']} resyncs", flush=True)
+        for overlap in (True, False):  # rounds chained on the device (the engine's default), then synchronous
+            m = oracle_run(eng, spec, args.context, args.oracle_tokens, args.oracle_tau, overlap=overlap)
+            k = key if overlap else f"{key}.sync"
+            figures.update({f"{k}.tok_s": m["tok_s"], f"{k}.tok_s_at_tau": 1e3 * args.oracle_tau / m["round_ms"],
+                            f"{k}.tau_measured": m["tau_measured"],
+                            f"{k}.round_ms": m["round_ms"], f"{k}.resyncs": m["resyncs"]})
+            print(f"oracle draft (forced acceptance, tau {args.oracle_tau}{', peaked random weights' if peaked else ''}"
+                  f", {'overlapped' if overlap else 'synchronous'} rounds): {m['tok_s']:.1f} tok/s, measured tau "
+                  f"{m['tau_measured']:.2f}, {m['round_ms']:.2f} ms a round, {m['resyncs']} resyncs", flush=True)
     results.print_table(figures)
     if not args.no_write:
         extra = {"target": args.model or args.random_weights, "drafter": args.drafter or args.random_drafter,
