@@ -402,7 +402,7 @@ class Engine:
         """
         if self.kvf is None:
             for r, (_, hi) in zip(rows, ranges):
-                self.pools[r.replica].grow(r.rid, hi)
+                self._grow(r, hi)
             return rows
         t0 = time.perf_counter()
         res: Residency = self.pages
@@ -451,6 +451,12 @@ class Engine:
                                    "occupancy": res.resident_used / res.pool_pages,
                                    "sequences_changed": len(plan.changed)})
         return run
+
+    def _grow(self, r: "_Request", n_tokens: int) -> None:
+        """Give ``r`` pages for at least ``n_tokens`` tokens (pages already held beyond it stay: a chained step may
+        have grown it further ahead)."""
+        pool = self.pools[r.replica]
+        pool.grow(r.rid, max(n_tokens, pool.num_tokens(r.rid)))
 
     def _transfer(self, plan: Plan) -> set[int]:
         """Run a plan's copies (page-outs first); returns the sequences whose pages a failed copy lost."""
@@ -933,6 +939,9 @@ class Engine:
         dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None]
         want = "spec" if inf.kind == "spec" else "decode"
         if (n_live == 0 or len(dec) != n_live or self._bucket(self.decode_buckets, n_live) != inf.b
+                # a cohort's probe round is in flight: the cohort-yield guard decides on it before the next round
+                or (want == "spec" and self.options.cohort_yield_min > 0
+                    and any(r.stats.spec_steps == r.stats.probe_base for r in dec))
                 or any((r.stats.spec_mode == "ddtree") != (want == "spec") for r in dec)
                 or (self.options.cohort_reprobe_tokens and want == "decode" and any(
                     r.stats.spec_mode == "yielded" and len(r.tokens) + self.ahead - r.stats.yielded_at
@@ -941,7 +950,7 @@ class Engine:
         b, span = inf.b, (self.spec_span if want == "spec" else 1)
         for r in live:  # the in-flight step may advance a row by up to `ahead` positions before this one writes
             if r is not None:
-                self.pools[r.replica].grow(r.rid, r.n_cached + self.ahead + span)
+                self._grow(r, r.n_cached + self.ahead + span)
         pad = [None] * (b - len(live))
         slots = np.array([0 if r is None else r.slot for r in live] + [0] * len(pad), np.int32)
         table = self.pools[0].page_tables([None if r is None else r.rid for r in live] + pad, self.width)
