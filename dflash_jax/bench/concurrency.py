@@ -122,6 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on tree tokens verified per round over a batch bucket (SpecConfig.max_verify_tokens)")
     p.add_argument("--cohort-yield-min", type=float, default=6.0,
                    help="a cohort whose first round emits fewer tokens per request goes AR (0 = never)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="chain decode / speculative steps on the device ahead of the host (EngineOptions.overlap)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: prompt-len-max + output-len")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=1024)
@@ -548,7 +550,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
                          kvflash_scoring=args.kvflash_scoring, kv_dtype=args.kv_dtype,
                          batch_buckets=None if args.all_buckets else replica_buckets([c], args.data_parallel),
-                         spec_oracle=oracle if mode == "ddtree" else None,
+                         spec_oracle=oracle if mode == "ddtree" else None, overlap=args.overlap,
                          **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
     t0 = time.perf_counter()

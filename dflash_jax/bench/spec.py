@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import time
 from collections.abc import Iterator
@@ -184,26 +183,30 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
         def on_track() -> bool:
             return len(seg) < left and seg == truth[:len(seg)]
 
+        def first_chained():
+            """A zero-advance chain from the host state: the round's root, start and proposals as device arrays,
+            exactly as every chained round passes them (a jit called with other argument kinds compiles again)."""
+            root, st, prop = chain(jnp.asarray([seg[-1]], jnp.int32), jnp.zeros(1, jnp.int32),
+                                   jnp.asarray([start], jnp.int32), truth_dev, *draw(), len(ctx))
+            return dispatch(SpecInput(root=root, start=st, slots=slots, active=active, page_table=table), prop), st
+
         if not compiled:  # the first round compiles the oracle step (and the chain): not timed, still applied
-            k, tail = draw()
-            prop = tail[None].copy()
-            prop[0, :k] = truth[len(seg):len(seg) + k]
-            if k < depth and prop[0, k] == truth[len(seg) + k]:
-                prop[0, k] = (prop[0, k] + 1) % cfg.vocab_size
-            inp = SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32), slots=slots,
-                            active=active, page_table=table)
-            o = dispatch(inp, prop)
+            if overlap:
+                o, st = first_chained()
+                jax.block_until_ready(chain(o.bonus, o.n_accepted, st, truth_dev, *draw(), len(ctx)))
+            else:
+                k, tail = draw()
+                prop = tail[None].copy()
+                prop[0, :k] = truth[len(seg):len(seg) + k]
+                if k < depth and prop[0, k] == truth[len(seg) + k]:
+                    prop[0, k] = (prop[0, k] + 1) % cfg.vocab_size
+                o = dispatch(SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32),
+                                       slots=slots, active=active, page_table=table), prop)
             start += apply(o)
-            jax.block_until_ready(chain(o.bonus, o.n_accepted, np.array([start], np.int32), truth_dev, 0, tail,
-                                        len(ctx)))
             compiled = True
         if overlap and on_track():
-            inp = SpecInput(root=np.array([seg[-1]], np.int32), start=np.array([start], np.int32), slots=slots,
-                            active=active, page_table=table)
             t0 = time.perf_counter()
-            # a zero-advance chain from the host state gives the first round's device-side proposals
-            root, st, prop = chain(inp.root, np.zeros(1, np.int32), inp.start, truth_dev, *draw(), len(ctx))
-            pending = (dispatch(dataclasses.replace(inp, root=root, start=st), prop), st)
+            pending = first_chained()
             while pending is not None:
                 o, st = pending
                 pending = None

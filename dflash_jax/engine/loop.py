@@ -217,10 +217,11 @@ class EngineOptions:
     batch_buckets: tuple[int, ...] | None = None
     quantization: str | None = None  # "fp8": matmul weights of target and drafter in fp8 (quant.QuantizedWeight)
     # overlap the host loop with the device: a decode / speculative step over the same rows as the step in flight is
-    # dispatched before that step's tokens are applied, its roots and positions carried on the device (the step's
-    # dispatch, ~1 us per argument buffer, then hides behind the step in flight). Tokens are identical; a request
-    # that stops runs one discarded step more. Applies with one replica, without KVFlash and without spec_oracle
-    overlap: bool = True
+    # dispatched before that step's tokens are applied, its roots and positions carried on the device, so the
+    # step's dispatch (~1 us per argument buffer) can hide behind the step in flight. Tokens are identical; a
+    # request that stops runs one discarded step more. Applies with one replica, without KVFlash and without
+    # spec_oracle. Off by default: on the H200 it has not yet measured faster (WORKSPACE, results)
+    overlap: bool = False
 
 
 def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -961,8 +962,8 @@ class Engine:
             inp = SpecInput(root=root, start=start, slots=slots, active=np.array([r is not None for r in live + pad]),
                             page_table=table)
         else:
-            tok, start, step = adv(inf.out.tokens, inf.start, inf.step)
-            inp = StepInput(tokens=tok[:, None], positions=start[:, None],
+            tok, pos, start, step = adv(inf.out.tokens, inf.start, inf.step)
+            inp = StepInput(tokens=tok, positions=pos,
                             n_valid=np.array([int(r is not None) for r in live + pad], np.int32), slots=slots,
                             page_table=table)
         samp = dataclasses.replace(samp, step=step)
@@ -981,7 +982,9 @@ class Engine:
         i32 = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=sh)
         if kind == "spec":  # root <- bonus; start, tokens generated += tokens committed (root counted)
             return jax.jit(lambda bonus, n, start, step: (bonus, start + n, step + n)).lower(i32, i32, i32, i32)
-        return jax.jit(lambda tok, start, step: (tok, start + 1, step + 1)).lower(i32, i32, i32)
+        # tokens / positions [b, 1] of the next decode step, then its start and tokens generated [b]
+        return jax.jit(lambda tok, start, step: (tok[:, None], (start + 1)[:, None], start + 1, step + 1)).lower(
+            i32, i32, i32)
 
     def _apply(self, inf: "_InFlight", chained: bool) -> list[_Request]:
         """Wait for a dispatched decode / speculative step and apply its tokens to the rows still running.

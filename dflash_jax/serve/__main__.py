@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fast-rollback", action="store_true", default=None,
                     help="single sequence (--ddtree, --max-concurrency 1): commit by selecting the accepted tree "
                          "node's kept recurrent state instead of the closed-form replay")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                    help="dispatch each decode / speculative step from the device outputs of the one in flight, "
+                         "before its tokens reach the host (one replica, no KVFlash)")
     ap.add_argument("--cohort-yield-min", type=float, default=None,
                     help="a cohort whose first DDTree round emits fewer tokens per request continues AR (0 = never)")
     ap.add_argument("--cohort-reprobe-tokens", type=int, default=None,
@@ -303,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                                        spec=spec, cohort_yield_min=float(args.cohort_yield_min),
                                        cohort_reprobe_tokens=int(args.cohort_reprobe_tokens),
                                        kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
-                                       kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp),
+                                       kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp,
+                                       overlap=args.overlap),
                          drafter=drafter)
         except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
             raise StartupError(str(e)) from e
