@@ -2,6 +2,8 @@
 
     python experiments/profile_steps.py [--model DIR --drafter DIR] [--dtype bfloat16] [--concurrency 8]
                                         [--out-dir experiments/results]
+    python experiments/profile_steps.py --random-weights configs/qwen36_27b.json \
+        [--random-drafter configs/qwen36_27b_dflash.json] --concurrency 1 --prompt-len-min 4096 --prompt-len-max 4096
 
 For each mode, a fresh engine (one batch bucket = the concurrency) serves one warm batch of random prompts, then
 a second batch under ``jax.profiler.trace``; the trace's device events are summed by name. Writes
@@ -32,8 +34,7 @@ from dflash_jax.bench import results  # noqa: E402
 from dflash_jax.bench.concurrency import step_time_figures  # noqa: E402
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
 from dflash_jax.engine.spec_steps import SpecConfig  # noqa: E402
-from dflash_jax.models.dflash_loader import load_drafter  # noqa: E402
-from dflash_jax.target import load_target  # noqa: E402
+from dflash_jax.bench.sources import load_drafter_source, load_target_source  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "assets", "tiny")
 
@@ -67,11 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len-max", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--random-weights", metavar="CONFIG", help="a target config given random weights (not --model)")
+    ap.add_argument("--random-drafter", metavar="CONFIG", help="a drafter config given random weights (not --drafter)")
+    ap.add_argument("--modes", nargs="+", choices=("ar", "ddtree"), default=["ar", "ddtree"])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out-dir", default="experiments/results")
     args = ap.parse_args(argv)
-    target = load_target(args.model, dtype=args.dtype)
-    drafter = load_drafter(args.drafter, dtype=args.dtype)
+    src = argparse.Namespace(model=None if args.random_weights else args.model, random_weights=args.random_weights,
+                             drafter=None if args.random_drafter else args.drafter,
+                             random_drafter=args.random_drafter, dtype=args.dtype, tensor_parallel=1,
+                             data_parallel=1, quantization=None)
+    target = load_target_source(src)
+    drafter = load_drafter_source(src) if "ddtree" in args.modes else None
     rng = np.random.default_rng(0)
     vocab = target.config.vocab_size
     lens = rng.integers(args.prompt_len_min, args.prompt_len_max + 1, args.concurrency)
@@ -79,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     max_len = int(lens.max()) + args.output_len + 64
     figures: dict[str, float] = {}
-    extra: dict = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "prompt_lens": lens.tolist()}
-    for mode in ("ar", "ddtree"):
+    extra: dict = {"model": args.random_weights or args.model, "drafter": args.random_drafter or args.drafter,
+                   "dtype": args.dtype, "prompt_lens": lens.tolist()}
+    for mode in args.modes:
         eng = Engine(target, None, EngineOptions(
             max_batch=args.concurrency, max_model_len=max_len, prefill_chunk=args.prefill_chunk,
             prefill_batch=min(4, args.concurrency), batch_buckets=(args.concurrency,), cohort_yield_min=0.0,
