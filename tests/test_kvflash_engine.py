@@ -3,8 +3,8 @@ fit the pool (pages really move out and back in), exact accounting under pressur
 deferral instead of failure, and faults (scorer raising, a host copy failing) that end in a fallback or a clear
 per-request error while the other requests and the engine keep going and every page is reclaimed.
 
-One bounded engine is compiled per module and reconfigured between tests (the residency policy does not change
-any compiled shape).
+One bounded engine and one DDTree engine are compiled per module and reconfigured between tests (the residency
+policy does not change any compiled shape).
 """
 
 import contextlib
@@ -238,8 +238,8 @@ def test_a_pool_full_of_pinned_pages_defers_steps_and_loses_nothing():
 @pytest.fixture(scope="module")
 def ddtree():
     """One DDTree engine with a bounded pool, built for drafter scoring (its rounds also return the drafter's anchor
-    queries; the other DDTree x KVFlash programs are the bench's, ``test_bench_concurrency``): both DDTree tests
-    reconfigure its residency policy (no compiled shape depends on it)."""
+    queries), that both DDTree tests reconfigure. DDTree rounds without the queries over a bounded pool run in
+    test_bench_concurrency.py's kvflash cases."""
     from test_spec_step import setup
 
     from dflash_jax.engine.spec_steps import SpecConfig
