@@ -22,27 +22,6 @@ def fixtures_dir() -> str:
 # this variable when it is first loaded, which is after this file (nothing above imports jax or scipy).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-# One persistent compilation cache for the whole run: benchmark entry points, servers and notebooks build fresh
-# engines of shapes other tests (or their own earlier cases) compiled already, and JAX then loads the executable
-# (bit-identical) instead of compiling it again (the concurrency bench's tests: ~2-4x faster after the first). Set
-# here, before anything imports JAX, by the first pytest process; xdist workers and the tests' subprocesses inherit
-# it. A load still counts as a compile for ``CompileWatch``, so recompile checks are unchanged;
-# tests/test_compile_cache.py uses a cache of its own. An outer JAX_COMPILATION_CACHE_DIR is left alone.
-_RUN_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    _RUN_CACHE = tempfile.mkdtemp(prefix="dflash-jax-test-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-
-
-def pytest_unconfigure(config):
-    if _RUN_CACHE is not None:  # only the process that made it (the xdist controller, or a plain run)
-        import shutil
-
-        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
-
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
