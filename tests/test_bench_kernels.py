@@ -10,7 +10,7 @@ import pytest
 from dflash_jax.bench import __main__ as bench_main
 from dflash_jax.bench import kernels
 
-pytestmark = pytest.mark.xdist_group("pallas")
+pytestmark = pytest.mark.xdist_group("pallas_bench")
 
 TINY = ["--quick", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--gdn-heads", "2", "--gdn-dim", "16",
         "--check-dtypes", "float32",

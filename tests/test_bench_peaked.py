@@ -21,7 +21,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models import quant, qwen36
 from dflash_jax.target import Target
 
-pytestmark = pytest.mark.xdist_group("bench_peaked")
+# No xdist group: the tests share no module fixtures, so the two workers may split them.
 
 TINY_CONFIG = os.path.join(FIXTURES, "qwen36_tiny_a", "config.json")
 IDS = np.random.default_rng(0).integers(0, 256, 96)
@@ -85,9 +85,11 @@ def _drafter(tmp_path) -> str:
     return nano_drafter_config(tmp_path, block_size=16)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_oracle_run_on_peaked_random_weights_meets_the_requested_tau(tmp_path, dtype):
-    rc = main(["spec", "--random-weights", TINY_CONFIG, "--random-drafter", _drafter(tmp_path), "--dtype", dtype,
+# bf16 only (a float32 run compiles the same programs again, ~1.5 min of CI): bf16 rounding is what made the plain
+# random target resync. What a float32 run would add is covered by its parts: the float32 peaked target's greedy is
+# its successor map by a wide margin (above), and the float32 oracle loop has no resyncs (test_bench_spec.py).
+def test_oracle_run_on_peaked_random_weights_meets_the_requested_tau(tmp_path):
+    rc = main(["spec", "--random-weights", TINY_CONFIG, "--random-drafter", _drafter(tmp_path), "--dtype", "bfloat16",
                "--batch", "1", "--budget", "22", "--context", "40", "--prefill-chunk", "32", "--iters", "1",
                "--oracle-tau", "6.5", "--oracle-tokens", "96", "--out-dir", str(tmp_path)])
     assert rc == 0
@@ -122,7 +124,9 @@ def test_peaked_flag_is_refused_for_a_checkpoint(tmp_path):
 def test_peaked_embedding_is_rewritten_shard_locally_under_tensor_parallelism():
     """Under TP=2 (vocabulary split) the rewrite matches the unsharded one, keeps the embedding's sharding and its
     compiled program moves no data between devices (2 CPU devices, in a subprocess: JAX must start with them)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+    # optimisation level 0 (as test_sharding.py): the same HLO and collectives, a fraction of the compile time
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
+           "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                           os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, __file__, TINY_CONFIG], env=env, capture_output=True, text=True,

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.xdist_group("engine")  # share the compiled engines on 
 
 A, B = TINY
 OPTS = EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=32, max_model_len=256, page_size=8)
-OPTS_B = dataclasses.replace(OPTS, prefill_batch=1)  # fewer buckets: tiny_b compiles slowly
+# fewer buckets (tiny_b compiles slowly): one prefill row; decode alone (1) and the three prompts together (4)
+OPTS_B = dataclasses.replace(OPTS, prefill_batch=1, batch_buckets=(1, 4))
 # A pool of 28 pages (224 tokens) holds about two of the pressure test's requests at once.
-OPTS_SMALL = dataclasses.replace(OPTS, prefill_batch=1, n_pages=1 + 28)
+OPTS_SMALL = dataclasses.replace(OPTS, n_pages=1 + 28)
 GREEDY = SamplingParams(max_tokens=16)
 
 WARMUP_COMPILES: dict[str, int] = {}
@@ -80,8 +81,15 @@ def eng_b():
 
 
 @pytest.fixture(scope="module")
-def small():
-    return build(A, OPTS_SMALL, "small")
+def small(eng):
+    """An engine whose page pool is ``OPTS_SMALL.n_pages``: admission, rejection and page accounting read only the
+    pool (``Engine.pages``), so ``eng``'s compiled buckets (a larger KV array; pages past the pool stay unused) run
+    it instead of compiling an engine of its own."""
+    built = Engine(target(A), None, OPTS_SMALL)  # not warmed up: the pool that n_pages gives
+    assert built.pages.n_pages == OPTS_SMALL.n_pages
+    other = sibling(eng)
+    other.pages = built.pages
+    return other
 
 
 def sibling(eng: Engine, **kwargs) -> Engine:

@@ -3,8 +3,8 @@ fit the pool (pages really move out and back in), exact accounting under pressur
 deferral instead of failure, and faults (scorer raising, a host copy failing) that end in a fallback or a clear
 per-request error while the other requests and the engine keep going and every page is reclaimed.
 
-One bounded engine is compiled per module and reconfigured between tests (the residency policy does not change
-any compiled shape).
+One bounded engine and one DDTree engine are compiled per module and reconfigured between tests (the residency
+policy does not change any compiled shape).
 """
 
 import contextlib
@@ -21,7 +21,10 @@ from conftest import FIXTURES
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.kv.kvflash import KVFlashOptions, Residency
 
-pytestmark = pytest.mark.xdist_group("kvflash")
+# Two groups, so the two halves can run on different workers: the tests sharing the module's bounded / unbounded /
+# DDTree engines, and the quantized-page tests sharing the bf16 reference (the pinned-pool test shares nothing).
+SHARED = pytest.mark.xdist_group("kvflash")
+QUANT = pytest.mark.xdist_group("kvflash_quant")
 
 BASE = EngineOptions(max_batch=3, prefill_batch=1, prefill_chunk=16, max_model_len=128, page_size=8)
 POOL = 192  # 24 pages of 8 tokens: two requests' histories fit, three do not
@@ -131,6 +134,7 @@ def assert_reclaimed(eng: Engine):
     assert eng.free_slots == list(range(1, eng.options.max_batch + 1))
 
 
+@SHARED
 def test_bounded_residency_equals_unbounded_when_each_step_fits(bounded, unbounded):
     configure(bounded, scoring="lru", exact_steps=True)
     ps = prompts(100, 100, 60)
@@ -149,6 +153,7 @@ def test_bounded_residency_equals_unbounded_when_each_step_fits(bounded, unbound
     assert_reclaimed(bounded)
 
 
+@SHARED
 def test_keys_scoring_under_pressure_keeps_exact_accounting_and_reports(bounded):
     res = configure(bounded, scoring="keys", rescore_every=4)
     ps = prompts(100, 100, 100, seed=1)
@@ -169,6 +174,7 @@ def test_keys_scoring_under_pressure_keeps_exact_accounting_and_reports(bounded)
     assert_reclaimed(bounded)
 
 
+@SHARED
 def test_a_raising_scorer_falls_back_to_lru_and_is_counted(bounded):
     res = configure(bounded, scoring="keys", rescore_every=1)
 
@@ -184,6 +190,7 @@ def test_a_raising_scorer_falls_back_to_lru_and_is_counted(bounded):
     assert_reclaimed(bounded)
 
 
+@SHARED
 def test_a_failed_host_copy_fails_only_the_requests_it_touched(bounded, unbounded):
     configure(bounded, scoring="lru")
     kvf = bounded.kvf
@@ -228,25 +235,37 @@ def test_a_pool_full_of_pinned_pages_defers_steps_and_loses_nothing():
         Engine(target(), None, dataclasses.replace(BASE, kvflash=16))
 
 
-def test_speculative_rounds_with_bounded_residency_equal_ar_greedy(unbounded):
+@pytest.fixture(scope="module")
+def ddtree():
+    """One DDTree engine with a bounded pool, built for drafter scoring (its rounds also return the drafter's anchor
+    queries), that both DDTree tests reconfigure. DDTree rounds without the queries over a bounded pool run in
+    test_bench_concurrency.py's kvflash cases."""
     from test_spec_step import setup
 
     from dflash_jax.engine.spec_steps import SpecConfig
 
     t, dcfg, dparams = setup("qwen36_tiny_a")
     opts = dataclasses.replace(BASE, spec=SpecConfig(budget=6), cohort_yield_min=0.0, kvflash=POOL,
-                               kvflash_scoring="lru", kvflash_exact_steps=True)
+                               kvflash_scoring="drafter")
     eng = Engine(t, None, opts, drafter=(dcfg, dparams))
     assert eng.kvf.has_draft  # drafter context pages move with the target's
+    assert eng.kvf.draft_summary_layers == dcfg.full_layers == (1,)
+    return eng
+
+
+@SHARED
+def test_speculative_rounds_with_bounded_residency_equal_ar_greedy(ddtree, unbounded):
+    configure(ddtree, scoring="lru", exact_steps=True)
     ps = prompts(100, 100, 60, seed=5)
     sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 16)]
-    got, tables = drive(eng, ps, sps)
+    with checked_round_trips(ddtree) as checked:
+        got, tables = drive(ddtree, ps, sps)
     assert [o.token_ids for o in got] == [o.token_ids for o in unbounded.generate(ps, sps)]
     assert all(o.stats["spec_mode"] == "ddtree" and o.stats["draft_steps"] >= 1 for o in got)
     assert all((t >= 1).all() for t in tables)
-    rep = eng.kvflash_report()
-    assert rep["pages_in"] > 0 and rep["pages_out"] > 0
-    assert_reclaimed(eng)
+    rep = ddtree.kvflash_report()
+    assert rep["pages_in"] > 0 and rep["pages_out"] > 0 and len(checked) == rep["pages_in"]
+    assert_reclaimed(ddtree)
 
 
 def page_bytes_moved(eng: Engine) -> float:
@@ -269,6 +288,7 @@ def bf16_bytes_per_page():
     return page_bytes_moved(eng)
 
 
+@QUANT
 @pytest.mark.parametrize("kv_dtype,scoring", [("fp8", "lru"), ("int8", "keys")])
 def test_quantized_pages_page_bit_exactly_at_about_half_the_bf16_bytes(kv_dtype, scoring, bf16_bytes_per_page):
     opts = dataclasses.replace(BASE, kv_dtype=kv_dtype)
@@ -293,19 +313,12 @@ def test_quantized_pages_page_bit_exactly_at_about_half_the_bf16_bytes(kv_dtype,
     assert_reclaimed(eng)
 
 
-def test_drafter_scoring_under_pressure_ranks_by_the_drafters_queries():
+@SHARED
+def test_drafter_scoring_under_pressure_ranks_by_the_drafters_queries(ddtree):
     """DDTree rounds hand each row's drafter anchor queries to the residency, which ranks pages by them against
     their mean drafter context keys: exact token counts, rankings scored (not only LRU), pages moved both ways,
     every page-in bit-exact; without a drafter the option is refused."""
-    from test_spec_step import setup
-
-    from dflash_jax.engine.spec_steps import SpecConfig
-
-    t, dcfg, dparams = setup("qwen36_tiny_a")
-    opts = dataclasses.replace(BASE, spec=SpecConfig(budget=6), cohort_yield_min=0.0, kvflash=POOL,
-                               kvflash_scoring="drafter")
-    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
-    assert eng.kvf.draft_summary_layers == dcfg.full_layers == (1,)
+    eng = ddtree
     eng.kvf.warmup(eng.state, eng.dkv)  # compiles the drafter's summaries only: target keys are not scored here
     assert {src for src, _ in eng.kvf._sum} == {"draft"}
     res = configure(eng, scoring="drafter", rescore_every=2)

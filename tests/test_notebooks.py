@@ -13,7 +13,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-pytestmark = pytest.mark.xdist_group("notebooks")
+# No xdist group: each notebook runs in its own kernel and shares nothing, so the two workers may split them.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NB_DIR = os.path.join(ROOT, "experiments", "notebooks")

@@ -17,7 +17,7 @@ from pallas_kernels.gdn import (block_plan, default_config, default_precision, g
                                 gdn_chunked_reference, operand_dtype)
 from test_pallas_paged_decode import FAST_COMPILE
 
-pytestmark = pytest.mark.xdist_group("pallas")
+pytestmark = pytest.mark.xdist_group("pallas_gdn")
 
 
 def make_case(seed, b, t, h, dk, dv, decay_scale, n_pad):

@@ -21,7 +21,7 @@ from pallas_kernels.gdn.tree import padded_slots
 from test_pallas_paged_decode import FAST_COMPILE
 from test_tree_gdn import make_inputs, np_ancestors, random_parents
 
-pytestmark = pytest.mark.xdist_group("pallas")
+pytestmark = pytest.mark.xdist_group("pallas_gdn_tree")
 
 reference = jax.jit(gdn_tree_reference, compiler_options=FAST_COMPILE)
 node_states = jax.jit(gdn.tree_node_states, compiler_options=FAST_COMPILE)

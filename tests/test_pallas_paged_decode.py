@@ -16,7 +16,7 @@ from pallas_kernels.paged_decode import (auto_partitions, block_plan, default_co
                                          paged_decode_reference)
 
 # Interpret-mode kernels are big scans: compiling them without LLVM's expensive passes halves test time.
-pytestmark = pytest.mark.xdist_group("pallas")
+pytestmark = pytest.mark.xdist_group("pallas_paged_decode")
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 

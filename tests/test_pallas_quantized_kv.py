@@ -19,7 +19,7 @@ from pallas_kernels import tree_attention as ta
 import test_pallas_paged_decode as tpd
 import test_pallas_tree_attention as tta
 
-pytestmark = pytest.mark.xdist_group("pallas")
+pytestmark = pytest.mark.xdist_group("pallas_quantized_kv")
 
 KV_DTYPES = [jnp.float8_e4m3fn, jnp.int8]
 

@@ -22,7 +22,7 @@ from dflash_jax.models import quant, qwen36
 from pallas_kernels import registry
 from pallas_kernels import skinny_matmul as sm
 
-pytestmark = [pytest.mark.xdist_group("pallas"),
+pytestmark = [pytest.mark.xdist_group("pallas_skinny_matmul"),
               pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")]
 
 

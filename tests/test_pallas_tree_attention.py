@@ -16,7 +16,7 @@ from pallas_kernels import registry
 from pallas_kernels.tree_attention import block_plan, default_config, tree_attention, tree_attention_reference
 from test_pallas_paged_decode import FAST_COMPILE
 
-pytestmark = pytest.mark.xdist_group("pallas")
+pytestmark = pytest.mark.xdist_group("pallas_tree_attention")
 
 
 def run_kernel(args, scale, **static):
