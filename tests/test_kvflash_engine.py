@@ -70,17 +70,17 @@ def drive(eng: Engine, ps, sps):
     """Run to completion checking, after every step, the residency invariants and that every dispatched block
     table equals the residency map at dispatch (cross-slot refresh). Returns (outputs in order, tables)."""
     tables = []
-    orig = eng._call
+    orig = eng._dispatch
 
-    def call(kind, b, inp, samp):
-        rows = [r for r in eng.running.values() if r.slot in set(np.asarray(inp.slots).tolist())]
-        for r in rows:
+    def dispatch(kind, b, rows, inp, samp, *args, **kwargs):
+        seen = [r for r in eng.running.values() if r.slot in set(np.asarray(inp.slots).tolist())]
+        for r in seen:
             i = list(np.asarray(inp.slots)).index(r.slot)
             np.testing.assert_array_equal(np.asarray(inp.page_table)[i], eng.pages.page_table(r.rid, eng.width))
             tables.append(np.asarray(inp.page_table)[i][: eng.pages.n_logical(r.rid)])
-        return orig(kind, b, inp, samp)
+        return orig(kind, b, rows, inp, samp, *args, **kwargs)
 
-    eng._call = call
+    eng._dispatch = dispatch
     try:
         ids = [eng.submit(p, s) for p, s in zip(ps, sps)]
         final = {}
@@ -90,7 +90,7 @@ def drive(eng: Engine, ps, sps):
                     final[o.request_id] = o
             eng.pages.check_invariants()
     finally:
-        del eng._call
+        del eng._dispatch
     return [final[i] for i in ids], tables
 
 
