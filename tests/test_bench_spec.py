@@ -35,5 +35,6 @@ def test_spec_bench_smoke(tmp_path):
     # the overlapped loop computes proposals on the device from the previous round's outputs: if it read the
     # continuation at the wrong position, rounds would accept ~1 token instead of the synchronous loop's tau
     assert figs["oracle_tau3.b1.sync.resyncs"] == 0 and figs["oracle_tau3.b1.sync.tok_s"] > 0
-    assert abs(figs["oracle_tau3.b1.tau_measured"] - figs["oracle_tau3.b1.sync.tau_measured"]) < 0.5
+    # (the overlapped loop also counts the round in flight when the run ends: one round more over a few)
+    assert abs(figs["oracle_tau3.b1.tau_measured"] - figs["oracle_tau3.b1.sync.tau_measured"]) < 1.0
     assert figs["oracle_tau3.b1.tau_measured"] > 2

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dflash_jax.models import gdn
@@ -265,6 +265,7 @@ def test_conv_zero_state_is_zero_padding():
 
 
 @given(c_log=st.integers(0, 6), batch=st.integers(1, 3), scale=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+@example(c_log=6, batch=1, scale=1.0, seed=0)
 @settings(max_examples=25, deadline=None)
 def test_unit_lower_inverse_equals_the_triangular_solve(c_log, batch, scale, seed):
     c = 1 << c_log
@@ -273,7 +274,8 @@ def test_unit_lower_inverse_equals_the_triangular_solve(c_log, batch, scale, see
     got = gdn.unit_lower_inverse(a)
     want = jax.lax.linalg.triangular_solve(a, jnp.broadcast_to(jnp.eye(c), a.shape), left_side=True, lower=True,
                                            unit_diagonal=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # entries of the inverse reach ~15 at c = 64: the two float32 algorithms round apart by up to ~2e-5 relative
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     assert np.all(np.triu(np.asarray(got), 1) == 0) and np.all(np.diagonal(np.asarray(got), axis1=-2, axis2=-1) == 1)
     with pytest.raises(ValueError, match="power of two"):
         gdn.unit_lower_inverse(jnp.eye(3))

@@ -193,7 +193,9 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
         if not compiled:  # the first round compiles the oracle step (and the chain): not timed, still applied
             if overlap:
                 o, st = first_chained()
-                jax.block_until_ready(chain(o.bonus, o.n_accepted, st, truth_dev, *draw(), len(ctx)))
+                # compile the chain on device arrays without drawing (the rounds' draws stay those of the sync loop)
+                jax.block_until_ready(chain(o.bonus, o.n_accepted, st, truth_dev, 0, np.zeros(depth, np.int32),
+                                            len(ctx)))
             else:
                 k, tail = draw()
                 prop = tail[None].copy()
