@@ -31,6 +31,7 @@ from dflash_jax.bench import results
 from dflash_jax.bench.ar import device_step_ms
 from dflash_jax.bench.peaked import add_peaked_argument, describe, peak_target, peaked_wanted
 from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
+from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.engine.sampling import SamplingArrays
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
@@ -147,6 +148,16 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
 
     history: list[int] = []  # tokens emitted after the prompt
     rounds, emitted, t_total, resyncs, compiled = 0, 0, 0.0, -1, False
+    phase = {"chain": 0.0, "dispatch": 0.0, "fetch": 0.0}  # host seconds inside the timed rounds, by call
+    timing = False
+
+    def timed(name: str, f, *a):
+        t = time.perf_counter()
+        r = f(*a)
+        if timing:
+            phase[name] += time.perf_counter() - t
+        return r
+    compiles0 = None
     while len(history) < n_tokens:
         resyncs += 1
         if resyncs > max_resyncs:
@@ -171,11 +182,13 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
         truth_dev = jnp.asarray(np.pad(np.asarray(truth, np.int32), (0, n_tokens + 2 * slack - len(truth))))
 
         def dispatch(inp, prop):
-            eng.state, eng.dkv, o = step(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp, prop)
-            return o
+            def call():
+                eng.state, eng.dkv, o = step(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp, prop)
+                return o
+            return timed("dispatch", call)
 
         def apply(o) -> int:
-            o = jax.device_get(o)
+            o = timed("fetch", jax.device_get, o)
             n = int(o.n_accepted[0])
             seg.extend([int(t) for t in o.accepted[0, 1:n]] + [int(o.bonus[0])])
             return n
@@ -206,6 +219,8 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
                                        slots=slots, active=active, page_table=table), prop)
             start += apply(o)
             compiled = True
+        if compiles0 is None:
+            compiles0, timing = compile_count(), True
         if overlap and on_track():
             t0 = time.perf_counter()
             pending = first_chained()
@@ -213,7 +228,7 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
                 o, st = pending
                 pending = None
                 if on_track():  # the next round may be needed: dispatch it before reading this one
-                    root, st2, prop = chain(o.bonus, o.n_accepted, st, truth_dev, *draw(), len(ctx))
+                    root, st2, prop = timed("chain", chain, o.bonus, o.n_accepted, st, truth_dev, *draw(), len(ctx))
                     pending = (dispatch(SpecInput(root=root, start=st2, slots=slots, active=active,
                                                   page_table=table), prop), st2)
                 n = apply(o)
@@ -247,7 +262,8 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
             raise RuntimeError("oracle speculative output differs from AR greedy in float32: losslessness broken")
         history += seg
     return {"tok_s": emitted / t_total, "tau_measured": emitted / rounds, "round_ms": 1e3 * t_total / rounds,
-            "rounds": rounds, "resyncs": resyncs}
+            "rounds": rounds, "resyncs": resyncs, "compiles": compile_count() - compiles0,
+            **{f"{k}_ms": 1e3 * v / rounds for k, v in phase.items()}}
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -286,7 +302,9 @@ def run(args: argparse.Namespace, command: str) -> int:
             k = key if overlap else f"{key}.sync"
             figures.update({f"{k}.tok_s": m["tok_s"], f"{k}.tok_s_at_tau": 1e3 * args.oracle_tau / m["round_ms"],
                             f"{k}.tau_measured": m["tau_measured"],
-                            f"{k}.round_ms": m["round_ms"], f"{k}.resyncs": m["resyncs"]})
+                            f"{k}.round_ms": m["round_ms"], f"{k}.resyncs": m["resyncs"],
+                            f"{k}.compiles": m["compiles"], f"{k}.dispatch_ms": m["dispatch_ms"],
+                            f"{k}.fetch_ms": m["fetch_ms"], **({f"{k}.chain_ms": m["chain_ms"]} if overlap else {})})
             print(f"oracle draft (forced acceptance, tau {args.oracle_tau}{', peaked random weights' if peaked else ''}"
                   f", {'overlapped' if overlap else 'synchronous'} rounds): {m['tok_s']:.1f} tok/s, measured tau "
                   f"{m['tau_measured']:.2f}, {m['round_ms']:.2f} ms a round, {m['resyncs']} resyncs", flush=True)
