@@ -464,3 +464,16 @@ def test_bench_linear_smoke(tmp_path, monkeypatch):
                                                               "num_stages"}
         assert len(extra["sweep"][f"{v}.tiny.b1"]) == 1
     assert not extra["errors"]
+
+
+def test_bench_ar_times_int4_against_the_unquantized_target(tmp_path):
+    from dflash_jax.bench.__main__ import main
+
+    assert main(["ar", "--random-weights", os.path.join(A, "config.json"), "--dtype", "float32", "--quantization",
+                 "none", "int4", "--concurrency", "1", "--prompt-len", "16", "--output-len", "8", "--prefill-chunk",
+                 "16", "--prefill-batch", "1", "--ceiling-iters", "1", "--out-dir", str(tmp_path)]) == 0
+    [f] = list(tmp_path.iterdir())
+    figs = json.load(open(f))["figures"]
+    assert figs["int4.c1.tok_s"] > 0 and figs["f32.c1.tok_s"] > 0
+    assert figs["int4_speedup.c1"] == pytest.approx(figs["int4.c1.tok_s"] / figs["f32.c1.tok_s"])
+    assert figs["int4.weight_bytes_per_element"] < figs["f32.weight_bytes_per_element"] / 2
