@@ -180,7 +180,8 @@ def quantize_int4(w: jax.Array, dtype=None) -> QuantizedWeight:
     per 32 inputs of a row, ``scale = m / -8`` where ``m`` is the block's element of largest magnitude (sign
     kept), ``q = clip(round(w / scale), -8, 7)``, so ``m`` itself is ``-8 * scale`` and all 16 levels are used.
     Error: at most half a step (``|scale|``) per element, except elements of the opposite sign to ``m`` beyond
-    7.5 steps, clipped to 7: at most one step (``|m| / 8``). Scales are float16 as Q4_0's ``d``: a Q4_0 GGUF's
+    7.5 steps, clipped to 7: at most one step (``|m| / 8``); for scales in float16's normal range (``|m| >=
+    2^-11``; below it the scale's own rounding adds to that). Scales are float16 as Q4_0's ``d``: a Q4_0 GGUF's
     dequantized tensor comes back to the file's own 4-bit values and scales exactly, and a block costs 18 bytes
     (float32 scales: 20). bfloat16 could not hold Q4_0's scales (3 fewer mantissa bits). A block whose scale
     underflows float16 (``|m| < 2^-22``) is stored as zeros. ``dtype`` (default ``w.dtype``) is the activation
@@ -216,9 +217,9 @@ def dequantize(w: QuantizedWeight, dtype=F32) -> jax.Array:
 # the matmul
 # ---------------------------------------------------------------------------------------------
 def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
-    """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 / int8 / int4 weights converted to ``x.dtype`` inside the matmul
-    (int4: unpacked there from its bytes),
-    float32 accumulation, result in ``out_dtype`` (default ``x.dtype``). Per-channel weights at <= 64 tokens go
+    """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 / int8 / int4 weights converted to ``x.dtype`` inside the
+    matmul (int4: unpacked there from its bytes), float32 accumulation, result in ``out_dtype`` (default
+    ``x.dtype``). Per-channel weights at <= 64 tokens go
     through the Pallas ``skinny_matmul`` kernel when ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` (read at
     trace time; ``pallas_kernels.skinny_matmul.route``), otherwise XLA's fused convert + dot."""
     out_dtype = out_dtype or x.dtype
