@@ -42,7 +42,8 @@ def _margins(target: Target) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("dtype,quantization,tied", [(jnp.bfloat16, None, False), (jnp.float32, None, False),
-                                                     (jnp.bfloat16, "fp8", False), (jnp.bfloat16, None, True)])
+                                                     (jnp.bfloat16, "fp8", False), (jnp.bfloat16, "int4", False),
+                                                     (jnp.bfloat16, None, True)])
 def test_peaked_target_greedy_is_its_successor_map_by_a_wide_margin(dtype, quantization, tied):
     plain = _target(dtype, quantization, tied)
     _, plain_gap = _margins(plain)

@@ -28,8 +28,9 @@ def _ceiling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", metavar="CONFIG", required=True,
                    help="config.json (or checkpoint dir) whose shapes get random weights")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    p.add_argument("--quantization", default="none", choices=("none", "fp8", "int8"),
-                   help="fp8: matmul weights e4m3 with per-channel scales; int8: Q8_0 blocks (a scale per 32 inputs)")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8", "int8", "int4"),
+                   help="fp8: matmul weights e4m3 with per-channel scales; int8: Q8_0 blocks (a scale per 32 inputs); "
+                        "int4: packed Q4_0 blocks (two 4-bit values per byte, a float16 scale per 32 inputs)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

@@ -177,8 +177,8 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
 def run(args: argparse.Namespace, command: str) -> int:
     """One variant per ``--quantization`` value, one after the other (each model freed before the next loads).
     A single unquantized variant keeps the plain figure names (``c1.tok_s``); otherwise every figure is
-    prefixed by its variant (``bf16.c1.tok_s``, ``fp8.c1.tok_s``) and ``fp8_speedup.cN`` = fp8 / unquantized
-    tok/s is added when both ran."""
+    prefixed by its variant (``bf16.c1.tok_s``, ``fp8.c1.tok_s``) and ``{q}_speedup.cN`` = ``q`` / unquantized
+    tok/s (``fp8_speedup``, ``int8_speedup``, ``int4_speedup``) is added when both ran."""
     variants = list(dict.fromkeys(args.quantization))
     plain = variants == ["none"]
     figures: dict[str, float] = {}
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         extras[label] = e
         gc.collect()  # the variant's engine and weights are unreferenced now; free them before the next loads
     base = variant_label(args.dtype, "none")
-    for q in ("fp8", "int8"):
+    for q in quant.QUANTIZATIONS[1:]:
         if "none" in variants and q in variants:
             for c in args.concurrency:
                 figures[f"{q}_speedup.c{c}"] = figures[f"{q}.c{c}.tok_s"] / figures[f"{base}.c{c}.tok_s"]

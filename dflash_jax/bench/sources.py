@@ -33,10 +33,12 @@ def add_target_arguments(p: argparse.ArgumentParser, model_help: str = "HF targe
     if quantization_variants:
         p.add_argument("--quantization", nargs="+", choices=quant.QUANTIZATIONS, default=["none"],
                        help="weight formats to measure, one after the other in this run (fp8: matmul weights "
-                            "e4m3 with per-channel scales, quantized on the device as they are made/loaded)")
+                            "e4m3 with per-channel scales; int8: Q8_0 blocks; int4: packed Q4_0 blocks; quantized "
+                            "on the device as they are made/loaded)")
     else:
         p.add_argument("--quantization", choices=quant.QUANTIZATIONS, default="none",
-                       help="fp8: matmul weights of target (and drafter) in e4m3 with per-channel scales")
+                       help="fp8: matmul weights of target (and drafter) in e4m3 with per-channel scales; int8: "
+                            "Q8_0 blocks; int4: packed Q4_0 blocks")
 
 
 def add_drafter_arguments(p: argparse.ArgumentParser) -> None:

@@ -215,7 +215,7 @@ class EngineOptions:
     # decode/spec batch sizes compiled per replica (a batch runs in the smallest bucket that holds it); default:
     # the powers of two below max_batch / data_parallel, and it; the largest given must be max_batch / data_parallel
     batch_buckets: tuple[int, ...] | None = None
-    quantization: str | None = None  # "fp8": matmul weights of target and drafter in fp8 (quant.QuantizedWeight)
+    quantization: str | None = None  # "fp8" / "int8" / "int4": target + drafter matmul weights (quant.QuantizedWeight)
     # overlap the host loop with the device: a decode / speculative step over the same rows as the step in flight is
     # dispatched before that step's tokens are applied, its roots and positions carried on the device, so the
     # step's dispatch (~1 us per argument buffer) can hide behind the step in flight. Tokens are identical; a

@@ -1,11 +1,16 @@
 """llama.cpp GGUF files of the Qwen3.5/3.6 hybrid (``general.architecture = "qwen35"``) -> the target's params.
 
 Read with the ``gguf`` package (``pip install 'dflash-jax[gguf]'``). Every tensor is dequantized on the host at
-load (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K; anything else is an error naming the tensor and its type), then
-streamed through ``loader.stream_params`` like a safetensors checkpoint: cast to the activation dtype, or
-re-quantized on the device: ``quantization="fp8"``, or ``quantization="int8"`` (Q8_0's own layout, int8 with a scale
-per 32 inputs: the Q8_0 tensors come back to the file's int8 values exactly; K-quants are re-rounded to 8 bits).
-Packed 4/5/6-bit weights are not kept packed.
+load (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; anything else is an error naming the tensor and its type),
+then streamed through ``loader.stream_params`` like a safetensors checkpoint: cast to the activation dtype, or
+re-quantized on the device: ``quantization="fp8"``, ``quantization="int8"`` (Q8_0's own layout, int8 with a scale
+per 32 inputs: the Q8_0 tensors come back to the file's int8 values exactly; K-quants are re-rounded to 8 bits), or
+``quantization="int4"`` (packed, two 4-bit values per byte, Q4_0's values with a float16 scale per 32 inputs: the
+Q4_0 tensors come back to the file's 4-bit values and scales exactly, in float32 (in bfloat16 the values stay
+exact and the scales are rounded to bfloat16, the activation dtype every tensor passes through on its way);
+Q4_K's asymmetric sub-blocks (6-bit scale and min per 32) are re-rounded onto the symmetric 32-block grid, adding
+at most half a step of it per element: see ``tests/test_gguf.py`` for the measured error). Q5_K / Q6_K stay
+unpacked unless re-quantized (to int8 or int4).
 
 What llama.cpp's converter (``convert_hf_to_gguf.py``, Qwen3Next -> Qwen3.5 classes) does to the HF tensors,
 and what is undone here:
@@ -40,7 +45,7 @@ from dflash_jax.models.qwen36 import Params, param_shapes
 
 ARCH = "qwen35"
 # tensor types dequantized at load; everything else is rejected by name
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 # GGUF tensor name -> (pytree path, fix): fix undoes the converter's change (see the module doc)
 _TOP = {"token_embd.weight": (("embed",), None), "output_norm.weight": (("final_norm",), "norm"),

@@ -1,14 +1,22 @@
-"""FP8 (e4m3) and int8 weights: the ``QuantizedWeight`` pytree, quantize / dequantize, and the quantized matmul.
+"""FP8 (e4m3), int8 and packed int4 weights: the ``QuantizedWeight`` pytree, quantize / dequantize, and the
+quantized matmul.
 
 A quantized matrix keeps the checkpoint's ``[out, in]`` layout in ``float8_e4m3fn`` (``quantization="fp8"``) or
 ``int8`` (``quantization="int8"``: llama.cpp's Q8_0 layout, 32-element blocks along the input, one scale each) with
-float32 scales, ``w ~= data * scale``:
+float32 scales, or packed 4-bit (``quantization="int4"``: llama.cpp's Q4_0 values, see :func:`quantize_int4`),
+``w ~= values * scale``:
 
 * per output channel: ``scale [out]`` (what on-the-fly quantization produces; the scale multiplies the matmul
   *output*, so the GEMM/GEMV only reads fp8 bytes and converts them in registers);
 * per block: ``scale [ceil(out/bo), ceil(in/bi)]`` (the layout of Qwen's published FP8 checkpoints, 128x128,
   ``*.weight_scale_inv``). The matmul then reduces each ``bi``-wide input block separately and scales the
   per-(out, block) partial sums (small token counts), or dequantizes the weight in the fused operand (large).
+
+int4 stores two values per byte, ``data uint8 [out, in/2]``: byte ``j`` of a row holds input ``2j`` in its low
+nibble and ``2j + 1`` in its high nibble, both two's complement. That is XLA's own packing of ``int4`` arrays, so
+the matmul unpacks with a free bitcast (:func:`unpack_int4`) and the convert to the activation dtype is what XLA's
+GPU matmul emitters fuse into the dot operand (their int4 rewrite loads the bytes and splits them with shifts in
+registers): only the packed bytes are read from HBM.
 
 Activations stay in the model dtype (bf16) and accumulate in float32. ``QuantizedWeight.dtype`` is the
 activation dtype, so code that reads a weight's ``.dtype`` to pick the activation dtype works unchanged.
@@ -31,7 +39,11 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127.0
 INT8_BLOCK = (1, 32)  # Q8_0: 32 consecutive inputs of one output row share a scale
-QUANTIZATIONS = ("none", "fp8", "int8")
+INT4_BLOCK = (1, 32)  # Q4_0: the same blocks
+INT4_MIN, INT4_MAX = -8, 7
+F16_MAX = 65504.0
+QUANTIZATIONS = ("none", "fp8", "int8", "int4")
+PACKINGS = (None, "int4")
 
 # Parameter names (the last key of a pytree path) of the large matmul weights, target and drafter alike.
 # Not quantized: the embedding (a row gather), norms, conv taps, A_log/dt_bias and the tiny GDN b/a gates.
@@ -44,18 +56,27 @@ BLOCKED_MAX_TOKENS = 64
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """``w [out, in] ~= data * scale``. data: ``float8_e4m3fn`` or ``int8 [out, in]``; scale: ``float32 [out]``
-    (``block`` None) or ``[ceil(out/bo), ceil(in/bi)]`` (``block = (bo, bi)``). ``dtype`` is the activation
-    (dequantized) dtype."""
+    """``w [out, in] ~= values * scale``. ``packing`` None: values = data, ``float8_e4m3fn`` or ``int8 [out, in]``;
+    ``"int4"``: data ``uint8 [out, in/2]``, two signed 4-bit values per byte (:func:`unpack_int4`). scale:
+    ``float32 [out]`` (``block`` None) or ``[ceil(out/bo), ceil(in/bi)]`` (``block = (bo, bi)``; int4: ``float16
+    [out, in/32]``). ``shape`` is the logical ``[out, in]``; ``dtype`` is the activation (dequantized) dtype."""
 
     data: jax.Array
     scale: jax.Array
     block: tuple[int, int] | None = None
     dtype: Any = jnp.bfloat16
+    packing: str | None = None
+
+    def __post_init__(self):  # meta fields only: the data fields may be tracers or placeholders here
+        if self.packing not in PACKINGS:
+            raise ValueError(f"QuantizedWeight packing {self.packing!r} not supported; use one of {list(PACKINGS)}")
+        if self.packing == "int4" and tuple(self.block or ()) != INT4_BLOCK:
+            raise ValueError(f"int4 weights carry {INT4_BLOCK} block scales, got block {self.block!r}")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
+        out, n = self.data.shape
+        return (out, 2 * n) if self.packing == "int4" else (out, n)
 
     @property
     def ndim(self) -> int:
@@ -66,7 +87,8 @@ class QuantizedWeight:
         return int(self.data.nbytes + self.scale.nbytes)
 
 
-jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["data", "scale"], meta_fields=["block", "dtype"])
+jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["data", "scale"],
+                                 meta_fields=["block", "dtype", "packing"])
 
 
 def is_quantized(x: Any) -> bool:
@@ -74,7 +96,8 @@ def is_quantized(x: Any) -> bool:
 
 
 def check_quantization(q: str | None) -> str | None:
-    """``None``/``"none"`` -> None; ``"fp8"`` / ``"int8"`` unchanged; anything else raises naming the choices."""
+    """``None``/``"none"`` -> None; ``"fp8"`` / ``"int8"`` / ``"int4"`` unchanged; anything else raises naming the
+    choices."""
     if q is None or q == "none":
         return None
     if q not in QUANTIZATIONS:
@@ -135,19 +158,68 @@ def quantize_int8(w: jax.Array, dtype=None) -> QuantizedWeight:
     return QuantizedWeight(q.astype(jnp.int8), scale, INT8_BLOCK, dtype)
 
 
+def pack_int4(q: jax.Array) -> jax.Array:
+    """Signed 4-bit values ``q [..., n]`` (any integer dtype, each in [-8, 7], n even) -> ``uint8 [..., n/2]``:
+    byte ``j`` = ``(q[2j] & 0xF) | (q[2j+1] << 4)`` (XLA's packing of an ``int4`` array)."""
+    *lead, n = q.shape
+    if n % 2:
+        raise ValueError(f"int4 packing needs an even last dimension, got shape {list(q.shape)}")
+    return jax.lax.bitcast_convert_type(q.astype(jnp.int4).reshape(*lead, n // 2, 2), jnp.uint8)
+
+
+def unpack_int4(data: jax.Array) -> jax.Array:
+    """``uint8 [..., n/2]`` from :func:`pack_int4` -> ``int4 [..., n]``, a bitcast (no arithmetic): converting the
+    result to a float dtype is the shift + sign-extend that XLA fuses into the consumer."""
+    *lead, m = data.shape
+    return jax.lax.bitcast_convert_type(data, jnp.int4).reshape(*lead, 2 * m)
+
+
+@jax.jit(static_argnames=("dtype",))
+def quantize_int4(w: jax.Array, dtype=None) -> QuantizedWeight:
+    """``w [out, in]`` (``in`` a multiple of 32) -> packed int4 ``QuantizedWeight`` with llama.cpp's Q4_0 values:
+    per 32 inputs of a row, ``scale = m / -8`` where ``m`` is the block's element of largest magnitude (sign
+    kept), ``q = clip(round(w / scale), -8, 7)``, so ``m`` itself is ``-8 * scale`` and all 16 levels are used.
+    Error: at most half a step (``|scale|``) per element, except elements of the opposite sign to ``m`` beyond
+    7.5 steps, clipped to 7: at most one step (``|m| / 8``); for scales in float16's normal range (``|m| >=
+    2^-11``; below it the scale's own rounding adds to that). Scales are float16 as Q4_0's ``d``: a Q4_0 GGUF's
+    dequantized tensor comes back to the file's own 4-bit values and scales exactly, and a block costs 18 bytes
+    (float32 scales: 20). bfloat16 could not hold Q4_0's scales (3 fewer mantissa bits). A block whose scale
+    underflows float16 (``|m| < 2^-22``) is stored as zeros. ``dtype`` (default ``w.dtype``) is the activation
+    dtype recorded in the result."""
+    dtype = jnp.dtype(dtype or w.dtype)
+    out, inn = w.shape
+    bi = INT4_BLOCK[1]
+    if inn % bi:
+        raise ValueError(f"int4 weights need the input size to be a multiple of {bi}, got shape {[out, inn]}; "
+                         "use quantization='int8' for this model")
+    wb = w.astype(F32).reshape(out, inn // bi, bi)
+    m = jnp.take_along_axis(wb, jnp.argmax(jnp.abs(wb), axis=2)[..., None], axis=2)  # [out, nb, 1]
+    scale = jnp.clip(m / -8.0, -F16_MAX, F16_MAX).astype(jnp.float16)
+    s = scale.astype(F32)
+    q = jnp.where(s != 0, jnp.clip(jnp.round(wb / jnp.where(s != 0, s, 1.0)), INT4_MIN, INT4_MAX), 0)
+    return QuantizedWeight(pack_int4(q.astype(jnp.int8).reshape(out, inn)), scale[..., 0], INT4_BLOCK, dtype,
+                           "int4")
+
+
+def values(w: QuantizedWeight) -> jax.Array:
+    """The quantized values as one ``[out, in]`` array: fp8 / int8 as stored, int4 unpacked (:func:`unpack_int4`)."""
+    return unpack_int4(w.data) if w.packing == "int4" else w.data
+
+
 def dequantize(w: QuantizedWeight, dtype=F32) -> jax.Array:
-    """``data * scale`` as a dense ``[out, in]`` array in ``dtype``."""
-    d = w.data.astype(F32)
+    """``values * scale`` as a dense ``[out, in]`` array in ``dtype``."""
+    d = values(w).astype(F32)
     s = w.scale[:, None] if w.block is None else block_scale_full(w.scale, w.block, w.shape)
-    return (d * s).astype(dtype)
+    return (d * s.astype(F32)).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # the matmul
 # ---------------------------------------------------------------------------------------------
 def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
-    """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 / int8 weights converted to ``x.dtype`` inside the matmul,
-    float32 accumulation, result in ``out_dtype`` (default ``x.dtype``). Per-channel weights at <= 64 tokens go
+    """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 / int8 / int4 weights converted to ``x.dtype`` inside the
+    matmul (int4: unpacked there from its bytes), float32 accumulation, result in ``out_dtype`` (default
+    ``x.dtype``). Per-channel weights at <= 64 tokens go
     through the Pallas ``skinny_matmul`` kernel when ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` (read at
     trace time; ``pallas_kernels.skinny_matmul.route``), otherwise XLA's fused convert + dot."""
     out_dtype = out_dtype or x.dtype
@@ -164,12 +236,13 @@ def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
     bo, bi = w.block
     out, inn = w.shape
     tokens = math.prod(x.shape[:-1])
+    wv = values(w)
     if tokens > BLOCKED_MAX_TOKENS or inn % bi:
-        wd = w.data.astype(x.dtype) * block_scale_full(w.scale, w.block, w.shape).astype(x.dtype)
+        wd = wv.astype(x.dtype) * block_scale_full(w.scale, w.block, w.shape).astype(x.dtype)
         return jnp.einsum("...i,oi->...o", x, wd, preferred_element_type=acc).astype(out_dtype)
     nb = inn // bi
     xb = x.reshape(*x.shape[:-1], nb, bi)
-    part = jnp.einsum("...bi,obi->...ob", xb, w.data.reshape(out, nb, bi).astype(x.dtype),
+    part = jnp.einsum("...bi,obi->...ob", xb, wv.reshape(out, nb, bi).astype(x.dtype),
                       preferred_element_type=acc)  # [..., out, nb]
     s = jnp.repeat(w.scale, bo, axis=0)[:out]  # [out, nb]
     return jnp.sum(part * s.astype(acc), axis=-1).astype(out_dtype)
@@ -198,12 +271,17 @@ LeafQuantizer = Callable[[tuple[Any, ...], Any], Any]
 
 def leaf_quantizer(quantization: str | None, block: tuple[int, int] | None = None) -> LeafQuantizer:
     """``f(path, leaf)``: the quantized version of a quantizable leaf (fp8: per channel, or ``block`` scales; int8:
-    Q8_0 blocks), else the leaf."""
+    Q8_0 blocks; int4: packed Q4_0 blocks), else the leaf."""
     q = check_quantization(quantization)
 
     def f(path, leaf):
         if q is None or not quantizable(path, leaf):
             return leaf
+        if q == "int4":
+            try:
+                return quantize_int4(leaf)
+            except ValueError as e:
+                raise ValueError(f"{jax.tree_util.keystr(tuple(path))}: {e}") from e
         return quantize_int8(leaf) if q == "int8" else quantize_fp8(leaf, block)
 
     return f
@@ -228,7 +306,7 @@ def quantize_params(params: Any, quantization: str | None, block: tuple[int, int
 
 
 def weight_itemsize(params: Any) -> float:
-    """Average bytes per element of the matmul weights (2 for bf16, ~1 for fp8 + scales)."""
+    """Average bytes per element of the matmul weights (2 for bf16, ~1 for fp8 + scales, ~0.56 for int4)."""
     n = b = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)[0]:
         if path_name(path) in MATMUL_NAMES and (is_quantized(leaf) or getattr(leaf, "ndim", 0) == 2):

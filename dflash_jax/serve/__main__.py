@@ -23,6 +23,7 @@ import time
 from dflash_jax import SHIPPED_MODELS as SHIPPED
 from dflash_jax.kv.kvflash import SCORINGS
 
+QUANTIZATIONS = ("none", "fp8", "int8", "int4")  # = models.quant.QUANTIZATIONS (not imported: no jax at parse time)
 DEVICE_PREFIXES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "hip": "gpu"}
 
 
@@ -83,10 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                     help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
-    ap.add_argument("--quantization", choices=("none", "fp8", "int8"), default=None,
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                     help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales; int8: int8 "
                          "with one scale per 32 inputs (llama.cpp's Q8_0 layout: a Q8_0 GGUF keeps its values); "
-                         "quantized as they load (an FP8 checkpoint stays FP8 either way)")
+                         "int4: packed 4-bit, two per byte, a float16 scale per 32 inputs (Q4_0's values: a Q4_0 "
+                         "GGUF keeps them); quantized as they load (an FP8 checkpoint stays FP8 either way)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
                     help="server default for chat_template_kwargs.enable_thinking (true: Qwen3.6's own default)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
@@ -193,8 +195,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError(f"--model {ns.model}: not a directory (or a .gguf file)")
     if ns.kv_dtype not in (None, "bf16", "fp8", "int8"):
         raise StartupError(f"--kv-dtype must be bf16, fp8 or int8, got {ns.kv_dtype!r}")
-    if ns.quantization not in ("none", "fp8", "int8"):
-        raise StartupError(f"--quantization must be none, fp8 or int8, got {ns.quantization!r}")
+    if ns.quantization not in QUANTIZATIONS:
+        raise StartupError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {ns.quantization!r}")
     if ns.max_concurrency < 1:
         raise StartupError("--max-concurrency must be >= 1")
     if int(ns.tensor_parallel) < 1 or int(ns.data_parallel) < 1:
