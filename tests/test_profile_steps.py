@@ -9,12 +9,22 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
-
-def test_profile_steps_writes_step_times_for_both_modes(tmp_path):
+def _module():
     spec = importlib.util.spec_from_file_location("profile_steps", os.path.join(ROOT, "experiments", "profile_steps.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_op_families_sum_the_unrolled_layers():
+    ops = [("gemm_fusion_dot_962", 2.0, 64), ("gemm_fusion_dot_12", 1.0, 64), ("nvjet_sm90_tst_176x128_h_TNN", 2.5, 3),
+           ("wrapped_slice.3", 0.5, 1), ("fusion", 0.25, 2)]
+    assert _module().families(ops, 3) == [("gemm_fusion_dot", 3.0, 128), ("nvjet_sm90_tst_176x128_h_TNN", 2.5, 3),
+                                          ("wrapped_slice", 0.5, 1)]
+
+
+def test_profile_steps_writes_step_times_for_both_modes(tmp_path):
+    mod = _module()
     assert mod.main(["--dtype", "float32", "--concurrency", "1", "--prompt-len-min", "16", "--prompt-len-max", "24",
                      "--output-len", "4", "--prefill-chunk", "32", "--out-dir", str(tmp_path)]) == 0
     (res,) = tmp_path.glob("profile_steps_*.json")

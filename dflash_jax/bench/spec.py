@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from dflash_jax.bench.ar import device_step_ms
 from dflash_jax.bench.peaked import add_peaked_argument, describe, peak_target, peaked_wanted
 from dflash_jax.bench.sources import add_source_arguments, load_drafter_source, load_target_source, parallel_options
 from dflash_jax.engine.compile import compile_count
+from dflash_jax.engine.hostpack import Packing
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.engine.sampling import SamplingArrays
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, oracle_step
@@ -92,9 +94,9 @@ def spec_step_ms(eng: Engine, b: int, context: int, iters: int, sync: bool = Fal
                     slots=np.arange(1, b + 1, dtype=np.int32), active=np.ones(b, bool),
                     page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (b, 1)) % eng.pages.n_pages)
     samp = SamplingArrays.from_rows([], b)
-    inp, samp = eng.put((inp, samp))
+    buf = eng.put(eng.pack("spec", b, inp, samp))  # device-resident: no host transfer in the timed loop
     fn = eng._exec[("spec", b)]
-    args = lambda: (eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp)
+    args = lambda: (eng.target.params, eng.dparams, eng.state, eng.dkv, buf)
     eng.state, eng.dkv, out = fn(*args())
     jax.block_until_ready(out)
     t0 = time.perf_counter()
@@ -128,20 +130,28 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
     prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
     depth = dcfg.block_size - 1
     lengths = accepted_lengths(tau, min(depth, spec.budget_for(1)), seed)  # the tree's chain holds at most `budget` nodes
-    step = eng.compile_step(functools.partial(oracle_step, cfg, dcfg, spec.for_batch(1)), extra_inputs=1)
-    samp = eng.put(SamplingArrays.from_rows([], 1))
+    samp = SamplingArrays.from_rows([], 1)
+    # a round's host inputs travel as one packed buffer, as the engine's steps' do
+    i32 = lambda *sh: np.zeros(sh, np.int32)
+    packing = Packing.of((SpecInput(root=i32(1), start=i32(1), slots=i32(1), active=np.ones(1, bool),
+                                    page_table=i32(1, eng.width)), samp, i32(1, depth)))
+    body = functools.partial(oracle_step, cfg, dcfg, spec.for_batch(1))
+    step = eng.compile_step(lambda p, dp, st, dkv, buf: body(p, dp, st, dkv, *packing.unpack(buf)), inputs=1)
     exact = eng.target.params["embed"].dtype == np.float32
     slack = 3 * dcfg.block_size  # an overlapped round may run past the last one needed
 
     @jax.jit
-    def chain(bonus, n_acc, start, truth, k, tail, ctx_len):
-        """The next round's root, start and proposals ([1, depth]) from this round's outputs, on the device."""
+    def chain(bonus, n_acc, start, truth, k, tail, ctx_len, fixed):
+        """The next round's packed inputs (root, start and proposals ``[1, depth]`` from this round's outputs, slots
+        and page table from ``fixed``) and its start, on the device."""
         nxt = start + n_acc
         j = jnp.arange(depth)
         t = truth[jnp.clip(nxt[0] - ctx_len + 1 + j, 0, truth.shape[0] - 1)]
         prop = jnp.where(j < k, t, tail)
         prop = jnp.where((j == k) & (prop == t), (prop + 1) % cfg.vocab_size, prop)
-        return bonus, nxt, prop[None].astype(jnp.int32)
+        inp, smp, _ = packing.unpack(fixed)
+        inp = dataclasses.replace(inp, root=bonus, start=nxt)
+        return packing.pack_jnp((inp, smp, prop[None].astype(jnp.int32))), nxt
 
     def draw() -> tuple[int, np.ndarray]:
         return next(lengths), rng.integers(0, cfg.vocab_size, depth, dtype=np.int32)
@@ -180,10 +190,14 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
         table = eng.pages.page_tables([rid], eng.width)
         slots, active = np.array([r.slot], np.int32), np.ones(1, bool)
         truth_dev = jnp.asarray(np.pad(np.asarray(truth, np.int32), (0, n_tokens + 2 * slack - len(truth))))
+        fixed = jnp.asarray(packing.pack((SpecInput(root=i32(1), start=i32(1), slots=slots, active=active,
+                                                    page_table=table), samp, i32(1, depth))))
 
         def dispatch(inp, prop):
+            buf = inp if prop is None else packing.pack((inp, samp, prop))  # chained rounds come packed
+
             def call():
-                eng.state, eng.dkv, o = step(eng.target.params, eng.dparams, eng.state, eng.dkv, inp, samp, prop)
+                eng.state, eng.dkv, o = step(eng.target.params, eng.dparams, eng.state, eng.dkv, buf)
                 return o
             return timed("dispatch", call)
 
@@ -199,16 +213,16 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
         def first_chained():
             """A zero-advance chain from the host state: the round's root, start and proposals as device arrays,
             exactly as every chained round passes them (a jit called with other argument kinds compiles again)."""
-            root, st, prop = chain(jnp.asarray([seg[-1]], jnp.int32), jnp.zeros(1, jnp.int32),
-                                   jnp.asarray([start], jnp.int32), truth_dev, *draw(), len(ctx))
-            return dispatch(SpecInput(root=root, start=st, slots=slots, active=active, page_table=table), prop), st
+            buf, st = chain(jnp.asarray([seg[-1]], jnp.int32), jnp.zeros(1, jnp.int32),
+                            jnp.asarray([start], jnp.int32), truth_dev, *draw(), len(ctx), fixed)
+            return dispatch(buf, None), st
 
         if not compiled:  # the first round compiles the oracle step (and the chain): not timed, still applied
             if overlap:
                 o, st = first_chained()
                 # compile the chain on device arrays without drawing (the rounds' draws stay those of the sync loop)
                 jax.block_until_ready(chain(o.bonus, o.n_accepted, st, truth_dev, 0, np.zeros(depth, np.int32),
-                                            len(ctx)))
+                                            len(ctx), fixed))
             else:
                 k, tail = draw()
                 prop = tail[None].copy()
@@ -228,9 +242,8 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
                 o, st = pending
                 pending = None
                 if on_track():  # the next round may be needed: dispatch it before reading this one
-                    root, st2, prop = timed("chain", chain, o.bonus, o.n_accepted, st, truth_dev, *draw(), len(ctx))
-                    pending = (dispatch(SpecInput(root=root, start=st2, slots=slots, active=active,
-                                                  page_table=table), prop), st2)
+                    buf, st2 = timed("chain", chain, o.bonus, o.n_accepted, st, truth_dev, *draw(), len(ctx), fixed)
+                    pending = (dispatch(buf, None), st2)
                 n = apply(o)
                 rounds += 1
                 emitted += n

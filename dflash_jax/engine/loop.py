@@ -25,6 +25,7 @@ import numpy as np
 
 from dflash_jax.engine import compile as compile_mod
 from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
+from dflash_jax.engine.hostpack import Packing
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step
@@ -343,9 +344,8 @@ class Engine:
         pb = min(o.prefill_batch, per_replica)
         self.prefill_buckets = (_buckets(pb) if o.batch_buckets is None
                                 else tuple(b for b in self.decode_buckets if b < pb) + (pb,))
-        self._jit = self.compile_step(functools.partial(step, self.cfg, self.dcfg))
         self.spec_cfg = dataclasses.replace(o.spec, draft_query=True) if self.draft_scoring else o.spec
-        self._spec_jits: dict[int, Callable] = {}  # bucket -> jitted round (each bucket has its own node budget)
+        self._packings: dict[tuple[str, int], Packing] = {}  # (kind, bucket) -> layout of its host inputs
         self._exec: dict[tuple[str, int], Callable] = {}
         self._inflight: _InFlight | None = None  # overlap: the decode / speculative step not yet applied
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -548,17 +548,18 @@ class Engine:
         """Free recurrent slots of all replicas."""
         return [s for free in self.replica_slots for s in free]
 
-    def compile_step(self, fn: Callable, extra_inputs: int = 0):
-        """``fn(params, dparams, state, dkv, inp, samp, *extra) -> (state', dkv', out)`` jitted with state and
-        drafter cache donated; under a layout, with explicit in/out shardings (state keeps its sharding; drafter,
-        inputs and outputs are replicated), so its executables take and return the engine's own arrays."""
+    def compile_step(self, fn: Callable, inputs: int = 2):
+        """``fn(params, dparams, state, dkv, *host_inputs) -> (state', dkv', out)`` (``inputs`` host input arguments)
+        jitted with state and drafter cache donated; under a layout, with explicit in/out shardings (state keeps its
+        sharding; drafter, inputs and outputs are replicated), so its executables take and return the engine's own
+        arrays."""
         if self.layout is None:
             return jax.jit(fn, donate_argnums=(2, 3))
         lay, per = self.layout, self.layout.per_replica()
         if self.dp > 1:
-            fn = lay.per_replica_step(fn, n_replicated=2, n_per_replica=4 + extra_inputs)
+            fn = lay.per_replica_step(fn, n_replicated=2, n_per_replica=2 + inputs)
         state_sh = lay.state(self.state)
-        ins = (lay.params(self.target.params), lay.replicated, state_sh, per, per, per) + (per,) * extra_inputs
+        ins = (lay.params(self.target.params), lay.replicated, state_sh, per) + (per,) * inputs
         return jax.jit(fn, donate_argnums=(2, 3), in_shardings=ins, out_shardings=(state_sh, per, per))
 
     def put(self, tree):
@@ -585,6 +586,7 @@ class Engine:
         return eng
 
     def _shapes(self, kind: str, b: int):
+        """One replica's host inputs ``(inp, samp)`` of a ``kind`` step at bucket ``b`` (shapes and dtypes)."""
         t = self.options.prefill_chunk if kind == "prefill" else 1
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         if kind == "spec":
@@ -596,25 +598,37 @@ class Engine:
                             page_table=i32(b, self.width))
         samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       SamplingArrays.from_rows([], b))
-        lead = () if self.dp == 1 else (self.dp,)
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(lead + a.shape, a.dtype), (inp, samp))
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (inp, samp))
+
+    def packing(self, kind: str, b: int) -> Packing:
+        """The layout of a ``kind`` step's host inputs at bucket ``b`` in its one int32 buffer."""
+        key = (kind, b)
+        if key not in self._packings:
+            self._packings[key] = Packing.of(self._shapes(kind, b))
+        return self._packings[key]
+
+    def pack(self, kind: str, b: int, inp, samp) -> np.ndarray:
+        """A step's host inputs -> the int32 buffer its executable takes (``[size]``, or ``[dp, size]``)."""
+        return self.packing(kind, b).pack((inp, samp))
 
     @property
     def spec_budgets(self) -> dict[int, int]:
         """DDTree node budget per decode bucket (``SpecConfig.max_verify_tokens`` lowers it at large buckets)."""
         return {} if self.spec_cfg is None else {b: self.spec_cfg.budget_for(b) for b in self.decode_buckets}
 
-    def _spec_fn(self, b: int) -> Callable:
-        if b not in self._spec_jits:
-            self._spec_jits[b] = self.compile_step(
-                functools.partial(spec_step, self.cfg, self.dcfg, self.spec_cfg.for_batch(b)))
-        return self._spec_jits[b]
-
     def _lower(self, kind: str, b: int):
         if kind.startswith("advance_"):
             return self._lower_advance(kind.removeprefix("advance_"), b)
-        fn = self._spec_fn(b) if kind == "spec" else self._jit
-        return fn.lower(self.target.params, self.dparams, self.state, self.dkv, *self._shapes(kind, b))
+        body = (functools.partial(spec_step, self.cfg, self.dcfg, self.spec_cfg.for_batch(b)) if kind == "spec"
+                else functools.partial(step, self.cfg, self.dcfg))
+        packing = self.packing(kind, b)
+
+        def packed(params, dparams, state, dkv, buf):
+            return body(params, dparams, state, dkv, *packing.unpack(buf))
+
+        lead = () if self.dp == 1 else (self.dp,)
+        buf = jax.ShapeDtypeStruct(lead + (packing.size,), jnp.int32)
+        return self.compile_step(packed, inputs=1).lower(self.target.params, self.dparams, self.state, self.dkv, buf)
 
     def _kinds(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         kinds = (("prefill", self.prefill_buckets), ("decode", self.decode_buckets))
@@ -873,18 +887,23 @@ class Engine:
                                                 self.decode_buckets, make)
         return self._dispatch(kind, b, rows, inp, samp, take)
 
-    def _dispatch(self, kind: str, b: int, rows: list["_Request | None"], inp, samp, take=None,
-                  start=None) -> "_InFlight":
+    def _dispatch(self, kind: str, b: int, rows: list["_Request | None"], inp, samp, take=None) -> "_InFlight":
+        """Dispatch a step from its host inputs (one packed transfer)."""
+        start = inp.start if kind == "spec" else inp.positions[..., 0]
+        return self._dispatch_packed(kind, b, rows, self.pack(kind, b, inp, samp), start, samp.step, take)
+
+    def _dispatch_packed(self, kind: str, b: int, rows: list["_Request | None"], buf, start, step,
+                         take=None) -> "_InFlight":
+        """Dispatch a step from its packed input buffer (host, or device for a chained step); ``start`` / ``step``
+        [b]: the rows' first positions and tokens generated before it."""
         fn = self._exec.get((kind, b))
         if fn is None:
             self.counters["lazy_compiles"] += 1
             fn = self._exec[(kind, b)] = self._lower(kind, b).compile()
         t0 = time.perf_counter()
-        self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, inp, samp)
+        self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, buf)
         self.counters[f"{kind}_steps"] += 1
-        if start is None:
-            start = inp.start if kind == "spec" else inp.positions[..., 0]
-        return _InFlight(kind, b, list(rows), out, start, samp.step, t0, take)
+        return _InFlight(kind, b, list(rows), out, start, step, t0, take)
 
     def _fetch(self, inf: "_InFlight"):
         """Wait for a dispatched step; its outputs on the host, rows in ``inf.rows`` order."""
@@ -955,20 +974,20 @@ class Engine:
         pad = [None] * (b - len(live))
         slots = np.array([0 if r is None else r.slot for r in live] + [0] * len(pad), np.int32)
         table = self.pools[0].page_tables([None if r is None else r.rid for r in live] + pad, self.width)
-        samp = self._row_sampling(live + pad, b)
-        adv = self._advance(want, b)
+        samp = self._row_sampling(live + pad, b)  # its `step` is computed on the device
+        zeros = np.zeros(b, np.int32)  # root / start, tokens / positions: computed on the device too
         if want == "spec":
-            root, start, step = adv(inf.out.bonus, inf.out.n_accepted, inf.start, inf.step)
-            inp = SpecInput(root=root, start=start, slots=slots, active=np.array([r is not None for r in live + pad]),
-                            page_table=table)
+            inp = SpecInput(root=zeros, start=zeros, slots=slots,
+                            active=np.array([r is not None for r in live + pad]), page_table=table)
+            prev = (inf.out.bonus, inf.out.n_accepted)
         else:
-            tok, pos, start, step = adv(inf.out.tokens, inf.start, inf.step)
-            inp = StepInput(tokens=tok, positions=pos,
+            inp = StepInput(tokens=zeros[:, None], positions=zeros[:, None],
                             n_valid=np.array([int(r is not None) for r in live + pad], np.int32), slots=slots,
                             page_table=table)
-        samp = dataclasses.replace(samp, step=step)
+            prev = (inf.out.tokens,)
+        buf, start, step = self._advance(want, b)(*prev, inf.start, inf.step, self.pack(want, b, inp, samp))
         self.counters["chained_steps"] += 1
-        return self._dispatch(want, b, live, inp, samp, start=start)
+        return self._dispatch_packed(want, b, live, buf, start, step)
 
     def _advance(self, kind: str, b: int) -> Callable:
         """The device-side carry from a step's outputs to the next step's inputs (compiled per bucket)."""
@@ -978,13 +997,27 @@ class Engine:
         return fn
 
     def _lower_advance(self, kind: str, b: int):
+        """``(*prev outputs, start, step, buf) -> (buf', start', step')``: the next step's packed inputs, its host
+        fields as packed in ``buf`` and its root / tokens, positions and sampling counters from ``prev``."""
         sh = self.layout.per_replica() if self.layout is not None else None
+        packing = self.packing(kind, b)
         i32 = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=sh)
+        buf = jax.ShapeDtypeStruct((packing.size,), jnp.int32, sharding=sh)
+
+        def carry(inp, samp, start, step):
+            return packing.pack_jnp((inp, dataclasses.replace(samp, step=step))), start, step
+
         if kind == "spec":  # root <- bonus; start, tokens generated += tokens committed (root counted)
-            return jax.jit(lambda bonus, n, start, step: (bonus, start + n, step + n)).lower(i32, i32, i32, i32)
-        # tokens / positions [b, 1] of the next decode step, then its start and tokens generated [b]
-        return jax.jit(lambda tok, start, step: (tok[:, None], (start + 1)[:, None], start + 1, step + 1)).lower(
-            i32, i32, i32)
+            def advance(bonus, n, start, step, buf):
+                inp, samp = packing.unpack(buf)
+                return carry(dataclasses.replace(inp, root=bonus, start=start + n), samp, start + n, step + n)
+            return jax.jit(advance).lower(i32, i32, i32, i32, buf)
+
+        def advance(tok, start, step, buf):  # tokens / positions [b, 1] of the next decode step
+            inp, samp = packing.unpack(buf)
+            inp = dataclasses.replace(inp, tokens=tok[:, None], positions=(start + 1)[:, None])
+            return carry(inp, samp, start + 1, step + 1)
+        return jax.jit(advance).lower(i32, i32, i32, buf)
 
     def _apply(self, inf: "_InFlight", chained: bool) -> list[_Request]:
         """Wait for a dispatched decode / speculative step and apply its tokens to the rows still running.
