@@ -13,10 +13,10 @@ float32 scales, or packed 4-bit (``quantization="int4"``: llama.cpp's Q4_0 value
   per-(out, block) partial sums (small token counts), or dequantizes the weight in the fused operand (large).
 
 int4 stores two values per byte, ``data uint8 [out, in/2]``: byte ``j`` of a row holds input ``2j`` in its low
-nibble and ``2j + 1`` in its high nibble, both two's complement. That is XLA's own packing of ``int4`` arrays, so
-the matmul unpacks with a free bitcast (:func:`unpack_int4`) and the convert to the activation dtype is what XLA's
-GPU matmul emitters fuse into the dot operand (their int4 rewrite loads the bytes and splits them with shifts in
-registers): only the packed bytes are read from HBM.
+nibble and ``2j + 1`` in its high nibble, both two's complement (XLA's own packing of ``int4`` arrays). The matmul
+unpacks with shifts (:func:`unpack_int4`) that XLA fuses into the dot operand; whether only the packed bytes are
+then read from HBM is for ``bench linear`` to show (the first H200 run, with a bitcast unpack, read them at
+856 GB/s at one token: no faster than bf16).
 
 Activations stay in the model dtype (bf16) and accumulate in float32. ``QuantizedWeight.dtype`` is the
 activation dtype, so code that reads a weight's ``.dtype`` to pick the activation dtype works unchanged.
@@ -168,10 +168,15 @@ def pack_int4(q: jax.Array) -> jax.Array:
 
 
 def unpack_int4(data: jax.Array) -> jax.Array:
-    """``uint8 [..., n/2]`` from :func:`pack_int4` -> ``int4 [..., n]``, a bitcast (no arithmetic): converting the
-    result to a float dtype is the shift + sign-extend that XLA fuses into the consumer."""
+    """``uint8 [..., n/2]`` from :func:`pack_int4` -> ``int8 [..., n]`` by shifts (sign-extending arithmetic shifts
+    of the byte as int8), elementwise work XLA fuses into the consuming matmul. Not a bitcast to ``int4``: XLA's
+    GPU Triton GEMM fusion aborts the process on such an operand in the per-block matmul at 16 tokens (jax 0.11.2,
+    H200: ``triton_tiling_propagation.cc`` check failure)."""
     *lead, m = data.shape
-    return jax.lax.bitcast_convert_type(data, jnp.int4).reshape(*lead, 2 * m)
+    b = jax.lax.bitcast_convert_type(data, jnp.int8)
+    lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
+    hi = jax.lax.shift_right_arithmetic(b, jnp.int8(4))
+    return jnp.stack([lo, hi], axis=-1).reshape(*lead, 2 * m)
 
 
 @jax.jit(static_argnames=("dtype",))
