@@ -61,6 +61,23 @@ def test_round_trip_within_e4m3_bound(shape, block, seed, log_range):
     assert np.abs(d).max() == pytest.approx(np.abs(w).max(), rel=2 ** -4)
 
 
+def _tokens(q, tokens: int, many: bool) -> int:
+    """A token count for ``q``'s block path: ``many`` past ``blocked_max_tokens`` (dequantized operand), else within
+    it (per-block partial sums); per-channel weights take any count."""
+    if q.block is None:
+        return tokens * (40 if many else 1)
+    limit = quant.blocked_max_tokens(q)
+    return limit + 40 * tokens if many else min(tokens, limit)
+
+
+def test_blocked_max_tokens_keeps_partial_sums_within_a_quarter_of_the_weight():
+    w = jnp.ones((4, 256), jnp.float32)
+    assert quant.blocked_max_tokens(quant.quantize_int8(w)) == 2  # 32-blocks of 1-byte values
+    assert quant.blocked_max_tokens(quant.quantize_int4(w)) == 1  # half-byte values
+    assert quant.blocked_max_tokens(quant.quantize_fp8(w, (128, 128))) == 8
+    assert quant.blocked_max_tokens(quant.quantize_fp8(w, (8, 8))) == 1  # never below one token
+
+
 @settings(max_examples=25, deadline=None)
 @given(out=st.integers(1, 48), inn=st.sampled_from([8, 16, 24, 40]), tokens=st.integers(1, 5),
        block=st.one_of(st.none(), st.sampled_from([(8, 8), (4, 8), (16, 8), (3, 5)])), seed=st.integers(0, 999),
@@ -70,8 +87,8 @@ def test_qmatmul_equals_matmul_with_dequantized_weight(out, inn, tokens, block, 
     per-channel path equal x @ dequant(w)^T in float32."""
     rng = np.random.default_rng(seed)
     w = jnp.asarray(rng.standard_normal((out, inn)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((2, tokens * (40 if many else 1), inn)), jnp.float32)
     q = quant.quantize_fp8(w, block)
+    x = jnp.asarray(rng.standard_normal((1, _tokens(q, tokens, many), inn)), jnp.float32)
     got = qwen36.linear(x, q)
     want = x @ quant.dequantize(q).T
     chex.assert_shape(got, x.shape[:-1] + (out,))
@@ -97,7 +114,7 @@ def test_int8_blocks_round_trip_requantize_exactly_and_multiply_like_the_dequant
     again = quant.quantize_int8(jnp.asarray(d))
     np.testing.assert_array_equal(np.asarray(again.data), np.asarray(q.data))
     np.testing.assert_allclose(np.asarray(again.scale), np.asarray(q.scale), rtol=1e-6)
-    x = jnp.asarray(rng.standard_normal((2, tokens * (40 if many else 1), inn)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, _tokens(q, tokens, many), inn)), jnp.float32)
     np.testing.assert_allclose(np.asarray(qwen36.linear(x, q)), np.asarray(x @ quant.dequantize(q).T),
                                rtol=1e-5, atol=1e-5 * float(np.abs(d).max()) * inn)
 
@@ -175,8 +192,7 @@ def test_int4_quantize_within_half_a_step_requantize_exactly_and_multiply_like_t
     again = quant.quantize_int4(jnp.asarray(d.reshape(out, inn)))
     np.testing.assert_array_equal(np.asarray(again.data), np.asarray(q.data))
     np.testing.assert_array_equal(np.asarray(again.scale), np.asarray(q.scale))
-    x = jnp.asarray(rng.standard_normal((2, tokens * (40 if many else 1), inn)), jnp.float32)
-    assert (x.shape[0] * x.shape[1] > quant.BLOCKED_MAX_TOKENS) == many  # both matmul paths
+    x = jnp.asarray(rng.standard_normal((1, _tokens(q, tokens, many), inn)), jnp.float32)
     np.testing.assert_allclose(np.asarray(qwen36.linear(x, q)), np.asarray(x @ quant.dequantize(q).T),
                                rtol=1e-5, atol=1e-5 * float(np.abs(d).max()) * inn)
 
