@@ -219,9 +219,10 @@ class EngineOptions:
     quantization: str | None = None  # "fp8" / "int8" / "int4": target + drafter matmul weights (quant.QuantizedWeight)
     # overlap the host loop with the device: a decode / speculative step over the same rows as the step in flight is
     # dispatched before that step's tokens are applied, its roots and positions carried on the device, so the
-    # step's dispatch (~1 us per argument buffer) can hide behind the step in flight. Tokens are identical; a
-    # request that stops runs one discarded step more. Applies with one replica, without KVFlash and without
-    # spec_oracle. Off by default: on the H200 it has not yet measured faster (WORKSPACE, results)
+    # host's work between steps can hide behind the step in flight. Tokens are identical; a request that stops runs
+    # one discarded step more. Applies with one replica, without KVFlash and without spec_oracle. Off by default:
+    # on the H200 the tiny pair ran slower with it (a chained step costs two dispatches: its advance and itself);
+    # the 27B oracle's chained rounds ran 284 tok/s vs 250 synchronous (WORKSPACE, results)
     overlap: bool = False
 
 
