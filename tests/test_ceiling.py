@@ -79,7 +79,8 @@ def test_measure_ceiling(params):
     assert all(math.isfinite(v) for v in m.values())
 
 
-def test_write_result_validation(tmp_path):
+def test_write_result_validation(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_graph_min_graph_size=1")
     with pytest.raises(ValueError):
         results.write_result("x", {"a": float("nan")}, "cmd", out_dir=str(tmp_path))
     with pytest.raises(ValueError):
@@ -93,6 +94,7 @@ def test_write_result_validation(tmp_path):
     assert rec["bench"] == "x" and rec["device"] == "cpu" and rec["figures"] == {"a.b": 1.5, "c": None, "n": 3}
     assert set(rec) >= {"device_kind", "command", "commit", "dirty", "versions", "date", "extra"}
     assert isinstance(rec["dirty"], bool)
+    assert rec["xla_flags"] == "--xla_gpu_graph_min_graph_size=1"
     assert set(rec["versions"]) == {"python", "jax", "jaxlib", "numpy", "flax"}
 
 
