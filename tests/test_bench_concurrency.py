@@ -4,6 +4,8 @@ import json
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import FIXTURES, nano_drafter_config
 from dflash_jax.bench.__main__ import main
@@ -301,6 +303,17 @@ def test_text_prompts_are_seeded_windows_of_the_text():
         assert 10 <= len(p) <= 40 and p == text[p[0] - 1000: p[0] - 1000 + len(p)]
     with pytest.raises(ValueError, match="fewer than"):
         text_prompt_set(text[:30], 2, 10, 40, seed=0)
+
+
+@given(st.integers(1, 12), st.integers(0, 12), st.integers(0, 2**31 - 1))
+@settings(max_examples=25, deadline=None)
+def test_prompt_i_does_not_depend_on_how_many_are_drawn(k, extra, seed):
+    """A run of --concurrency 1 8 and one of 1 4 8 16 32 give request i the same prompt."""
+    from dflash_jax.bench.concurrency import prompt_set, text_prompt_set
+
+    text = list(range(2000))
+    assert prompt_set(k + extra, 5, 50, 97, seed)[:k] == prompt_set(k, 5, 50, 97, seed)
+    assert text_prompt_set(text, k + extra, 5, 50, seed)[:k] == text_prompt_set(text, k, 5, 50, seed)
 
 
 def test_held_out_prompts_need_a_model_with_text(tmp_path, capsys):

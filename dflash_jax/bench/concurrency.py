@@ -4,8 +4,8 @@ Method (the engine API, not the HTTP server):
 
 * Cases: ``ar`` and ``ddtree`` at every concurrency C of ``--concurrency``. Both modes of one C get the identical
   prompts; request i has the same prompt at every C (the prompt set is one seeded list; C takes its first C).
-* Prompts: lengths uniform integers in ``[--prompt-len-min, --prompt-len-max]`` from
-  ``numpy.random.default_rng(--seed)``; ``--prompts random`` (default): token ids uniform in ``[0, vocab)`` (the
+* Prompts: lengths uniform integers in ``[--prompt-len-min, --prompt-len-max]``, request i's from its own
+  ``numpy.random.default_rng([--seed, i])`` (so request i's prompt is the same whatever the largest C of a run); ``--prompts random`` (default): token ids uniform in ``[0, vocab)`` (the
   random-weight shapes' cost; a trained drafter accepts little on them); ``--prompts held-out``: windows of real
   text at uniform offsets, the held-out files of the ``--model`` set (its ``train_report.json``) or
   ``--prompt-files``, tokenised with the model's tokenizer, so a trained pair shows its real acceptance (printed
@@ -265,22 +265,33 @@ def apply_recipe(args: argparse.Namespace, defaults: dict) -> tuple[list[str], l
 
 
 # ---- prompts, hashes, proofs ---------------------------------------------------------------------------------
+def _request_rng(seed: int, i: int) -> np.random.Generator:
+    """Request i's own stream, so prompt i does not depend on how many prompts are drawn (a run's grid)."""
+    return np.random.default_rng([seed, i])
+
+
 def prompt_set(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    """``n`` prompts: lengths uniform in [lo, hi], ids uniform in [0, vocab), from ``default_rng(seed)``."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(lo, hi + 1, n)
-    return [rng.integers(0, vocab, int(k)).tolist() for k in lens]
+    """``n`` prompts: prompt i's length uniform in [lo, hi], then its ids uniform in [0, vocab), from
+    ``default_rng([seed, i])``; the first k prompts of any ``n >= k`` are the same."""
+    out = []
+    for i in range(n):
+        rng = _request_rng(seed, i)
+        out.append(rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist())
+    return out
 
 
 def text_prompt_set(ids: Sequence[int], n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    """``n`` windows of the token stream ``ids``: lengths uniform in [lo, hi], start offsets uniform, from
-    ``default_rng(seed)`` (the lengths are drawn exactly as :func:`prompt_set` draws them)."""
+    """``n`` windows of the token stream ``ids``: window i's length uniform in [lo, hi] (drawn exactly as
+    :func:`prompt_set` draws it), then its start uniform, from ``default_rng([seed, i])``; prefix-stable in ``n``."""
     if len(ids) < hi:
         raise ValueError(f"the prompt text gives {len(ids)} tokens, fewer than --prompt-len-max {hi}")
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(lo, hi + 1, n)
-    starts = [int(rng.integers(0, len(ids) - int(k) + 1)) for k in lens]
-    return [list(map(int, ids[s0:s0 + int(k)])) for s0, k in zip(starts, lens)]
+    out = []
+    for i in range(n):
+        rng = _request_rng(seed, i)
+        k = int(rng.integers(lo, hi + 1))
+        s0 = int(rng.integers(0, len(ids) - k + 1))
+        out.append(list(map(int, ids[s0:s0 + k])))
+    return out
 
 
 def prompt_text_ids(args: argparse.Namespace) -> tuple[list[int], list[str]]:
@@ -834,13 +845,13 @@ def run(args: argparse.Namespace, command: str) -> int:
         warm_prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed + 1)
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], windows at "
                 f"uniform offsets of {len(text)} tokens of held-out text ({len(names)} files: {', '.join(names)}), "
-                f"numpy default_rng({args.seed}); warm-up prompts: rng({args.seed + 1})")
+                f"request i from numpy default_rng([{args.seed}, i]); warm-up prompts: default_rng([{args.seed + 1}, i])")
     else:
         prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed)
         warm_prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed + 1)
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], token ids ~ "
-                f"uniform in [0, {cfg.vocab_size}), numpy default_rng({args.seed}); warm-up prompts: "
-                f"rng({args.seed + 1})")
+                f"uniform in [0, {cfg.vocab_size}), request i from numpy default_rng([{args.seed}, i]); warm-up prompts: "
+                f"default_rng([{args.seed + 1}, i])")
     print(f"loaded in {load_s:.1f}s; {dist}")
     print(f"prompt lengths (request i at every C): {[len(p) for p in prompts]}", flush=True)
     prep = None
