@@ -1,6 +1,7 @@
 """Per-op device time of the engine's steps, AR vs DDTree, from a JAX profiler trace.
 
     python experiments/profile_steps.py [--model DIR --drafter DIR] [--dtype bfloat16] [--concurrency 8]
+                                        [--prompts random|held-out]
                                         [--out-dir experiments/results]
     python experiments/profile_steps.py --random-weights configs/qwen36_27b.json \
         [--random-drafter configs/qwen36_27b_dflash.json] --concurrency 1 --prompt-len-min 4096 --prompt-len-max 4096
@@ -32,7 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dflash_jax.bench import results  # noqa: E402
-from dflash_jax.bench.concurrency import step_time_figures  # noqa: E402
+from dflash_jax.bench.concurrency import prompt_text_ids, step_time_figures, text_prompt_set  # noqa: E402
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
 from dflash_jax.engine.spec_steps import SpecConfig  # noqa: E402
 from dflash_jax.bench.sources import load_drafter_source, load_target_source  # noqa: E402
@@ -84,24 +85,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random-weights", metavar="CONFIG", help="a target config given random weights (not --model)")
     ap.add_argument("--random-drafter", metavar="CONFIG", help="a drafter config given random weights (not --drafter)")
     ap.add_argument("--modes", nargs="+", choices=("ar", "ddtree"), default=["ar", "ddtree"])
+    ap.add_argument("--prompts", choices=("random", "held-out"), default="random",
+                    help="random ids, or windows of the --model set's held-out text (as bench concurrency's)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out-dir", default="experiments/results")
     args = ap.parse_args(argv)
+    if args.prompts == "held-out" and args.random_weights:
+        ap.error("--prompts held-out needs --model (random weights have no text)")
     src = argparse.Namespace(model=None if args.random_weights else args.model, random_weights=args.random_weights,
                              drafter=None if args.random_drafter else args.drafter,
                              random_drafter=args.random_drafter, dtype=args.dtype, tensor_parallel=1,
                              data_parallel=1, quantization=None)
     target = load_target_source(src)
     drafter = load_drafter_source(src) if "ddtree" in args.modes else None
-    rng = np.random.default_rng(0)
-    vocab = target.config.vocab_size
-    lens = rng.integers(args.prompt_len_min, args.prompt_len_max + 1, args.concurrency)
-    prompts = [rng.integers(10, vocab - 1, n).tolist() for n in lens]
+    if args.prompts == "held-out":
+        text, _ = prompt_text_ids(argparse.Namespace(model=args.model, prompt_files=None))
+        prompts = text_prompt_set(text, args.concurrency, args.prompt_len_min, args.prompt_len_max, seed=0)
+    else:
+        rng = np.random.default_rng(0)
+        vocab = target.config.vocab_size
+        lens = rng.integers(args.prompt_len_min, args.prompt_len_max + 1, args.concurrency)
+        prompts = [rng.integers(10, vocab - 1, n).tolist() for n in lens]
+    lens = np.array([len(p) for p in prompts])
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     max_len = int(lens.max()) + args.output_len + 64
     figures: dict[str, float] = {}
     extra: dict = {"model": args.random_weights or args.model, "drafter": args.random_drafter or args.drafter,
-                   "dtype": args.dtype, "prompt_lens": lens.tolist()}
+                   "dtype": args.dtype, "prompts": args.prompts, "prompt_lens": lens.tolist()}
     for mode in args.modes:
         eng = Engine(target, None, EngineOptions(
             max_batch=args.concurrency, max_model_len=max_len, prefill_chunk=args.prefill_chunk,

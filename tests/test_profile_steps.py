@@ -31,3 +31,13 @@ def test_profile_steps_writes_step_times_for_both_modes(tmp_path):
     figs = json.loads(res.read_text())["figures"]
     assert figs["ar.prefill_steps"] == 1 and figs["ar.decode_steps"] == 3 and figs["ar.decode_step_ms"] > 0
     assert figs["ddtree.spec_steps"] >= 1 and figs["ddtree.spec_step_ms"] > 0
+
+
+def test_profile_steps_takes_held_out_text(tmp_path):
+    assert _module().main(["--dtype", "float32", "--concurrency", "2", "--prompts", "held-out", "--prompt-len-min", "16",
+                           "--prompt-len-max", "24", "--output-len", "3", "--prefill-chunk", "32", "--modes", "ar",
+                           "--out-dir", str(tmp_path)]) == 0
+    (res,) = tmp_path.glob("profile_steps_*.json")
+    rec = json.loads(res.read_text())
+    assert rec["extra"]["prompts"] == "held-out" and all(16 <= n <= 24 for n in rec["extra"]["prompt_lens"])
+    assert rec["figures"]["ar.decode_steps"] == 2

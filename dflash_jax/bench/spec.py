@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import jax
@@ -108,11 +109,15 @@ def spec_step_ms(eng: Engine, b: int, context: int, iters: int, sync: bool = Fal
     return 1e3 * (time.perf_counter() - t0) / iters
 
 
+# engine -> (spec, (packing, executable)): one compiled oracle round per live engine, dropped with it
+_ORACLE_EXECUTABLES: "weakref.WeakKeyDictionary[Engine, tuple]" = weakref.WeakKeyDictionary()
+
+
 def oracle_executable(eng: Engine, spec: SpecConfig) -> tuple[Packing, Callable]:
     """The B=1 oracle round compiled ahead of time (once per engine), taking its host inputs ``(SpecInput,
     SamplingArrays, proposal [1, depth])`` as one packed buffer, as the engine's steps do: a host buffer and a
     device one (chained rounds) run the same executable."""
-    cached = getattr(eng, "_oracle_executable", None)
+    cached = _ORACLE_EXECUTABLES.get(eng)
     if cached is not None and cached[0] == spec:
         return cached[1]
     i32 = lambda *sh: np.zeros(sh, np.int32)
@@ -123,7 +128,7 @@ def oracle_executable(eng: Engine, spec: SpecConfig) -> tuple[Packing, Callable]
     step = eng.compile_step(lambda p, dp, st, dkv, buf: body(p, dp, st, dkv, *packing.unpack(buf)), inputs=1)
     exe = step.lower(eng.target.params, eng.dparams, eng.state, eng.dkv,
                      jax.ShapeDtypeStruct((packing.size,), jnp.int32)).compile()
-    eng._oracle_executable = (spec, (packing, exe))
+    _ORACLE_EXECUTABLES[eng] = (spec, (packing, exe))
     return packing, exe
 
 
