@@ -259,6 +259,14 @@ def test_recipe_fails_closed_before_any_work(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_")]
 
 
+def test_pflash_that_could_never_compress_fails_before_loading(tmp_path, capsys):
+    # the seed's preset sets a 32768-token minimum: with short prompts PFlash would never run
+    rc = main(_args(tmp_path, "--recipe", "strix_halo", "--random-scorer", _scorer(tmp_path)))
+    out = capsys.readouterr().out
+    assert rc == 2 and "every prompt is shorter than --pflash-min-tokens 32768 (--prompt-len-max 20)" in out
+    assert "loaded in" not in out and "PASS" not in out
+
+
 def test_recipe_full_runs_ddtree_pflash_kvflash(tmp_path, capsys):
     rc = main(_args(tmp_path, "--recipe", "full", *PFLASH, "--random-scorer", _scorer(tmp_path), "--kvflash", "48",
                     "--kvflash-scoring", "lru", "--concurrency", "2", "--repeats", "1", "--modes", "ddtree",

@@ -828,6 +828,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         for why in recipe_bad:
             print(f"FAIL: --recipe {args.recipe}: {NOT_AVAILABLE} ({why})")
         return 2
+    if args.pflash and args.prompt_len_max < args.pflash_min_tokens:
+        print(f"FAIL: --pflash: every prompt is shorter than --pflash-min-tokens {args.pflash_min_tokens} "
+              f"(--prompt-len-max {args.prompt_len_max}), so none would be compressed and every case's PFlash proof "
+              f"would fail; lower --pflash-min-tokens or raise the prompt lengths")
+        return 2
 
     peaked = peaked_wanted(args)
     t0 = time.perf_counter()
