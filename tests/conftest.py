@@ -54,3 +54,14 @@ def nano_drafter_config(tmp_path, block_size: int = 8) -> str:
         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, "block_size": block_size,
         "dflash_config": {"mask_token_id": 250, "target_layer_ids": [0, 1, 2]}}))
     return str(path)
+
+
+def load_experiment(name: str):
+    """The script ``experiments/<name>.py`` imported as a module (the experiments folder is not a package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

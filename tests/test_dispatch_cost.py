@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_experiment
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("dispatch_cost", os.path.join(ROOT, "experiments", "dispatch_cost.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("dispatch_cost")
 
 
 def test_dispatch_cost_times_host_and_device_buffers(tmp_path):

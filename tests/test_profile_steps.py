@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_experiment
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("profile_steps", os.path.join(ROOT, "experiments", "profile_steps.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("profile_steps")
 
 
 def test_op_families_sum_the_unrolled_layers():
