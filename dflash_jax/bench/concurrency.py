@@ -5,9 +5,9 @@ Method (the engine API, not the HTTP server):
 * Cases: ``ar`` and ``ddtree`` at every concurrency C of ``--concurrency``. Both modes of one C get the identical
   prompts; request i has the same prompt at every C (the prompt set is one seeded list; C takes its first C).
 * Prompts: lengths uniform integers in ``[--prompt-len-min, --prompt-len-max]``, request i's from its own
-  ``numpy.random.default_rng([--seed, i])`` (so request i's prompt is the same whatever the largest C of a run); ``--prompts random`` (default): token ids uniform in ``[0, vocab)`` (the
-  random-weight shapes' cost; a trained drafter accepts little on them); ``--prompts held-out``: windows of real
-  text at uniform offsets, the held-out files of the ``--model`` set (its ``train_report.json``) or
+  ``numpy.random.default_rng([--seed, i])`` (so request i's prompt is the same whatever the largest C of a run);
+  ``--prompts random`` (default): token ids uniform in ``[0, vocab)`` (the random-weight shapes' cost; a trained
+  drafter accepts little on them); ``--prompts held-out``: windows of real text at uniform offsets, the held-out files of the ``--model`` set (its ``train_report.json``) or
   ``--prompt-files``, tokenised with the model's tokenizer, so a trained pair shows its real acceptance (printed
   and recorded).
 * Every case gets a fresh ``Engine`` (all buckets compiled ahead by ``Engine.warmup``), then one warm-up batch of C
@@ -850,13 +850,14 @@ def run(args: argparse.Namespace, command: str) -> int:
         warm_prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed + 1)
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], windows at "
                 f"uniform offsets of {len(text)} tokens of held-out text ({len(names)} files: {', '.join(names)}), "
-                f"request i from numpy default_rng([{args.seed}, i]); warm-up prompts: default_rng([{args.seed + 1}, i])")
+                f"request i from numpy default_rng([{args.seed}, i]); "
+                f"warm-up prompts: default_rng([{args.seed + 1}, i])")
     else:
         prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed)
         warm_prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed + 1)
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], token ids ~ "
-                f"uniform in [0, {cfg.vocab_size}), request i from numpy default_rng([{args.seed}, i]); warm-up prompts: "
-                f"default_rng([{args.seed + 1}, i])")
+                f"uniform in [0, {cfg.vocab_size}), request i from numpy default_rng([{args.seed}, i]); "
+                f"warm-up prompts: default_rng([{args.seed + 1}, i])")
     print(f"loaded in {load_s:.1f}s; {dist}")
     print(f"prompt lengths (request i at every C): {[len(p) for p in prompts]}", flush=True)
     prep = None
