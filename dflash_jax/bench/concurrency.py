@@ -7,9 +7,9 @@ Method (the engine API, not the HTTP server):
 * Prompts: lengths uniform integers in ``[--prompt-len-min, --prompt-len-max]``, request i's from its own
   ``numpy.random.default_rng([--seed, i])`` (so request i's prompt is the same whatever the largest C of a run);
   ``--prompts random`` (default): token ids uniform in ``[0, vocab)`` (the random-weight shapes' cost; a trained
-  drafter accepts little on them); ``--prompts held-out``: windows of real text at uniform offsets, the held-out files of the ``--model`` set (its ``train_report.json``) or
-  ``--prompt-files``, tokenised with the model's tokenizer, so a trained pair shows its real acceptance (printed
-  and recorded).
+  drafter accepts little on them); ``--prompts held-out``: windows of real text at uniform offsets, the held-out
+  files of the ``--model`` set (its ``train_report.json``) or ``--prompt-files``, tokenised with the model's
+  tokenizer, so a trained pair shows its real acceptance (printed and recorded).
 * Every case gets a fresh ``Engine`` (all buckets compiled ahead by ``Engine.warmup``), then one warm-up batch of C
   requests of 8 tokens (other prompts, same length distribution), then ``--repeats`` measured batches that reuse
   that engine's executables. A batch: C requests submitted at once, temperature 0, seed ``--seed``, EOS ignored,
