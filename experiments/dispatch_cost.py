@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dflash_jax.bench import results  # noqa: E402
+from dflash_jax.bench.concurrency import prompt_set  # noqa: E402
 from dflash_jax.bench.sources import load_target_source  # noqa: E402
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
 
@@ -72,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                              dtype=args.dtype, tensor_parallel=1, data_parallel=1, quantization=None)
     target = load_target_source(src)
     c = args.concurrency
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(10, target.config.vocab_size - 1, args.prompt_len).tolist() for _ in range(c)]
+    prompts = prompt_set(c, args.prompt_len, args.prompt_len, target.config.vocab_size, seed=0)
     eng = Engine(target, None, EngineOptions(max_batch=c, max_model_len=args.prompt_len + 64,
                                              prefill_chunk=args.prompt_len, prefill_batch=min(4, c),
                                              batch_buckets=(c,), cohort_yield_min=0.0))

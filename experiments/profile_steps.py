@@ -6,8 +6,9 @@
     python experiments/profile_steps.py --random-weights configs/qwen36_27b.json \
         [--random-drafter configs/qwen36_27b_dflash.json] --concurrency 1 --prompt-len-min 4096 --prompt-len-max 4096
 
-For each mode, a fresh engine (one batch bucket = the concurrency) serves one warm batch of random prompts, then
-a second batch under ``jax.profiler.trace``; the trace's device events are summed by name. Writes
+For each mode, a fresh engine (one batch bucket = the concurrency) serves one warm batch of prompts (``bench
+concurrency``'s ``prompt_set``, or ``text_prompt_set`` with ``--prompts held-out``; seed 0), then a second batch
+under ``jax.profiler.trace``; the trace's device events are summed by name. Writes
 ``profile_steps_<device>_<time>.json``: figures ``<mode>.<kind>_step_ms`` / ``<mode>.host_ms`` (wall time per engine
 step of that kind and of the host loop, ``bench.concurrency.step_time_figures``), ``<mode>.device_ms`` (device
 time of the traced batch) and, in ``extra``, the top
@@ -33,7 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dflash_jax.bench import results  # noqa: E402
-from dflash_jax.bench.concurrency import prompt_text_ids, step_time_figures, text_prompt_set  # noqa: E402
+from dflash_jax.bench.concurrency import prompt_set, prompt_text_ids, step_time_figures, text_prompt_set  # noqa: E402
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
 from dflash_jax.engine.spec_steps import SpecConfig  # noqa: E402
 from dflash_jax.bench.sources import load_drafter_source, load_target_source  # noqa: E402
@@ -99,13 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target_source(src)
     drafter = load_drafter_source(src) if "ddtree" in args.modes else None
     if args.prompts == "held-out":
-        text, _ = prompt_text_ids(argparse.Namespace(model=args.model, prompt_files=None))
+        text, _ = prompt_text_ids(args.model)
         prompts = text_prompt_set(text, args.concurrency, args.prompt_len_min, args.prompt_len_max, seed=0)
     else:
-        rng = np.random.default_rng(0)
-        vocab = target.config.vocab_size
-        lens = rng.integers(args.prompt_len_min, args.prompt_len_max + 1, args.concurrency)
-        prompts = [rng.integers(10, vocab - 1, n).tolist() for n in lens]
+        prompts = prompt_set(args.concurrency, args.prompt_len_min, args.prompt_len_max, target.config.vocab_size, 0)
     lens = np.array([len(p) for p in prompts])
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     max_len = int(lens.max()) + args.output_len + 64

@@ -294,16 +294,16 @@ def text_prompt_set(ids: Sequence[int], n: int, lo: int, hi: int, seed: int) -> 
     return out
 
 
-def prompt_text_ids(args: argparse.Namespace) -> tuple[list[int], list[str]]:
-    """The token stream of ``--prompts held-out``: ``--prompt-files`` or the model set's held-out files, tokenised
-    with ``--model``'s tokenizer; and the files' names."""
+def prompt_text_ids(model: str | None, files: Sequence[str] | None = None) -> tuple[list[int], list[str]]:
+    """The token stream of ``--prompts held-out``: ``files`` (``--prompt-files``) or the ``model`` set's held-out
+    files, tokenised with ``model``'s tokenizer; and the files' names."""
     from dflash_jax.bench.acceptance import held_out_files
     from dflash_jax.models.tokenizer import Tokenizer
 
-    if not args.model or not os.path.exists(os.path.join(args.model, "tokenizer.json")):
+    if not model or not os.path.exists(os.path.join(model, "tokenizer.json")):
         raise ValueError("--prompts held-out needs --model DIR with a tokenizer.json (random weights have no text)")
-    files = args.prompt_files or held_out_files(args.model)
-    tok = Tokenizer.from_dir(args.model)
+    files = files or held_out_files(model)
+    tok = Tokenizer.from_dir(model)
     ids: list[int] = []
     for f in files:
         with open(f, encoding="utf-8", errors="replace") as fh:
@@ -845,7 +845,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     cfg = target.config
     max_len = args.max_model_len or args.prompt_len_max + args.output_len
     if args.prompts == "held-out":
-        text, names = prompt_text_ids(args)
+        text, names = prompt_text_ids(args.model, args.prompt_files)
         prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed)
         warm_prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed + 1)
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], windows at "
