@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--leaves", type=int, nargs="+", default=[16, 128, 1024])
     ap.add_argument("--out-dir", default="experiments/results")
     args = ap.parse_args(argv)
+    if min(args.concurrency, args.prompt_len, args.iters, *args.leaves) < 1:
+        ap.error("--concurrency, --prompt-len, --iters and every --leaves must be >= 1")
     src = argparse.Namespace(model=None if args.random_weights else args.model, random_weights=args.random_weights,
                              dtype=args.dtype, tensor_parallel=1, data_parallel=1, quantization=None)
     target = load_target_source(src)

@@ -21,3 +21,11 @@ def test_dispatch_cost_times_host_and_device_buffers(tmp_path):
         assert 0 < figs[f"c2.decode.{name}.dispatch_ms"] <= figs[f"c2.decode.{name}.wall_ms"]
     assert figs["c2.decode.sync_ms"] > 0 and figs["leaves4.call_ms"] > 0 and figs["leaves64.call_ms"] > 0
     assert figs["param_leaves"] > 10 and rec["extra"]["buffer_words"] > 0
+
+
+def test_dispatch_cost_rejects_empty_loops(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        _module().main(["--iters", "0"])
+    assert "--iters" in capsys.readouterr().err
