@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import load_experiment
 
 
@@ -24,8 +26,6 @@ def test_dispatch_cost_times_host_and_device_buffers(tmp_path):
 
 
 def test_dispatch_cost_rejects_empty_loops(capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         _module().main(["--iters", "0"])
     assert "--iters" in capsys.readouterr().err
