@@ -43,6 +43,7 @@ _BUILTIN_MODULES = {
     "gdn_chunked": "pallas_kernels.gdn",
     "gdn_step": "pallas_kernels.gdn",
     "gdn_tree": "pallas_kernels.gdn",
+    "gdn_decode": "pallas_kernels.gdn",
     "skinny_matmul": "pallas_kernels.skinny_matmul",
 }
 

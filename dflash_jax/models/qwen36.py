@@ -221,50 +221,107 @@ def gdn_project(p: Params, cfg: TargetConfig, u: jax.Array):
 
 
 def gdn_inputs(p: Params, cfg: TargetConfig, c: jax.Array, braw: jax.Array, araw: jax.Array, valid: jax.Array):
-    """Post-conv rows c [B,T,conv_dim] -> the delta rule's q, k [B,T,Hv,dk], v [B,T,Hv,dv], beta, g [B,T,Hv].
+    """Post-conv rows c [B,T,conv_dim] -> the delta rule's q, k [B,T,Hv,dk], v [B,T,Hv,dv], beta, g [B,T,Hv]
+    (:func:`gdn_qkv_gates` with the layer's parameters and ``cfg``'s head counts)."""
+    return gdn_qkv_gates(c, braw, araw, p["A_log"], p["dt_bias"], valid, n_k_heads=cfg.lin_num_k_heads,
+                         v_dim=cfg.lin_v_dim, groups=cfg.gdn_qkv_groups)
 
-    q/k are L2-normalised (q scaled by dk^-0.5) and expanded to the value heads (head j reads key head
-    j // gva_ratio); invalid tokens get beta = g = 0 and k = v = 0, so they leave the state unchanged.
+
+def gdn_qkv_gates(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Array, dt_bias: jax.Array,
+                  valid: jax.Array, *, n_k_heads: int, v_dim: int, groups: int = 1):
+    """Post-conv rows c [B,T,C] -> q, k [B,T,Hv,dk], v [B,T,Hv,dv], beta, g [B,T,Hv] (braw's dtype).
+
+    ``C = 2 * n_k_heads * dk + Hv * v_dim`` with Hv = braw.shape[-1]. q/k are L2-normalised (q scaled by dk^-0.5)
+    and expanded to the value heads (head j reads key head j // (Hv / n_k_heads)); invalid tokens get beta = g = 0
+    and k = v = 0, so they leave the state unchanged. The channels are ``groups`` groups of ``[q | k | v]`` (1 = the
+    checkpoint's layout; tensor parallelism groups whole heads).
     """
-    b, t, _ = c.shape
-    hk, hv, dk, dv = cfg.lin_num_k_heads, cfg.lin_num_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+    b, t, ch = c.shape
+    hk, hv, dv = n_k_heads, braw.shape[-1], v_dim
+    key_dim = (ch - hv * dv) // 2
+    dk = key_dim // hk
     f = braw.dtype
     c = c.astype(f)
-    ng = cfg.gdn_qkv_groups  # channels are ng groups of [q | k | v] (1 = the checkpoint's layout)
-    kd = cfg.key_dim // ng
-    cg = c.reshape(b, t, ng, -1)
+    kd = key_dim // groups
+    cg = c.reshape(b, t, groups, -1)
     q = gdn.l2norm(cg[..., :kd].reshape(b, t, hk, dk)) * dk ** -0.5
     k = gdn.l2norm(cg[..., kd:2 * kd].reshape(b, t, hk, dk))
     v = cg[..., 2 * kd:].reshape(b, t, hv, dv)
     m = valid.astype(f)
     beta = jax.nn.sigmoid(braw) * m[..., None]
-    g = -jnp.exp(p["A_log"].astype(f)) * jax.nn.softplus(araw + p["dt_bias"].astype(f)) * m[..., None]
+    g = -jnp.exp(a_log.astype(f)) * jax.nn.softplus(araw + dt_bias.astype(f)) * m[..., None]
     k = k * m[..., None, None]
     v = v * m[..., None, None]
-    r = cfg.gva_ratio
+    r = hv // hk
     return jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2), v, beta, g
 
 
 def gdn_output(p: Params, cfg: TargetConfig, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
     """Gated output norm and out_proj: o, z [B,T,Hv,dv] -> [B,T,D] in ``dtype``."""
     b, t = o.shape[:2]
-    y = rms_norm(o, p["norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(o.dtype))
+    y = gdn_gated_norm(o, z, p["norm"], cfg.rms_norm_eps)
     return linear(y.astype(dtype).reshape(b, t, -1), p["out"])
+
+
+def gdn_gated_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """rms_norm(o) * w * silu(z) per value head: o, z [..., dv] -> [..., dv] in o's dtype."""
+    return rms_norm(o, w, eps) * jax.nn.silu(z.astype(o.dtype))
 
 
 def gdn_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
               conv_state: jax.Array, ssm_state: jax.Array):
-    """Gated DeltaNet. u [B,T,D]; conv_state [B,K-1,C]; ssm_state [B,Hv,dk,dv] -> (out, conv, ssm)."""
+    """Gated DeltaNet over a chunk (T > 1; decode is :func:`gdn_decode_layer`). u [B,T,D]; conv_state [B,K-1,C];
+    ssm_state [B,Hv,dk,dv] -> (out, conv, ssm)."""
     x, z, braw, araw = gdn_project(p, cfg, u)
     c, conv_state = causal_conv(x, p["conv"], conv_state, inp.n_valid)
     q, k, v, beta, g = gdn_inputs(p, cfg, c, braw, araw, valid)
-    ssm_state = ssm_state.astype(braw.dtype)
-    if u.shape[1] == 1:  # decode: one step, no loop (a while loop per layer costs a host round trip on GPU)
-        o, ssm_state = gdn.gdn_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], ssm_state)
-        o = o[:, None]
-    else:
-        o, ssm_state = gdn.gdn_chunked(q, k, v, beta, g, ssm_state)
+    o, ssm_state = gdn.gdn_chunked(q, k, v, beta, g, ssm_state.astype(braw.dtype))
     return gdn_output(p, cfg, o, z, u.dtype), conv_state, ssm_state
+
+
+def gdn_decode_layer(p: Params, cfg: TargetConfig, u: jax.Array, valid: jax.Array, fresh: jax.Array,
+                     slots: jax.Array, conv_all: jax.Array, ssm_all: jax.Array):
+    """Gated DeltaNet for one token of every row, reading and writing the slots' state in place.
+
+    u [B,1,D]; valid [B,1]; fresh [B] (rows that start from a zero state); slots [B] (0 = null: not written);
+    conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv] -> (out [B,1,D], conv_all, ssm_all). Everything between the input
+    projections and out_proj is one op, ``gdn_decode`` (conv, gates, delta-rule step, gated norm, state writes).
+    """
+    x, z, braw, araw = gdn_project(p, cfg, u)
+    y, conv_all, ssm_all = gdn_decode(x[:, 0], z[:, 0], braw[:, 0], araw[:, 0], p["conv"], p["A_log"], p["dt_bias"],
+                                      p["norm"], conv_all, ssm_all, slots, fresh, valid[:, 0],
+                                      n_k_heads=cfg.lin_num_k_heads, groups=cfg.gdn_qkv_groups, eps=cfg.rms_norm_eps)
+    return linear(y.reshape(u.shape[0], 1, -1), p["out"]), conv_all, ssm_all
+
+
+def gdn_decode(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+               n_k_heads: int, groups: int = 1, eps: float):
+    """:func:`gdn_decode_reference`'s contract through the kernel registry's ``"gdn_decode"`` op (the fused Pallas
+    kernel is opt-in: ``DFLASH_KERNELS=gdn_decode=pallas_triton``)."""
+    from pallas_kernels import registry
+
+    return registry.get("gdn_decode")(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots,
+                                      fresh, valid, n_k_heads=n_k_heads, groups=groups, eps=eps)
+
+
+def gdn_decode_reference(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+                         n_k_heads: int, groups: int = 1, eps: float):
+    """One decode token of a GDN layer between its projections, in jnp.
+
+    x [B,C] pre-conv row; z [B,Hv,dv]; braw, araw [B,Hv] (accumulation dtype); conv_w [C,K]; a_log, dt_bias [Hv];
+    norm_w [dv]; conv_all [S,K-1,C] and ssm_all [S,Hv,dk,dv] every slot's state; slots [B] (0 = null); fresh [B]
+    (read a zero state); valid [B] (an invalid row leaves its state as read). Returns (y [B,Hv,dv] gated-normed
+    in x's dtype, conv_all, ssm_all) with the rows of slots > 0 updated.
+    """
+    cs = jnp.where(fresh[:, None, None], 0, conv_all[slots])
+    ss = jnp.where(fresh[:, None, None, None], 0, ssm_all[slots]).astype(braw.dtype)
+    c, cs = causal_conv(x[:, None], conv_w, cs, valid.astype(jnp.int32))
+    q, k, v, beta, g = gdn_qkv_gates(c, braw[:, None], araw[:, None], a_log, dt_bias, valid[:, None],
+                                     n_k_heads=n_k_heads, v_dim=z.shape[-1], groups=groups)
+    o, ss = gdn.gdn_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], ss)
+    y = gdn_gated_norm(o, z, norm_w, eps).astype(x.dtype)
+    keep = slots > 0
+    return y, set_rows_where(conv_all, (slots,), cs, keep), set_rows_where(ssm_all, (slots,), ss, keep)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +337,7 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
     """
     valid = inp.valid
     fresh = inp.positions[:, 0] == 0  # a row starting at position 0 has no recurrent history
+    decode = inp.tokens.shape[1] == 1  # one token a row: GDN layers through the fused gdn_decode op
     h = params["embed"].astype(params["layers"][0]["mlp"]["gate"].dtype)[inp.tokens]
     ks, vs, convs, ssms = list(kv.k), list(kv.v), list(rec.conv), list(rec.ssm)
     feats = []
@@ -289,6 +347,9 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
         if lt == FULL:
             out, ks[ai], vs[ai] = attention_layer(p["attn"], cfg, u, inp, valid, ks[ai], vs[ai])
             ai += 1
+        elif decode:
+            out, convs[gi], ssms[gi] = gdn_decode_layer(p["gdn"], cfg, u, valid, fresh, inp.slots, convs[gi], ssms[gi])
+            gi += 1
         else:
             cs = jnp.where(fresh[:, None, None], 0, convs[gi][inp.slots])
             ss = jnp.where(fresh[:, None, None, None], 0, ssms[gi][inp.slots])

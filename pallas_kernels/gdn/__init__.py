@@ -20,6 +20,13 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 (sequence, head, value block), the ancestor-masked system solved in registers), opt-in likewise
 (``DFLASH_KERNELS=gdn_tree=pallas_triton``); trees over 64 slots or tiles that do not fit run the reference,
 with a warning.
+
+``"gdn_decode"`` (signature ``(x [B,C], z [B,Hv,dv], braw, araw [B,Hv], conv_w, a_log, dt_bias, norm_w, conv_all
+[S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv], conv_all,
+ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
+projections, the slots' state updated in place): ``"reference"`` = ``qwen36.gdn_decode_reference``;
+``"pallas_triton"`` = :func:`decode.gdn_decode` (one kernel a layer), opt-in likewise
+(``DFLASH_KERNELS=gdn_decode=pallas_triton``).
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import registry
+from pallas_kernels.gdn import decode as _decode
 from pallas_kernels.gdn.kernel import (block_plan, chunk_local, default_config, default_precision, gdn_chunked,
                                       gdn_step, operand_dtype, step_block_plan)
-from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_step_reference, gdn_tree_reference
+from pallas_kernels.gdn.reference import (gdn_chunked_reference, gdn_decode_reference, gdn_step_reference,
+                                          gdn_tree_reference)
 from pallas_kernels.gdn.tree import block_plan as tree_block_plan
 from pallas_kernels.gdn.tree import default_config as tree_default_config
 from pallas_kernels.gdn.tree import gdn_tree
@@ -85,14 +94,35 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     return gdn_tree(q, k, v, beta, g, state, ancestors, **cfg, interpret=backend not in registry.GPU_BACKENDS)
 
 
+def gdn_decode_pallas(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+                      n_k_heads: int, groups: int = 1, eps: float):
+    """The registered fused decode kernel; channel layouts other than the checkpoint's (``groups > 1``, tensor
+    parallel) and head dims its tiles cannot take run the reference, with a warning."""
+    backend = registry.current_backend()
+    hv, dv = z.shape[1:]
+    dk = (x.shape[-1] - hv * dv) // (2 * n_k_heads)
+    try:
+        if groups != 1:
+            raise ValueError(f"gdn_decode: the kernel reads the checkpoint's [q | k | v] channels; groups={groups}")
+        _decode.block_plan(dk=dk, dv=dv)
+    except ValueError as e:
+        registry.warn_fallback("gdn_decode", e)
+        return gdn_decode_reference(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh,
+                                    valid, n_k_heads=n_k_heads, groups=groups, eps=eps)
+    return _decode.gdn_decode(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid,
+                              n_k_heads=n_k_heads, eps=eps, interpret=backend not in registry.GPU_BACKENDS)
+
+
 registry.register("gdn_chunked", "reference", gdn_chunked_reference, backends=("any",))
 registry.register("gdn_chunked", "pallas_triton", gdn_chunked_pallas, backends=("gpu",), preferred=False)
 registry.register("gdn_step", "reference", gdn_step_reference, backends=("any",))
 registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",), preferred=False)
 registry.register("gdn_tree", "reference", gdn_tree_reference, backends=("any",))
+registry.register("gdn_decode", "reference", gdn_decode_reference, backends=("any",))
+registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",), preferred=False)
 registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
-           "gdn_chunked_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
+           "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
            "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "step_block_plan", "tree_block_plan",
            "tree_default_config"]

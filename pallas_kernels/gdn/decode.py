@@ -1,0 +1,132 @@
+"""Pallas (Triton lowering) kernel: one decode token of a Gated DeltaNet layer between its projections, fused.
+
+``dflash_jax.models.qwen36.gdn_decode_reference``'s contract: from the pre-conv row ``x`` and the raw gates, the
+depthwise causal conv + SiLU (the slot's last K-1 rows), L2-normalised q / k, ``beta = sigmoid(b)``,
+``g = -exp(A_log) softplus(a + dt_bias)``, the delta-rule step on the slot's fp32 state, the gated RMSNorm of the
+output, and the slot's new conv rows and state written back in place (``input_output_aliases``). In XLA this is
+~15 kernels a layer (gathers, conv, norms, gates, the step, scatters), each a launch of a few microseconds on a
+decode step that is otherwise weight streaming; here it is one.
+
+Grid ``(B, n_k_heads)``: a program owns one row's key head ``j``: its q / k conv channels and the ``r = Hv / Hk``
+value heads that read them (their v channels, states and outputs), so every byte of state it writes is its own
+(value heads sharing a key head in one program: no other program reads the q / k conv rows it rewrites). Each
+value head's ``[dk, dv]`` state tile is read, updated and written once. Rows whose slot is 0 (padding) write
+nothing. The checkpoint's channel layout ``[q | k | v]`` only (``groups == 1``); other layouts run the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.registry import check_block_shapes
+
+F32 = jnp.float32
+
+
+def _silu(x):
+    return x / (1.0 + jnp.exp(-x))
+
+
+def _softplus(x):
+    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+
+
+def _kernel(x_ref, z_ref, b_ref, a_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_ref,
+            cs_ref, s_ref, y_ref, cs_out_ref, s_out_ref, *, hk, dk, dv, r, kk, eps):
+    # cs_out_ref / s_out_ref alias cs_ref / s_ref (the same buffers): read the old state there, write the new here
+    i = pl.program_id(0)
+    j = pl.program_id(1)
+    slot = slot_ref[i]
+    fresh = fresh_ref[i] != 0
+    m = (valid_ref[i] != 0).astype(F32)
+    key_dim = hk * dk
+
+    def conv(off, n):
+        """Conv + SiLU of channels [off, off + n) (rounded to x's dtype, as the reference), and their new rows."""
+        ch = pl.ds(off, n)
+        x = x_ref[i, ch]
+        rows = [jnp.where(fresh, jnp.zeros_like(x), cs_ref[slot, t, ch]) for t in range(kk - 1)]
+        acc = x.astype(F32) * w_ref[ch, kk - 1].astype(F32)
+        for t in range(kk - 1):
+            acc = acc + rows[t].astype(F32) * w_ref[ch, t].astype(F32)
+        c = _silu(acc).astype(x.dtype).astype(F32)
+        new = [jnp.where(m > 0, (rows + [x])[t + 1], rows[t]) for t in range(kk - 1)]
+        return c, new
+
+    def store_rows(off, n, new):
+        @pl.when(slot > 0)
+        def _():
+            for t in range(kk - 1):
+                cs_out_ref[slot, t, pl.ds(off, n)] = new[t]
+
+    q, q_rows = conv(j * dk, dk)
+    k, k_rows = conv(key_dim + j * dk, dk)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * (dk ** -0.5)
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6) * m
+    store_rows(j * dk, dk, q_rows)
+    store_rows(key_dim + j * dk, dk, k_rows)
+    nw = nw_ref[...].astype(F32)
+    for e in range(r):  # the value heads of key head j
+        h = j * r + e
+        v_off = 2 * key_dim + h * dv
+        v, v_rows = conv(v_off, dv)
+        v = v * m
+        store_rows(v_off, dv, v_rows)
+        beta = m / (1.0 + jnp.exp(-b_ref[i, h].astype(F32)))
+        g = -jnp.exp(alog_ref[h].astype(F32)) * _softplus(a_ref[i, h].astype(F32) + dtb_ref[h].astype(F32)) * m
+        s = s_ref[slot, h].astype(F32)
+        s = jnp.where(fresh, jnp.zeros_like(s), s) * jnp.exp(g)
+        read = jnp.sum(s * k[:, None], axis=0)                      # S^T k [dv]
+        s = s + k[:, None] * (beta * (v - read))[None, :]
+        o = jnp.sum(s * q[:, None], axis=0)                         # S^T q [dv]
+
+        @pl.when(slot > 0)
+        def _():
+            s_out_ref[slot, h] = s.astype(s_out_ref.dtype)
+
+        ms = jnp.sum(o * o) / dv
+        y = o * jax.lax.rsqrt(ms + eps) * nw * _silu(z_ref[i, h].astype(F32))
+        y_ref[i, h] = y.astype(y_ref.dtype)
+
+
+def block_plan(*, dk: int, dv: int) -> None:
+    """Static check of the tiles one program loads (the state tile ``[dk, dv]`` in registers)."""
+    check_block_shapes("gdn_decode", {"q": (dk,), "v": (dv,), "state": (dk, dv)})
+
+
+@functools.partial(jax.jit, static_argnames=("n_k_heads", "eps", "num_warps", "interpret"))
+def gdn_decode(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+               n_k_heads: int, eps: float, num_warps: int = 8, interpret: bool = False):
+    """The fused decode step (module doc). x [B, C]; z [B, Hv, dv]; braw, araw [B, Hv]; conv_w [C, K]; a_log,
+    dt_bias [Hv]; norm_w [dv]; conv_all [S, K-1, C]; ssm_all [S, Hv, dk, dv]; slots [B] int32; fresh, valid [B].
+    Returns (y [B, Hv, dv] in x's dtype, conv_all, ssm_all) with the state updated in place."""
+    b, ch = x.shape
+    hv, dv = z.shape[1:]
+    hk = n_k_heads
+    key_dim = (ch - hv * dv) // 2
+    dk = key_dim // hk
+    kk = conv_w.shape[1]
+    if 2 * key_dim + hv * dv != ch or hk * dk != key_dim or hv % hk or ssm_all.shape[1:] != (hv, dk, dv) \
+            or conv_all.shape[1:] != (kk - 1, ch) or braw.shape != (b, hv) or araw.shape != (b, hv):
+        raise ValueError(f"gdn_decode: x {x.shape}, z {z.shape}, braw {braw.shape}, conv_w {conv_w.shape}, conv_all "
+                         f"{conv_all.shape}, ssm_all {ssm_all.shape} disagree for {hk} key heads")
+    block_plan(dk=dk, dv=dv)
+    kernel = functools.partial(_kernel, hk=hk, dk=dk, dv=dv, r=hv // hk, kk=kk, eps=eps)
+    n_in = 13
+    y, conv_all, ssm_all = pl.pallas_call(
+        kernel,
+        grid=(b, hk),
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), x.dtype), jax.ShapeDtypeStruct(conv_all.shape, conv_all.dtype),
+                   jax.ShapeDtypeStruct(ssm_all.shape, ssm_all.dtype)],
+        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"gdn_decode_hk{hk}_dk{dk}_dv{dv}",
+    )(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, slots.astype(jnp.int32), fresh.astype(jnp.int32),
+      valid.astype(jnp.int32), conv_all, ssm_all)
+    return y, conv_all, ssm_all
