@@ -296,8 +296,8 @@ def gdn_decode_layer(p: Params, cfg: TargetConfig, u: jax.Array, valid: jax.Arra
 
 def gdn_decode(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
                n_k_heads: int, groups: int = 1, eps: float):
-    """:func:`gdn_decode_reference`'s contract through the kernel registry's ``"gdn_decode"`` op (the fused Pallas
-    kernel is opt-in: ``DFLASH_KERNELS=gdn_decode=pallas_triton``)."""
+    """:func:`gdn_decode_reference`'s contract through the kernel registry's ``"gdn_decode"`` op (on a GPU the fused
+    Pallas kernel ``pallas_kernels.gdn.decode``; ``DFLASH_KERNELS=gdn_decode=reference`` for the jnp path)."""
     from pallas_kernels import registry
 
     return registry.get("gdn_decode")(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots,

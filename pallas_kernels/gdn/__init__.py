@@ -25,8 +25,9 @@ with a warning.
 [S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv], conv_all,
 ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
 projections, the slots' state updated in place): ``"reference"`` = ``qwen36.gdn_decode_reference``;
-``"pallas_triton"`` = :func:`decode.gdn_decode` (one kernel a layer), opt-in likewise
-(``DFLASH_KERNELS=gdn_decode=pallas_triton``).
+``"pallas_triton"`` = :func:`decode.gdn_decode` (one kernel a layer), **the GPU default** (H200, 27B shapes, bf16:
+AR decode 1.05x at C1 and 1.34x at C16 over the reference path in one run, ``ar_nvidia-h200_20261203-2225*.json``);
+``DFLASH_KERNELS=gdn_decode=reference`` turns it off.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ registry.register("gdn_step", "reference", gdn_step_reference, backends=("any",)
 registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",), preferred=False)
 registry.register("gdn_tree", "reference", gdn_tree_reference, backends=("any",))
 registry.register("gdn_decode", "reference", gdn_decode_reference, backends=("any",))
-registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",), preferred=False)
+registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
