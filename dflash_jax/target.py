@@ -36,7 +36,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
 def _full_pass(params, cfg, tokens, n_valid, return_layers):
     """One sequence, no prior state: tokens [1, T] -> (logits [T, V], feats [L, T, D] | None)."""
     t = tokens.shape[1]
-    dtype = params["layers"][0]["mlp"]["gate"].dtype
+    dtype = qwen36.param_dtype(params)
     n_pages = t // _PAGE + 1
     kv = KVPages.zeros(cfg, n_pages, _PAGE, dtype)
     rec = RecurrentSlots.zeros(cfg, 2, dtype)
@@ -75,6 +75,14 @@ class Target:
         logits, feats = _full_pass(self.params, self.config, jnp.asarray(tok), jnp.asarray([t], jnp.int32),
                                    return_layers)
         return logits[:t], None if feats is None else feats[:, :t]
+
+    def fuse_projections(self) -> "Target":
+        """Fuse this target's input projections in place (``qwen36.fuse_projections``; each part's buffer is freed
+        as its fused matrix is made) and return it; a target laid out over a mesh is left as is. What an ``Engine``
+        would otherwise do on a copy."""
+        if self.layout is None and not qwen36.is_fused(self.params):
+            self.params = qwen36.fuse_projections(self.params, consume=True)
+        return self
 
     def logits(self, token_ids: Sequence[int]) -> jax.Array:
         """Full-sequence logits ``[T, V]`` (float32) of one sequence starting at position 0."""
@@ -142,6 +150,9 @@ def shard_target(target: Target, tensor_parallel: int = 1, data_parallel: int = 
             raise ShardingError(f"the target is laid out for tensor_parallel={have[0]}, data_parallel={have[1]} "
                                 f"but {tensor_parallel}, {data_parallel} were asked for; load it again unsharded")
         return target
+    if qwen36.is_fused(target.params):
+        raise ShardingError("the target's projections are fused (an Engine built on it with fuse_projections); "
+                            "tensor / data parallelism lays out the checkpoint's matrices: load it again")
     lay = Layout.build(target.config, tensor_parallel, data_parallel, devices)
     return dataclasses.replace(target, config=lay.plan.model_config(target.config),
                                params=lay.shard_params(target.params, target.config), layout=lay)

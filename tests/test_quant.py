@@ -350,7 +350,7 @@ def test_fp8_engine_greedy_equals_the_fp8_reference():
 def test_engine_option_quantizes_a_full_precision_target():
     t = _target()
     eng = Engine(t, None, EngineOptions(max_batch=1, max_model_len=64, prefill_chunk=16, quantization="fp8"))
-    assert quant.is_quantized(eng.target.params["layers"][0]["mlp"]["gate"])
+    assert quant.is_quantized(eng.target.params["layers"][0]["mlp"]["gate+up"])
     assert not quant.is_quantized(t.params["layers"][0]["mlp"]["gate"])  # the caller's target is untouched
     [o] = eng.generate([IDS[:10]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert o.token_ids == _target(quantization="fp8").greedy(IDS[:10], 4)

@@ -2,7 +2,7 @@
 
 A step that reads every weight matrix a real decode step reads (all projections and MLP matrices of
 every layer, then the LM head), as batched matvecs, with none of the attention or recurrent-state
-math. Its time is the practical floor of an AR decode step at small B; its tok/s the ceiling.
+math; fused projections (``qwen36.fuse_projections``) as the one matmul the model runs. Its time is the practical floor of an AR decode step at small B; its tok/s the ceiling.
 
 Layers are unrolled in Python over the per-layer param dicts (no ``scan``/``fori_loop``: a dynamic
 slice over stacked weights costs 2.6x). Each layer's outputs are folded back into ``x`` so that no
@@ -23,7 +23,7 @@ from dflash_jax.bench import roofline
 from dflash_jax.bench.timing import timings
 from dflash_jax.config import FULL, TargetConfig
 from dflash_jax.models import quant
-from dflash_jax.models.qwen36 import acc_dtype, linear
+from dflash_jax.models.qwen36 import acc_dtype, linear, project
 
 
 def _norm(x: jax.Array) -> jax.Array:
@@ -39,26 +39,27 @@ def _mean(y: jax.Array) -> jax.Array:
 
 def _attn(p: dict[str, Any], cfg: TargetConfig, u: jax.Array) -> jax.Array:
     n = cfg.num_heads * cfg.head_dim
-    q = linear(u, p["q"])
-    k = linear(u, p["k"])
-    v = linear(u, p["v"])
-    y = q[:, :n] + _mean(k) + _mean(v)
-    if q.shape[-1] > n:  # the output gate half of q_proj
-        y = y * jax.nn.sigmoid(q[:, n:2 * n])
-    return linear(y, p["o"])
+    kv = cfg.num_kv_heads * cfg.head_dim
+    y = project(p, u, {"q": cfg.q_proj_dim, "k": kv, "v": kv})
+    out = y["q"][:, :n] + _mean(y["k"]) + _mean(y["v"])
+    if y["q"].shape[-1] > n:  # the output gate half of q_proj
+        out = out * jax.nn.sigmoid(y["q"][:, n:2 * n])
+    return linear(out, p["o"])
 
 
 def _gdn(p: dict[str, Any], cfg: TargetConfig, u: jax.Array) -> jax.Array:
-    qkv = linear(u, p["qkv"]) * p["conv"][:, -1].astype(u.dtype)
-    z = linear(u, p["z"])
-    b = linear(u, p["b"])
-    a = linear(u, p["a"])
-    y = qkv[:, 2 * cfg.key_dim:] * jax.nn.silu(z) + _mean(qkv[:, :2 * cfg.key_dim]) + _mean(b) + _mean(a)
-    return linear(y, p["out"])
+    hv = cfg.lin_num_v_heads
+    y = project(p, u, {"qkv": cfg.conv_dim, "z": cfg.value_dim, "b": hv, "a": hv})
+    qkv = y["qkv"] * p["conv"][:, -1].astype(u.dtype)
+    out = qkv[:, 2 * cfg.key_dim:] * jax.nn.silu(y["z"]) + _mean(qkv[:, :2 * cfg.key_dim]) + _mean(y["b"]) \
+        + _mean(y["a"])
+    return linear(out, p["out"])
 
 
 def _mlp(p: dict[str, Any], u: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(u, p["gate"])) * linear(u, p["up"]), p["down"])
+    f = p["down"].shape[1]
+    y = project(p, u, {"gate": f, "up": f})
+    return linear(jax.nn.silu(y["gate"]) * y["up"], p["down"])
 
 
 def make_weight_stream(cfg: TargetConfig) -> Callable[[dict, jax.Array], jax.Array]:

@@ -27,6 +27,8 @@ def add_target_arguments(p: argparse.ArgumentParser, model_help: str = "HF targe
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="devices of the mesh's model axis (Megatron tensor parallelism; dflash_jax/sharding.py)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="M", help="devices of the mesh's data axis")
+    p.add_argument("--no-fuse-projections", action="store_true",
+                   help="keep each input projection its own matmul (EngineOptions.fuse_projections=False)")
     p.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="JAX persistent compilation cache directory: executables of equal shapes are compiled once "
                         "and loaded by later engines and runs (warmup_report['cache_hits'] counts them)")
@@ -55,26 +57,31 @@ def add_source_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parallel_options(args: argparse.Namespace) -> dict[str, int]:
-    """``EngineOptions`` fields of ``--tensor-parallel`` / ``--data-parallel``."""
-    return {"tensor_parallel": args.tensor_parallel, "data_parallel": args.data_parallel}
+    """``EngineOptions`` fields of ``--tensor-parallel`` / ``--data-parallel`` / ``--no-fuse-projections``."""
+    return {"tensor_parallel": args.tensor_parallel, "data_parallel": args.data_parallel,
+            "fuse_projections": not getattr(args, "no_fuse_projections", False)}
 
 
 def load_target_source(args: argparse.Namespace, quantization: str | None = None) -> Target:
     """The target ``--model`` names, or the ``--random-weights`` config with random weights (key 0), with its
     matmul weights in ``quantization`` (default ``args.quantization``; random weights are quantized as each is
     generated, so the full-precision model never sits on the device); with ``--tensor-parallel`` /
-    ``--data-parallel`` > 1, laid out over that mesh (each tensor straight to its shards; unquantized only)."""
+    ``--data-parallel`` > 1, laid out over that mesh (each tensor straight to its shards; unquantized only); on one
+    device its input projections fused in place unless ``--no-fuse-projections`` (``Target.fuse_projections``)."""
     dtype = jnp.dtype(args.dtype)
     q = quant.check_quantization(quantization if quantization is not None else getattr(args, "quantization", None))
     tp, dp = args.tensor_parallel, args.data_parallel
     if getattr(args, "compile_cache", None):
         enable_compile_cache(args.compile_cache)
     initialize_distributed()
+    fuse = not getattr(args, "no_fuse_projections", False)
     if args.model:
-        return load_target(args.model, dtype=args.dtype, tensor_parallel=tp, data_parallel=dp, quantization=q)
+        t = load_target(args.model, dtype=args.dtype, tensor_parallel=tp, data_parallel=dp, quantization=q)
+        return t.fuse_projections() if fuse else t
     cfg = TargetConfig.from_file(args.random_weights)
     if tp == dp == 1:
-        return Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype, quantization=q), ())
+        t = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype, quantization=q), ())
+        return t.fuse_projections() if fuse else t
     if q is not None:
         raise SystemExit("--quantization fp8 cannot be combined with --tensor-parallel/--data-parallel > 1 yet")
     lay = Layout.build(cfg, tp, dp)

@@ -32,7 +32,7 @@ from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.kv.kvflash import KVFlashOptions, Plan, Residency, resolve_pool_tokens
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
-from dflash_jax.models import quant
+from dflash_jax.models import quant, qwen36
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, StepInput
 from dflash_jax.sharding import Layout, to_host
@@ -224,6 +224,10 @@ class EngineOptions:
     # on the H200 the tiny pair ran slower with it (a chained step costs two dispatches: its advance and itself);
     # the 27B oracle's chained rounds ran 284 tok/s vs 250 synchronous (WORKSPACE, results)
     overlap: bool = False
+    # one matmul for the input projections that read the same activations (qwen36.fuse_projections), for an unsharded
+    # target: the engine fuses a copy (the caller's Target is untouched; Target.fuse_projections() fuses one in place,
+    # as the serve and bench entry points do, so the matrices are never held twice)
+    fuse_projections: bool = True
 
 
 def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -280,18 +284,23 @@ class Engine:
         if drafter is not None and self.layout is not None:  # the drafter is small: replicated on every device
             drafter = (drafter[0], jax.device_put(drafter[1], self.layout.replicated))
         if quant.check_quantization(o.quantization) is not None:  # no-op for leaves quantized at load
+            if qwen36.is_fused(target.params):
+                raise ValueError("quantization applies to the checkpoint's matrices, but this target's projections "
+                                 "are already fused: load it with quantization=... (or quantize before fusing)")
             if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
                 raise ValueError("quantized weights cannot be sharded yet: use quantization with tensor_parallel=1 "
                                  "and data_parallel=1")
             target = dataclasses.replace(target, params=quant.quantize_params(target.params, o.quantization))
             if drafter is not None:
                 drafter = (drafter[0], quant.quantize_params(drafter[1], o.quantization))
+        if o.fuse_projections and target.layout is None and not qwen36.is_fused(target.params):
+            target = dataclasses.replace(target, params=qwen36.fuse_projections(target.params))
         self.target, self.cfg, self.tokenizer, self.options = target, target.config, tokenizer, o
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.dcfg, self.dparams = drafter if drafter is not None else (None, None)
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
-        self.dtype = jnp.dtype(self.target.params["layers"][0]["mlp"]["gate"].dtype)
+        self.dtype = jnp.dtype(qwen36.param_dtype(self.target.params))
         self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)
         self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
         self.overlap = (o.overlap and o.data_parallel == 1 and o.spec_oracle is None
@@ -581,6 +590,8 @@ class Engine:
             from dflash_jax.models.dflash_loader import load_drafter
 
             drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype, quantization=q)
+        if options.get("fuse_projections", True):
+            target.fuse_projections()
         eng = cls(target, Tokenizer.from_dir(target_path), EngineOptions(**options), drafter=drafter)
         if warmup:
             eng.warmup()

@@ -8,7 +8,10 @@ Parameters (weights kept in the checkpoint's ``[out, in]`` layout, one dict per 
     gdn  {qkv [conv_dim, D], z [Hv*dv, D], b [Hv, D], a [Hv, D], conv [conv_dim, K], A_log [Hv],
           dt_bias [Hv], norm [dv], out [D, Hv*dv]}                                          (linear layers)
 
-Norm weights, A_log and dt_bias are float32; matrices use the activation dtype. The qkv / conv channels are
+Norm weights, A_log and dt_bias are float32; matrices use the activation dtype. :func:`fuse_projections` rewrites a
+layer's input projections that read the same activations into one matrix each (``gdn["qkv+z+b+a"]``,
+``attn["q+k+v"]``, ``mlp["gate+up"]``: the parts concatenated along ``out``), one matmul instead of several; the
+model code reads either layout (:func:`project`). The qkv / conv channels are
 ``[q | k | v]`` or, under tensor parallelism, ``cfg.gdn_qkv_groups`` groups of whole heads of each
 (``sharding.qkv_permutation``); the model code is otherwise free of sharding (``dflash_jax/sharding.py``).
 """
@@ -162,18 +165,108 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
     return jnp.concatenate([xr * cos + rot * sin, xp], -1)
 
 
+# input projections fused into one matmul by fuse_projections, in the order their outputs are concatenated
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {"gdn": ("qkv", "z", "b", "a"), "attn": ("q", "k", "v"),
+                                            "mlp": ("gate", "up")}
+
+
+def project(p: Params, x: jax.Array, sizes: dict[str, int]) -> dict[str, jax.Array]:
+    """``{name: linear(x, p[name])}`` for the projections ``sizes`` names (name -> output size); those that
+    :func:`fuse_projections` joined (key ``"a+b+..."``) run as one matmul whose output is split."""
+    out: dict[str, jax.Array] = {}
+    for key, w in p.items():
+        parts = key.split("+")
+        if len(parts) > 1 and parts[0] in sizes:
+            y = linear(x, w)
+            offsets = [0]
+            for name in parts:
+                offsets.append(offsets[-1] + sizes[name])
+            if offsets[-1] != y.shape[-1]:
+                raise ValueError(f"fused projection {key!r} has {y.shape[-1]} outputs; its parts' sizes {sizes} "
+                                 f"add up to {offsets[-1]}")
+            out.update({name: y[..., a:b] for name, a, b in zip(parts, offsets[:-1], offsets[1:])})
+    return out | {name: linear(x, p[name]) for name in sizes if name not in out}
+
+
+def fuse_projections(params: Params, *, consume: bool = False) -> Params:
+    """The target's parameters with each layer's :data:`FUSED_GROUPS` concatenated along ``out`` (key
+    ``"qkv+z+b+a"`` etc.): one matmul for the projections that read the same input. Only neighbours of the same kind
+    join (plain matrices of one dtype, or ``QuantizedWeight`` of one format whose scale blocks do not straddle the
+    seam): fp8 ``qkv`` / ``z`` with plain ``b`` / ``a`` give ``"qkv+z"`` and ``"b+a"``. Already fused layers pass
+    through. ``consume=True`` deletes each part's buffers once its fused matrix exists (the model's bytes are
+    not held twice; the input tree is unusable afterwards)."""
+    layers = []
+    for layer in params["layers"]:
+        new = dict(layer)
+        for block, names in FUSED_GROUPS.items():
+            if block in layer:
+                new[block] = _fuse_block(layer[block], names, consume)
+        layers.append(new)
+    return {**params, "layers": tuple(layers)}
+
+
+def is_fused(params: Params) -> bool:
+    """True iff some layer holds a fused projection (:func:`fuse_projections`)."""
+    return any("+" in key for layer in params["layers"] for block in layer.values() if isinstance(block, dict)
+               for key in block)
+
+
+def _joinable(a: Any, b: Any) -> bool:
+    if quant.is_quantized(a) or quant.is_quantized(b):
+        if not (quant.is_quantized(a) and quant.is_quantized(b)):
+            return False
+        same = (a.dtype, a.packing, a.block, a.data.dtype, a.scale.dtype) == (b.dtype, b.packing, b.block,
+                                                                               b.data.dtype, b.scale.dtype)
+        return same and a.shape[1] == b.shape[1] and (a.block is None or a.shape[0] % a.block[0] == 0)
+    return a.ndim == b.ndim == 2 and a.dtype == b.dtype and a.shape[1] == b.shape[1]
+
+
+def _fuse_block(p: Params, names: tuple[str, ...], consume: bool) -> Params:
+    present = [n for n in names if n in p]
+    runs: list[list[str]] = []
+    for n in present:
+        if runs and _joinable(p[runs[-1][-1]], p[n]):
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    out = {k: v for k, v in p.items() if k not in present}
+    for run in runs:
+        if len(run) == 1:
+            out[run[0]] = p[run[0]]
+            continue
+        ws = [p[n] for n in run]
+        if quant.is_quantized(ws[0]):
+            fused = dataclasses.replace(ws[0], data=jnp.concatenate([w.data for w in ws]),
+                                        scale=jnp.concatenate([w.scale for w in ws]))
+        else:
+            fused = jnp.concatenate(ws)
+        if consume:
+            for leaf in jax.tree.leaves(ws):
+                leaf.delete()
+        out["+".join(run)] = fused
+    return out
+
+
+def param_dtype(params: Params):
+    """The activation dtype of a target's parameters (that of its matrices)."""
+    return params["layers"][0]["mlp"]["down"].dtype
+
+
 def mlp(p: Params, x: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+    f = p["down"].shape[1]
+    y = project(p, x, {"gate": f, "up": f})
+    return linear(jax.nn.silu(y["gate"]) * y["up"], p["down"])
 
 
 def attn_project(p: Params, cfg: TargetConfig, u: jax.Array, positions: jax.Array):
     """u [B,T,D] -> q [B,T,H,hd] (normed, rotated), gate [B,T,H,hd] | None, k, v [B,T,Hkv,hd]."""
     b, t, _ = u.shape
     h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qg = linear(u, p["q"]).reshape(b, t, h, -1)
+    y = project(p, u, {"q": cfg.q_proj_dim, "k": hkv * hd, "v": hkv * hd})
+    qg = y["q"].reshape(b, t, h, -1)
     q, gate = (qg[..., :hd], qg[..., hd:]) if cfg.attn_output_gate else (qg, None)
-    k = linear(u, p["k"]).reshape(b, t, hkv, hd)
-    v = linear(u, p["v"]).reshape(b, t, hkv, hd)
+    k = y["k"].reshape(b, t, hkv, hd)
+    v = y["v"].reshape(b, t, hkv, hd)
     q = rope(rms_norm_zc(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
     k = rope(rms_norm_zc(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
     return q, gate, k, v
@@ -216,8 +309,10 @@ def gdn_project(p: Params, cfg: TargetConfig, u: jax.Array):
     """u [B,T,D] -> pre-conv rows x [B,T,conv_dim], gate z [B,T,Hv,dv], raw b and a [B,T,Hv] (accumulation dtype)."""
     b, t, _ = u.shape
     f = acc_dtype(u.dtype)
-    z = linear(u, p["z"]).reshape(b, t, cfg.lin_num_v_heads, cfg.lin_v_dim)
-    return linear(u, p["qkv"]), z, linear(u, p["b"]).astype(f), linear(u, p["a"]).astype(f)
+    hv = cfg.lin_num_v_heads
+    y = project(p, u, {"qkv": p["conv"].shape[0], "z": hv * cfg.lin_v_dim, "b": hv, "a": hv})
+    z = y["z"].reshape(b, t, hv, cfg.lin_v_dim)
+    return y["qkv"], z, y["b"].astype(f), y["a"].astype(f)
 
 
 def gdn_inputs(p: Params, cfg: TargetConfig, c: jax.Array, braw: jax.Array, araw: jax.Array, valid: jax.Array):
@@ -338,7 +433,7 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
     valid = inp.valid
     fresh = inp.positions[:, 0] == 0  # a row starting at position 0 has no recurrent history
     decode = inp.tokens.shape[1] == 1  # one token a row: GDN layers through the fused gdn_decode op
-    h = params["embed"].astype(params["layers"][0]["mlp"]["gate"].dtype)[inp.tokens]
+    h = params["embed"].astype(param_dtype(params))[inp.tokens]
     ks, vs, convs, ssms = list(kv.k), list(kv.v), list(rec.conv), list(rec.ssm)
     feats = []
     ai = gi = 0
@@ -389,7 +484,7 @@ def forward_tree(params: Params, cfg: TargetConfig, tree: TreeInput, kv: KVPages
 
     Returns ``(h [B,N,D] after the final norm, TreeScratch, feats [len(return_layers), B, N, D] | None)``.
     """
-    h = params["embed"].astype(params["layers"][0]["mlp"]["gate"].dtype)[tree.tokens]
+    h = params["embed"].astype(param_dtype(params))[tree.tokens]
     ks, vs, xs, caches, feats = [], [], [], [], []
     ai = gi = 0
     for i, (lt, p) in enumerate(zip(cfg.layer_types, params["layers"])):

@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                    if args.ddtree else None)
         spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback),
                            max_verify_tokens=args.ddtree_max_verify_tokens) if args.ddtree else None)
+        target.fuse_projections()  # in place: the engine would otherwise hold a fused copy next to these matrices
         try:
             eng = Engine(target, Tokenizer.from_dir(args.model),
                          EngineOptions(max_batch=args.max_concurrency, page_size=args.page_size,
