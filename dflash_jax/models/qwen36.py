@@ -380,41 +380,61 @@ def gdn_decode_layer(p: Params, cfg: TargetConfig, u: jax.Array, valid: jax.Arra
 
     u [B,1,D]; valid [B,1]; fresh [B] (rows that start from a zero state); slots [B] (0 = null: not written);
     conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv] -> (out [B,1,D], conv_all, ssm_all). Everything between the input
-    projections and out_proj is one op, ``gdn_decode`` (conv, gates, delta-rule step, gated norm, state writes).
+    projections and out_proj is one op, ``gdn_decode`` (conv, gates, delta-rule step, gated norm, state writes),
+    which reads the projections' outputs as the one row ``[x | z | b | a]`` the fused in-projection
+    (``"qkv+z+b+a"``) writes: no slice of it is materialised.
     """
-    x, z, braw, araw = gdn_project(p, cfg, u)
-    y, conv_all, ssm_all = gdn_decode(x[:, 0], z[:, 0], braw[:, 0], araw[:, 0], p["conv"], p["A_log"], p["dt_bias"],
-                                      p["norm"], conv_all, ssm_all, slots, fresh, valid[:, 0],
-                                      n_k_heads=cfg.lin_num_k_heads, groups=cfg.gdn_qkv_groups, eps=cfg.rms_norm_eps)
-    return linear(y.reshape(u.shape[0], 1, -1), p["out"]), conv_all, ssm_all
+    b = u.shape[0]
+    if "qkv+z+b+a" in p:
+        proj = linear(u[:, 0], p["qkv+z+b+a"])
+    else:
+        hv = cfg.lin_num_v_heads
+        y = project(p, u[:, 0], {"qkv": p["conv"].shape[0], "z": hv * cfg.lin_v_dim, "b": hv, "a": hv})
+        proj = jnp.concatenate([y["qkv"], y["z"], y["b"], y["a"]], axis=-1)
+    out, conv_all, ssm_all = gdn_decode(proj, p["conv"], p["A_log"], p["dt_bias"], p["norm"], conv_all, ssm_all,
+                                        slots, fresh, valid[:, 0], n_k_heads=cfg.lin_num_k_heads,
+                                        groups=cfg.gdn_qkv_groups, eps=cfg.rms_norm_eps)
+    return linear(out.reshape(b, 1, -1), p["out"]), conv_all, ssm_all
 
 
-def gdn_decode(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
-               n_k_heads: int, groups: int = 1, eps: float):
+def gdn_decode(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *, n_k_heads: int,
+               groups: int = 1, eps: float):
     """:func:`gdn_decode_reference`'s contract through the kernel registry's ``"gdn_decode"`` op (on a GPU the fused
     Pallas kernel ``pallas_kernels.gdn.decode``; ``DFLASH_KERNELS=gdn_decode=reference`` for the jnp path)."""
     from pallas_kernels import registry
 
-    return registry.get("gdn_decode")(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots,
-                                      fresh, valid, n_k_heads=n_k_heads, groups=groups, eps=eps)
+    return registry.get("gdn_decode")(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid,
+                                      n_k_heads=n_k_heads, groups=groups, eps=eps)
 
 
-def gdn_decode_reference(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+def split_gdn_proj(proj: jax.Array, n_v_heads: int, v_dim: int):
+    """The in-projection row ``[..., C + Hv*dv + 2*Hv]`` -> x [..., C], z [..., Hv, dv], b, a [..., Hv]."""
+    hv, dv = n_v_heads, v_dim
+    c = proj.shape[-1] - hv * dv - 2 * hv
+    z = proj[..., c:c + hv * dv].reshape(proj.shape[:-1] + (hv, dv))
+    return proj[..., :c], z, proj[..., c + hv * dv:c + hv * dv + hv], proj[..., c + hv * dv + hv:]
+
+
+def gdn_decode_reference(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
                          n_k_heads: int, groups: int = 1, eps: float):
     """One decode token of a GDN layer between its projections, in jnp.
 
-    x [B,C] pre-conv row; z [B,Hv,dv]; braw, araw [B,Hv] (accumulation dtype); conv_w [C,K]; a_log, dt_bias [Hv];
-    norm_w [dv]; conv_all [S,K-1,C] and ssm_all [S,Hv,dk,dv] every slot's state; slots [B] (0 = null); fresh [B]
-    (read a zero state); valid [B] (an invalid row leaves its state as read). Returns (y [B,Hv,dv] gated-normed
-    in x's dtype, conv_all, ssm_all) with the rows of slots > 0 updated.
+    proj [B, C + Hv*dv + 2*Hv] the in-projections' outputs ``[x | z | b | a]`` (x the pre-conv row, z the output
+    gate, b / a the raw beta / decay gates); conv_w [C,K]; a_log, dt_bias [Hv]; norm_w [dv]; conv_all [S,K-1,C]
+    and ssm_all [S,Hv,dk,dv] every slot's state; slots [B] (0 = null); fresh [B] (read a zero state); valid [B]
+    (an invalid row leaves its state as read). Returns (y [B,Hv,dv] gated-normed in proj's dtype, conv_all,
+    ssm_all) with the rows of slots > 0 updated.
     """
+    f = acc_dtype(proj.dtype)
+    x, z, braw, araw = split_gdn_proj(proj, a_log.shape[0], norm_w.shape[0])
+    braw, araw = braw.astype(f), araw.astype(f)
     cs = jnp.where(fresh[:, None, None], 0, conv_all[slots])
-    ss = jnp.where(fresh[:, None, None, None], 0, ssm_all[slots]).astype(braw.dtype)
+    ss = jnp.where(fresh[:, None, None, None], 0, ssm_all[slots]).astype(f)
     c, cs = causal_conv(x[:, None], conv_w, cs, valid.astype(jnp.int32))
     q, k, v, beta, g = gdn_qkv_gates(c, braw[:, None], araw[:, None], a_log, dt_bias, valid[:, None],
                                      n_k_heads=n_k_heads, v_dim=z.shape[-1], groups=groups)
     o, ss = gdn.gdn_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], ss)
-    y = gdn_gated_norm(o, z, norm_w, eps).astype(x.dtype)
+    y = gdn_gated_norm(o, z, norm_w, eps).astype(proj.dtype)
     keep = slots > 0
     return y, set_rows_where(conv_all, (slots,), cs, keep), set_rows_where(ssm_all, (slots,), ss, keep)
 

@@ -21,9 +21,9 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 (``DFLASH_KERNELS=gdn_tree=pallas_triton``); trees over 64 slots or tiles that do not fit run the reference,
 with a warning.
 
-``"gdn_decode"`` (signature ``(x [B,C], z [B,Hv,dv], braw, araw [B,Hv], conv_w, a_log, dt_bias, norm_w, conv_all
-[S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv], conv_all,
-ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
+``"gdn_decode"`` (signature ``(proj [B, C+Hv*dv+2*Hv] = [x | z | b | a], conv_w [C,K], a_log, dt_bias [Hv], norm_w
+[dv], conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv],
+conv_all, ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
 projections, the slots' state updated in place): ``"reference"`` = ``qwen36.gdn_decode_reference``;
 ``"pallas_triton"`` = :func:`decode.gdn_decode` (one kernel a layer), **the GPU default** (H200, 27B shapes, bf16:
 AR decode 1.05x at C1 and 1.34x at C16 over the reference path in one run, ``ar_nvidia-h200_20261203-2225*.json``);
@@ -95,23 +95,22 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     return gdn_tree(q, k, v, beta, g, state, ancestors, **cfg, interpret=backend not in registry.GPU_BACKENDS)
 
 
-def gdn_decode_pallas(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+def gdn_decode_pallas(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
                       n_k_heads: int, groups: int = 1, eps: float):
     """The registered fused decode kernel; channel layouts other than the checkpoint's (``groups > 1``, tensor
     parallel) and head dims its tiles cannot take run the reference, with a warning."""
     backend = registry.current_backend()
-    hv, dv = z.shape[1:]
-    dk = (x.shape[-1] - hv * dv) // (2 * n_k_heads)
+    hv, dv = a_log.shape[0], norm_w.shape[0]
+    dk = (conv_w.shape[0] - hv * dv) // (2 * n_k_heads)
+    args = (proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid)
     try:
         if groups != 1:
             raise ValueError(f"gdn_decode: the kernel reads the checkpoint's [q | k | v] channels; groups={groups}")
         _decode.block_plan(dk=dk, dv=dv)
     except ValueError as e:
         registry.warn_fallback("gdn_decode", e)
-        return gdn_decode_reference(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh,
-                                    valid, n_k_heads=n_k_heads, groups=groups, eps=eps)
-    return _decode.gdn_decode(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid,
-                              n_k_heads=n_k_heads, eps=eps, interpret=backend not in registry.GPU_BACKENDS)
+        return gdn_decode_reference(*args, n_k_heads=n_k_heads, groups=groups, eps=eps)
+    return _decode.gdn_decode(*args, n_k_heads=n_k_heads, eps=eps, interpret=backend not in registry.GPU_BACKENDS)
 
 
 registry.register("gdn_chunked", "reference", gdn_chunked_reference, backends=("any",))

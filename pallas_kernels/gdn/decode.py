@@ -1,6 +1,7 @@
 """Pallas (Triton lowering) kernel: one decode token of a Gated DeltaNet layer between its projections, fused.
 
-``dflash_jax.models.qwen36.gdn_decode_reference``'s contract: from the pre-conv row ``x`` and the raw gates, the
+``dflash_jax.models.qwen36.gdn_decode_reference``'s contract: from the in-projection row ``[x | z | b | a]`` (read in
+place: the fused ``"qkv+z+b+a"`` matmul's output, no slices materialised), the
 depthwise causal conv + SiLU (the slot's last K-1 rows), L2-normalised q / k, ``beta = sigmoid(b)``,
 ``g = -exp(A_log) softplus(a + dt_bias)``, the delta-rule step on the slot's fp32 state, the gated RMSNorm of the
 output, and the slot's new conv rows and state written back in place (``input_output_aliases``). In XLA this is
@@ -36,20 +37,25 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _kernel(x_ref, z_ref, b_ref, a_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_ref,
-            cs_ref, s_ref, y_ref, cs_out_ref, s_out_ref, *, hk, dk, dv, r, kk, eps):
-    # cs_out_ref / s_out_ref alias cs_ref / s_ref (the same buffers): read the old state there, write the new here
+def _kernel(p_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_ref, cs_ref, s_ref,
+            y_ref, cs_out_ref, s_out_ref, *, hk, dk, dv, hv, r, kk, eps):
+    # p_ref [B, C + Hv*dv + 2*Hv]: the in-projection row [x | z | b | a]. cs_out_ref / s_out_ref alias cs_ref / s_ref
+    # (the same buffers): the old state is read there, the new one written here.
     i = pl.program_id(0)
     j = pl.program_id(1)
     slot = slot_ref[i]
     fresh = fresh_ref[i] != 0
     m = (valid_ref[i] != 0).astype(F32)
     key_dim = hk * dk
+    c_dim = 2 * key_dim + hv * dv
+    heads = [j * r + e for e in range(r)]  # the value heads of key head j
+    # every state tile's load first: r independent 64 KiB reads in flight, not one after another
+    states = [s_ref[slot, h] for h in heads]
 
     def conv(off, n):
         """Conv + SiLU of channels [off, off + n) (rounded to x's dtype, as the reference), and their new rows."""
         ch = pl.ds(off, n)
-        x = x_ref[i, ch]
+        x = p_ref[i, ch]
         rows = [jnp.where(fresh, jnp.zeros_like(x), cs_ref[slot, t, ch]) for t in range(kk - 1)]
         acc = x.astype(F32) * w_ref[ch, kk - 1].astype(F32)
         for t in range(kk - 1):
@@ -71,16 +77,16 @@ def _kernel(x_ref, z_ref, b_ref, a_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_r
     store_rows(j * dk, dk, q_rows)
     store_rows(key_dim + j * dk, dk, k_rows)
     nw = nw_ref[...].astype(F32)
-    for e in range(r):  # the value heads of key head j
-        h = j * r + e
+    for h, s in zip(heads, states):
         v_off = 2 * key_dim + h * dv
         v, v_rows = conv(v_off, dv)
         v = v * m
         store_rows(v_off, dv, v_rows)
-        beta = m / (1.0 + jnp.exp(-b_ref[i, h].astype(F32)))
-        g = -jnp.exp(alog_ref[h].astype(F32)) * _softplus(a_ref[i, h].astype(F32) + dtb_ref[h].astype(F32)) * m
-        s = s_ref[slot, h].astype(F32)
-        s = jnp.where(fresh, jnp.zeros_like(s), s) * jnp.exp(g)
+        braw = p_ref[i, c_dim + hv * dv + h].astype(F32)
+        araw = p_ref[i, c_dim + hv * dv + hv + h].astype(F32)
+        beta = m / (1.0 + jnp.exp(-braw))
+        g = -jnp.exp(alog_ref[h].astype(F32)) * _softplus(araw + dtb_ref[h].astype(F32)) * m
+        s = jnp.where(fresh, jnp.zeros_like(s), s.astype(F32)) * jnp.exp(g)
         read = jnp.sum(s * k[:, None], axis=0)                      # S^T k [dv]
         s = s + k[:, None] * (beta * (v - read))[None, :]
         o = jnp.sum(s * q[:, None], axis=0)                         # S^T q [dv]
@@ -89,9 +95,9 @@ def _kernel(x_ref, z_ref, b_ref, a_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_r
         def _():
             s_out_ref[slot, h] = s.astype(s_out_ref.dtype)
 
+        z = p_ref[i, pl.ds(c_dim + h * dv, dv)].astype(F32)
         ms = jnp.sum(o * o) / dv
-        y = o * jax.lax.rsqrt(ms + eps) * nw * _silu(z_ref[i, h].astype(F32))
-        y_ref[i, h] = y.astype(y_ref.dtype)
+        y_ref[i, h] = (o * jax.lax.rsqrt(ms + eps) * nw * _silu(z)).astype(y_ref.dtype)
 
 
 def block_plan(*, dk: int, dv: int) -> None:
@@ -99,34 +105,44 @@ def block_plan(*, dk: int, dv: int) -> None:
     check_block_shapes("gdn_decode", {"q": (dk,), "v": (dv,), "state": (dk, dv)})
 
 
+def default_num_warps(r: int) -> int:
+    """Warps a program: its ``r`` state tiles of ``[dk, dv]`` fp32 are held at once (16 warps: 96 registers a thread
+    for three 128 x 128 tiles)."""
+    return 16 if r > 1 else 8
+
+
 @functools.partial(jax.jit, static_argnames=("n_k_heads", "eps", "num_warps", "interpret"))
-def gdn_decode(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
-               n_k_heads: int, eps: float, num_warps: int = 8, interpret: bool = False):
-    """The fused decode step (module doc). x [B, C]; z [B, Hv, dv]; braw, araw [B, Hv]; conv_w [C, K]; a_log,
-    dt_bias [Hv]; norm_w [dv]; conv_all [S, K-1, C]; ssm_all [S, Hv, dk, dv]; slots [B] int32; fresh, valid [B].
-    Returns (y [B, Hv, dv] in x's dtype, conv_all, ssm_all) with the state updated in place."""
-    b, ch = x.shape
-    hv, dv = z.shape[1:]
+def gdn_decode(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *, n_k_heads: int,
+               eps: float, num_warps: int | None = None, interpret: bool = False):
+    """The fused decode step (module doc). proj [B, C + Hv*dv + 2*Hv] the in-projection row ``[x | z | b | a]``;
+    conv_w [C, K]; a_log, dt_bias [Hv]; norm_w [dv]; conv_all [S, K-1, C]; ssm_all [S, Hv, dk, dv]; slots [B]
+    int32; fresh, valid [B]. Returns (y [B, Hv, dv] in proj's dtype, conv_all, ssm_all), the state updated in
+    place."""
+    b, width = proj.shape
+    hv, dv = a_log.shape[0], norm_w.shape[0]
     hk = n_k_heads
+    ch, kk = conv_w.shape
     key_dim = (ch - hv * dv) // 2
-    dk = key_dim // hk
-    kk = conv_w.shape[1]
-    if 2 * key_dim + hv * dv != ch or hk * dk != key_dim or hv % hk or ssm_all.shape[1:] != (hv, dk, dv) \
-            or conv_all.shape[1:] != (kk - 1, ch) or braw.shape != (b, hv) or araw.shape != (b, hv):
-        raise ValueError(f"gdn_decode: x {x.shape}, z {z.shape}, braw {braw.shape}, conv_w {conv_w.shape}, conv_all "
-                         f"{conv_all.shape}, ssm_all {ssm_all.shape} disagree for {hk} key heads")
+    dk = key_dim // hk if hk else 0
+    if width != ch + hv * dv + 2 * hv or 2 * key_dim + hv * dv != ch or hk * dk != key_dim or hv % hk \
+            or ssm_all.shape[1:] != (hv, dk, dv) or conv_all.shape[1:] != (kk - 1, ch):
+        raise ValueError(f"gdn_decode: proj {proj.shape}, conv_w {conv_w.shape}, a_log {a_log.shape}, norm_w "
+                         f"{norm_w.shape}, conv_all {conv_all.shape}, ssm_all {ssm_all.shape} disagree for {hk} key "
+                         f"heads")
     block_plan(dk=dk, dv=dv)
-    kernel = functools.partial(_kernel, hk=hk, dk=dk, dv=dv, r=hv // hk, kk=kk, eps=eps)
-    n_in = 13
+    r = hv // hk
+    kernel = functools.partial(_kernel, hk=hk, dk=dk, dv=dv, hv=hv, r=r, kk=kk, eps=eps)
+    n_in = 10
     y, conv_all, ssm_all = pl.pallas_call(
         kernel,
         grid=(b, hk),
-        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), x.dtype), jax.ShapeDtypeStruct(conv_all.shape, conv_all.dtype),
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), proj.dtype),
+                   jax.ShapeDtypeStruct(conv_all.shape, conv_all.dtype),
                    jax.ShapeDtypeStruct(ssm_all.shape, ssm_all.dtype)],
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps or default_num_warps(r), num_stages=1),
         name=f"gdn_decode_hk{hk}_dk{dk}_dv{dv}",
-    )(x, z, braw, araw, conv_w, a_log, dt_bias, norm_w, slots.astype(jnp.int32), fresh.astype(jnp.int32),
+    )(proj, conv_w, a_log, dt_bias, norm_w, slots.astype(jnp.int32), fresh.astype(jnp.int32),
       valid.astype(jnp.int32), conv_all, ssm_all)
     return y, conv_all, ssm_all
