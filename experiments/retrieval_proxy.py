@@ -63,6 +63,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rotary", type=float, default=0.25, help="partial rotary factor")
     ap.add_argument("--head-dim", type=int, default=64, help="attention head size (the tiny target's: 64)")
     ap.add_argument("--theta", type=float, default=1e7, help="RoPE theta")
+    ap.add_argument("--out-scale", type=float, default=1.0, help="output projections x this at init")
     ap.add_argument("--copy-only", action="store_true", help="train on copy rows only (induction check)")
     ap.add_argument("--stream-files", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=128)
@@ -120,6 +121,10 @@ def main(argv=None) -> dict:
                              "max_position_embeddings": 4096},
                             tok.vocab_size, eos_token_id=sp["<|im_end|>"], pad_token_id=sp["<|endoftext|>"])
     params = tt.init_target(tcfg, jax.random.key(args.seed), qk_norm_init=args.qk_norm_init)
+    if args.out_scale != 1.0:  # output projections (o / out / down) times this at init
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x * args.out_scale if jax.tree_util.keystr(path).rsplit("[", 1)[-1].strip("'[]") in
+            ("o", "out", "down") else x, params)
     assistant = tuple(tok.encode("assistant"))
 
     def loss_fn(p, frozen, batch, key):
