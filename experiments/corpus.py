@@ -503,6 +503,21 @@ def retrieval_documents(seed: int | str, n: int, lo: int, hi: int, filler: Seque
     return docs
 
 
+def drill_documents(seed: int | str, n: int, lo: int, hi: int, filler: Sequence[tuple[str, str]], *,
+                    keys: tuple[int, int] = (2, 6), questions: int = 4) -> list[str]:
+    """``n`` dense recall drills: ``retrieval_example`` with ``keys[0]``..``keys[1]`` keys in only about
+    ``lo``..``hi`` tokens of filler and ``min(keys, questions)`` of them asked, so a document is mostly key lines
+    and supervised lookups (the dense associative-recall signal a copy mechanism forms from; the plain
+    ``retrieval_documents`` hold a few answer tokens per thousand). A pure function of ``seed``."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        n_keys = rng.randint(*keys)
+        docs.append(retrieval_example(rng, rng.randint(lo, hi), filler, n_keys=n_keys,
+                                      n_questions=min(n_keys, questions))[0])
+    return docs
+
+
 def _parse_range(spec: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in spec.split(","))
     if not 0 < lo <= hi:
@@ -534,17 +549,20 @@ def _set_filler(filler: Sequence[tuple[str, str]]) -> None:
     _FILLER = filler
 
 
-def _retrieval_chunk(job: tuple[str, int, int, int, float]) -> list[str]:
-    seed, n, lo, hi, p_long = job
+def _retrieval_chunk(job: tuple[str, int, int, int, float, int]) -> list[str]:
+    seed, n, lo, hi, p_long, drill_keys = job
+    if drill_keys:
+        return drill_documents(seed, n, lo, hi, _FILLER, keys=(2, drill_keys), questions=drill_keys)
     return retrieval_documents(seed, n, lo, hi, _FILLER, p_long=p_long)
 
 
 def parallel_retrieval_documents(seed: str, n: int, lo: int, hi: int, filler: Sequence[tuple[str, str]], *,
-                                 p_long: float = 0.0, workers: int | None = None, chunk: int = 200) -> list[str]:
-    """``retrieval_documents`` in chunks of ``chunk`` seeded ``f"{seed}-{i}"``, over ``workers`` processes: the
-    same documents for any number of workers. The workers are spawned, not forked: the caller may already run
-    JAX's threads."""
-    jobs = [(f"{seed}-{i}", min(chunk, n - i * chunk), lo, hi, p_long) for i in range(-(-n // chunk))]
+                                 p_long: float = 0.0, workers: int | None = None, chunk: int = 200,
+                                 drill_keys: int = 0) -> list[str]:
+    """``retrieval_documents`` (with ``drill_keys``: ``drill_documents`` of 2..``drill_keys`` keys, all asked) in
+    chunks of ``chunk`` seeded ``f"{seed}-{i}"``, over ``workers`` processes: the same documents for any number of
+    workers. The workers are spawned, not forked: the caller may already run JAX's threads."""
+    jobs = [(f"{seed}-{i}", min(chunk, n - i * chunk), lo, hi, p_long, drill_keys) for i in range(-(-n // chunk))]
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     if workers <= 1:
         _set_filler(filler)
@@ -611,6 +629,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--retrieval-tokens", default="128,1800", help="LO,HI approximate tokens of those")
     ap.add_argument("--n-retrieval-long", type=int, default=0, help="long retrieval documents (retrieval_long.txt)")
     ap.add_argument("--retrieval-long-tokens", default="1024,8000", help="LO,HI approximate tokens of those")
+    ap.add_argument("--n-drill", type=int, default=0,
+                    help="dense recall drills (drill_documents), shuffled into retrieval.txt")
+    ap.add_argument("--drill-tokens", default="32,256", help="LO,HI approximate filler tokens of a drill")
+    ap.add_argument("--drill-keys", type=int, default=6, help="most keys of a drill (each one asked)")
     ap.add_argument("--workers", type=int, default=None, help="processes generating retrieval documents")
     ap.add_argument("--max-files", type=int, default=None, help="cap stdlib files per split (quick runs)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir to measure needle lengths (else estimated)")
@@ -653,6 +675,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lo, hi = _parse_range(spec)
         rdocs = parallel_retrieval_documents(f"{args.seed}-{name}", n, lo, hi, train_files, p_long=p_long,
                                              workers=args.workers)
+        if name == "retrieval" and args.n_drill:
+            dlo, dhi = _parse_range(args.drill_tokens)
+            rdocs += parallel_retrieval_documents(f"{args.seed}-drill", args.n_drill, dlo, dhi, train_files,
+                                                  workers=args.workers, drill_keys=args.drill_keys)
+            random.Random(f"{args.seed}-mix").shuffle(rdocs)  # drills spread over the rows and the epoch
+            n_retr["drill"] = args.n_drill
         write_docs(os.path.join(args.out, f"{name}.txt"), rdocs)
         n_retr[name] = len(rdocs)
 

@@ -6,7 +6,8 @@ Presets (``PRESETS``) give every size knob of ``experiments/train_tiny.py``; com
   under 24 MB): vocabulary 4096, sequences of 2048; target hidden 256, 8 layers ``[GDN, GDN, GDN, attn] x 2``, 4/2
   attention heads x 64 with the output gate, GDN 2/6 heads x 64, ff 512; drafter 4 layers ``[S x 3, F]`` (window
   256, block 16, ff 384, target layers by the default rule); dense scorer hidden 128, 2 layers, 4/2 heads x 32.
-  Training (``train``): the target at 2048 (rows of stdlib + chat, each retrieval document whole in a row), then a
+  Training (``train``): the target at 2048 (rows of stdlib + chat, each retrieval document and dense recall drill
+  whole in a row, 10 % synthetic copy rows, assistant answers weighted 2x), then a
   long phase ``target_long`` at 8448 on rows each holding a long retrieval document; the drafter (on the
   target's rows, labels = the target's argmax, so retrieval haystacks are code to it); the scorer. Each phase's
   ``minutes`` fits its step count to a time budget.
@@ -38,7 +39,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"max_files": None, "n_chat": 20000, "n_eval_chat": 500, "n_needle": 0, "n_eval_needle": 100,
                  "needle_tokens": "512,1024,2048", "vocab_size": 4096, "tok_max_mb": 16.0,
                  "n_retrieval": 8000, "retrieval_tokens": "128,1700", "n_retrieval_long": 1500,
-                 "retrieval_long_tokens": "1024,7600", "retrieval_eval": "1024,8192", "n_retrieval_eval": 16},
+                 "retrieval_long_tokens": "1024,7600", "retrieval_eval": "1024,8192", "n_retrieval_eval": 16,
+                 "n_drill": 12000, "drill_tokens": "32,256", "drill_keys": 6},
         "seq_len": 2048,
         "target": {"hidden_size": 256, "num_layers": 8, "full_attention_interval": 4, "num_heads": 4,
                    "num_kv_heads": 2, "head_dim": 64, "lin_num_k_heads": 2, "lin_num_v_heads": 6, "lin_k_dim": 64,
@@ -52,7 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             # "minutes": each phase's step count is fitted to this time budget on the machine it runs on
             # (train_tiny.run_phase); the report records the steps run.
             "target": {"steps": 3000, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
-                       "minutes": 3.0, "answer_weight": 1.0},
+                       "minutes": 3.0, "answer_weight": 2.0, "copy_fraction": 0.1},
             # then the target continues at 8192 + 256 tokens (the 8K bench prompt and its answer fit a row) on
             # rows that each hold a long retrieval document
             "target_long": {"seq_len": 8448, "steps": 1000, "batch": 4, "lr": 3e-4, "warmup": 0.05, "wd": 0.1,
@@ -69,7 +71,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"max_files": 6, "n_chat": 60, "n_eval_chat": 8, "n_needle": 4, "n_eval_needle": 2,
                  "needle_tokens": "96", "vocab_size": 384, "tok_max_mb": 0.5,
                  "n_retrieval": 12, "retrieval_tokens": "8,24", "n_retrieval_long": 6,
-                 "retrieval_long_tokens": "40,90", "retrieval_eval": "160", "n_retrieval_eval": 2},
+                 "retrieval_long_tokens": "40,90", "retrieval_eval": "160", "n_retrieval_eval": 2,
+                 "n_drill": 6, "drill_tokens": "8,24", "drill_keys": 3},
         "seq_len": 256,
         "target": {"hidden_size": 32, "num_layers": 8, "full_attention_interval": 4, "num_heads": 2,
                    "num_kv_heads": 1, "head_dim": 16, "lin_num_k_heads": 1, "lin_num_v_heads": 3, "lin_k_dim": 16,
@@ -81,7 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "intermediate_size": 64, "rope_theta": 1e6, "max_position_embeddings": 1024},
         "train": {
             "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0, "minutes": None,
-                       "answer_weight": 3.0},
+                       "answer_weight": 3.0, "copy_fraction": 0.2},
             "target_long": {"seq_len": 512, "steps": 4, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.1,
                             "clip": 1.0, "answer_weight": 3.0, "minutes": None},
             "drafter": {"steps": 6, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.0, "clip": 1.0,

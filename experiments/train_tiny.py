@@ -19,10 +19,12 @@ latest checkpoint of a phase, a finished phase is not re-run):
    answers at ``data.retrieval_eval`` lengths. Cached in the work dir, keyed by the data settings.
 2. target: the real Qwen3.5/3.6 hybrid (``qwen36.forward`` with a fresh paged state per batch, so training runs the
    same code that serves) trained with next-token CE, AdamW + warmup + cosine + global-norm clipping; fp32 master
-   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step; then ``target_long``
+   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step; ``copy_fraction`` of its
+   rows are synthetic copy rows (``copy_rows`` over the needle values' token ids, loss only on the repeated half:
+   a dense signal for the copy mechanism retrieval needs); then ``target_long``
    continues it on the long rows (8448 tokens in ``tiny``: the 8K bench prompt and its answer fit a row).
    Held-out perplexity, and held-out needle accuracy (``make_retrieval_eval``: the bench's prompts, teacher forced)
-   after each of the two.
+   with ``induction_acc`` (``make_induction_eval``: copying held-out copy rows) after each of the two.
 3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``: random
    anchors, blocks of ``block_size``, decayed CE (gamma 7); labels are the target's teacher-forced argmax
    (``--drafter-labels target``, default) or the text (``data``). Held-out chain acceptance length tau: the
@@ -47,6 +49,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import sys
 import time
@@ -169,6 +172,53 @@ def retrieval_eval_rows(tok, files: Sequence[str], ctx: int, n: int, seed: int, 
     return rows, mask
 
 
+def copy_rows(n: int, seq_len: int, ids: np.ndarray, seed: int, span: tuple[int, int] = (4, 24)
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` synthetic associative-recall rows: spans of ``span[0]..span[1]`` ids drawn uniformly from ``ids``
+    fill the first half; the second half repeats them, whole, in a random order (cycling until the row is full).
+    Returns (tokens [n, seq_len] int32, loss weights [n, seq_len] float32): 1 on each repeated token except a
+    span's first one (which span comes next is random), 0 on the first half (noise that cannot be predicted).
+    Only a token-matching copy from earlier in the row predicts the weighted tokens: the induction mechanism the
+    needle answer needs, which the LM data alone did not form within the target's budget."""
+    rng = np.random.default_rng([seed, 13])
+    rows = np.zeros((n, seq_len), np.int32)
+    weights = np.zeros((n, seq_len), np.float32)
+    for r in range(n):
+        spans, used = [], 0
+        while used < seq_len // 2:
+            k = int(rng.integers(span[0], span[1] + 1))
+            spans.append(np.asarray(ids, np.int32)[rng.integers(0, len(ids), size=k)])
+            used += k
+        first = np.concatenate(spans)[: seq_len // 2]
+        spans[-1] = spans[-1][: len(spans[-1]) - (used - len(first))]
+        toks, wts = [first], [np.zeros(len(first), np.float32)]
+        pos = len(first)
+        while pos < seq_len:
+            for i in rng.permutation(len(spans)):
+                sp = spans[i]
+                if not len(sp):
+                    continue
+                toks.append(sp)
+                wts.append(np.concatenate([[0.0], np.ones(len(sp) - 1, np.float32)]))
+                pos += len(sp)
+        rows[r] = np.concatenate(toks)[:seq_len]
+        weights[r] = np.concatenate(wts)[:seq_len]
+    return rows, weights
+
+
+def value_token_ids(tok, n: int = 4000, seed: int = 0) -> np.ndarray:
+    """The sorted ids that ``bench needle`` values (``needle.random_value``) tokenise into under ``tok`` (an HF
+    ``tokenizers.Tokenizer``): the alphabet the copy rows draw from, so the copy mechanism they train works on
+    exactly the tokens a needle answer copies."""
+    from dflash_jax.bench import needle
+
+    rng = random.Random(seed)
+    out: set[int] = set()
+    for _ in range(n):
+        out.update(tok.encode(needle.random_value(rng), add_special_tokens=False).ids)
+    return np.asarray(sorted(out), np.int32)
+
+
 def _encode_all(tok, texts: list[str], batch: int = 2048) -> list[list[int]]:
     out: list[list[int]] = []
     for i in range(0, len(texts), batch):
@@ -209,6 +259,9 @@ def prepare_data(d: dict[str, Any], seq_len: int, seed: int, work: str, long_seq
                  "--retrieval-tokens", str(d.get("retrieval_tokens", "128,1800")),
                  "--n-retrieval-long", str(d.get("n_retrieval_long", 0) if long_seq_len else 0),
                  "--retrieval-long-tokens", str(d.get("retrieval_long_tokens", "1024,8000"))]
+        if d.get("n_drill"):
+            argv += ["--n-drill", str(d["n_drill"]), "--drill-tokens", str(d.get("drill_tokens", "32,256")),
+                     "--drill-keys", str(d.get("drill_keys", 6))]
         log(f"[data] corpus: {' '.join(argv)}")
         stats = corpus.main(argv)
         t1 = time.time()
@@ -300,10 +353,12 @@ class Batches:
     """Deterministic batches: sample ``step*B + j`` is row ``perm_epoch[i % N]``, ``perm_epoch`` seeded by the
     epoch, so a resumed run sees exactly the batches of an uninterrupted one."""
 
-    def __init__(self, rows: np.ndarray, batch: int, seed: int) -> None:
+    def __init__(self, rows: np.ndarray, batch: int, seed: int, weights: np.ndarray | None = None) -> None:
         if len(rows) < 1:
             raise ValueError("no training rows: the corpus is smaller than one sequence")
-        self.rows, self.batch, self.seed = rows, batch, seed
+        if weights is not None and weights.shape != rows.shape:
+            raise ValueError(f"weights {weights.shape} do not match rows {rows.shape}")
+        self.rows, self.batch, self.seed, self.weights = rows, batch, seed, weights
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -311,10 +366,11 @@ class Batches:
             self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))}
         return self._perms[epoch]
 
-    def __call__(self, step: int) -> np.ndarray:
+    def __call__(self, step: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Rows [B, T]; with ``weights``, (rows [B, T], their loss weights [B, T])."""
         n = len(self.rows)
-        idx = [self._perm(i // n)[i % n] for i in range(step * self.batch, (step + 1) * self.batch)]
-        return self.rows[np.asarray(idx)]
+        idx = np.asarray([self._perm(i // n)[i % n] for i in range(step * self.batch, (step + 1) * self.batch)])
+        return self.rows[idx] if self.weights is None else (self.rows[idx], self.weights[idx])
 
 
 # =====================================================================================================================
@@ -326,10 +382,14 @@ def compute_params(params: Any, dtype) -> Any:
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
 
 
-def init_target(cfg: TargetConfig, key: jax.Array, std: float = 0.02) -> qwen36.Params:
+def init_target(cfg: TargetConfig, key: jax.Array, std: float = 0.02, qk_norm_init: float = 0.0) -> qwen36.Params:
     """HF-style float32 init (reference §6.2): linears and embeddings normal(0, std) (output projections
     o / out / down scaled by 1/sqrt(2 L)), zero-centred norms 0, GDN output norm 1, dt_bias 1,
-    A_log = log U(0.01, 16), depthwise conv kaiming-uniform U(-1/sqrt(K), 1/sqrt(K))."""
+    A_log = log U(0.01, 16), depthwise conv kaiming-uniform U(-1/sqrt(K), 1/sqrt(K)).
+
+    ``qk_norm_init``: the attention layers' zero-centred q/k norm weights start there instead of 0. With q/k
+    RMS-normed, an attention logit is at most ``sqrt(head_dim) * (1 + w_q) * (1 + w_k)`` (8 at head_dim 64 and
+    w = 0): too flat to single out one key among thousands (ln 8192 = 9) until the weights grow."""
     shapes = qwen36.param_shapes(cfg, F32)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
@@ -341,6 +401,8 @@ def init_target(cfg: TargetConfig, key: jax.Array, std: float = 0.02) -> qwen36.
             out.append(jnp.log(jax.random.uniform(k, s.shape, F32, 0.01, 16.0)))
         elif last == "dt_bias" or name.endswith("['gdn']['norm']"):
             out.append(jnp.ones(s.shape, F32))
+        elif last in ("q_norm", "k_norm"):
+            out.append(jnp.full(s.shape, qk_norm_init, F32))
         elif len(s.shape) == 1:
             out.append(jnp.zeros(s.shape, F32))  # zero-centred RMSNorm weights
         elif last == "conv":
@@ -500,6 +562,11 @@ def _global_norm(tree: Any) -> jax.Array:
     return tree_mod.norm(tree) if tree_mod is not None and hasattr(tree_mod, "norm") else optax.global_norm(tree)
 
 
+def _device_batch(batch: Any) -> Any:
+    """A batch (an array, or a tuple of arrays) as device arrays."""
+    return jax.tree_util.tree_map(jnp.asarray, batch)
+
+
 def make_schedule(hp: dict[str, Any], steps: int) -> Callable:
     """Warm-up + cosine learning rate over ``steps`` steps (a host-side function of the step)."""
     steps = max(1, steps)
@@ -586,7 +653,7 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
             if i == 1:
                 t_probe = time.perf_counter()
                 t_compile = t_probe - t_compile
-            p_, o_, l_, *_ = train_step(p_, o_, frozen, jnp.asarray(batches(i)), jnp.int32(i), jnp.float32(0.0))
+            p_, o_, l_, *_ = train_step(p_, o_, frozen, _device_batch(batches(i)), jnp.int32(i), jnp.float32(0.0))
             jax.block_until_ready(l_)
         step_s = (time.perf_counter() - t_probe) / (n_probe - 1)
         del p_, o_
@@ -610,7 +677,7 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
     pending: list[tuple[int, Any, Any, Any]] = []
     t_last, s_last = time.perf_counter(), start
     for step in range(start, steps):
-        batch = jnp.asarray(batches(step))
+        batch = _device_batch(batches(step))
         params, opt_state, loss, gnorm, aux = train_step(params, opt_state, frozen, batch, jnp.int32(step),
                                                          jnp.float32(sched(step)))
         pending.append((step, loss, gnorm, aux))
@@ -727,6 +794,28 @@ def make_retrieval_eval(hidden_fn: Callable, sets: dict[int, tuple[np.ndarray, n
             out[f"needle_acc_{ctx}"] = float(np.mean(full))
             out[f"needle_tok_{ctx}"] = float(np.sum(tok_ok) / max(1, int(mask.sum())))
         return out
+
+    return evaluate
+
+
+def make_induction_eval(hidden_fn: Callable, rows: np.ndarray, weights: np.ndarray, batch: int
+                        ) -> Callable[[Any], dict[str, float]]:
+    """``evaluate(params)``: ``induction_acc``, the argmax accuracy on the repeated tokens of held-out
+    ``copy_rows`` (weights > 0): near 0 without an induction (copy) mechanism, near 1 with one."""
+
+    @jax.jit
+    def hits(params, tokens, w):
+        h = hidden_fn(params, tokens)
+        pred = jnp.argmax(jnp.einsum("btd,vd->btv", h[:, :-1], params["lm_head"].astype(h.dtype),
+                                     preferred_element_type=F32), axis=-1)
+        return jnp.sum((pred == tokens[:, 1:]) * w[:, 1:]), jnp.sum(w[:, 1:])
+
+    def evaluate(params) -> dict[str, float]:
+        a = c = 0.0
+        for i in range(0, len(rows), batch):
+            x, y = jax.device_get(hits(params, jnp.asarray(rows[i:i + batch]), jnp.asarray(weights[i:i + batch])))
+            a, c = a + float(x), c + float(y)
+        return {"induction_acc": a / max(c, 1.0)}
 
     return evaluate
 
@@ -1005,7 +1094,8 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     # ---- target --------------------------------------------------------------------------------------------------
     tcfg = tc.target_config(cfg["target"], data.vocab_size, eos_token_id=sp["<|im_end|>"],
                             pad_token_id=sp["<|endoftext|>"])
-    tp = init_target(tcfg, jax.random.key(seed))
+    tp = init_target(tcfg, jax.random.key(seed),
+                     qk_norm_init=float(cfg["train"]["target"].get("qk_norm_init", 0.0)))
     log(f"[target] {n_params(tp):,} parameters; layers {''.join('A' if t == FULL else 'G' for t in tcfg.layer_types)}")
     hp_t = cfg["train"]["target"]
 
@@ -1015,13 +1105,14 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                 "assistant": _token_ids(data.tokenizer_dir, "assistant")}
 
     def make_target_loss(answer_weight: float):
-        def target_loss(params, frozen, tokens, key):
+        def target_loss(params, frozen, batch, key):
+            tokens, w = batch if isinstance(batch, tuple) else (batch, None)  # (rows, weights) with copy rows
             p = compute_params(params, cdtype)
             h, _ = target_hidden(p, tcfg, tokens)
-            w = None
             if answer_weight != 1.0:
-                w = 1.0 + (answer_weight - 1.0) * assistant_mask(tokens, asst_ids["im_start"], asst_ids["assistant"],
+                a = 1.0 + (answer_weight - 1.0) * assistant_mask(tokens, asst_ids["im_start"], asst_ids["assistant"],
                                                                  asst_ids["im_end"])
+                w = a if w is None else w * a
             return weighted_next_token_ce(qwen36.lm_logits(p, h), tokens, w), {}
         return target_loss
 
@@ -1031,12 +1122,31 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     ev_batch = max(1, min(hp_t["batch"], 16))
     t_eval_fn = make_lm_eval(t_hidden, ev_sets, ev_batch)
     target_eval = lambda p: t_eval_fn(compute_params(p, cdtype))
-    res_t = run_phase("target", tp, None, target_loss, Batches(data.train, hp_t["batch"], seed), hp_t, work=work,
+    # synthetic copy rows (copy_rows) mixed into the target's rows from step 0: a dense signal for the induction
+    # (copy) mechanism that retrieving a needle needs; only their repeated halves carry loss
+    from tokenizers import Tokenizer as HFTokenizer
+
+    copy_ids = value_token_ids(HFTokenizer.from_file(os.path.join(data.tokenizer_dir, "tokenizer.json")))
+    ind_rows, ind_w = copy_rows(16, min(T, 512), copy_ids, seed + 5)
+    t_batches = Batches(data.train, hp_t["batch"], seed)
+    copy_frac = float(hp_t.get("copy_fraction", 0.0))
+    if copy_frac > 0:
+        n_copy = max(1, int(round(copy_frac * len(data.train) / (1.0 - copy_frac))))
+        c_rows, c_w = copy_rows(n_copy, T, copy_ids, seed + 4)
+        t_batches = Batches(np.concatenate([data.train, c_rows]), hp_t["batch"], seed,
+                            np.concatenate([np.ones(data.train.shape, np.float32), c_w]))
+        log(f"[target] {n_copy} copy rows ({len(copy_ids)} value token ids) mixed into {len(data.train)} text rows "
+            f"({copy_frac:.0%})")
+    res_t = run_phase("target", tp, None, target_loss, t_batches, hp_t, work=work,
                       resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
                       eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
                       deadline=deadline, max_seconds=time_cap("target"))
     tp = res_t.params
-    r_eval_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4) if data.retrieval_eval else None
+    r_eval_fn = None
+    if data.retrieval_eval:
+        needle_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4)
+        induction_fn = make_induction_eval(t_hidden, ind_rows, ind_w, 4)
+        r_eval_fn = lambda p: needle_fn(p) | induction_fn(p)  # noqa: E731
     retrieval = {}
     if r_eval_fn is not None:
         t0 = time.perf_counter()

@@ -210,3 +210,56 @@ def test_run_phase_step_budget_is_capped_by_the_time_left(tmp_path):
     assert free.steps == 50  # a minute fits all 50 steps
     none_left = train_tiny.run_phase("capped", params(), None, loss, batches, hp, max_seconds=-5.0, **kw)
     assert none_left.steps == 1 and none_left.timing["steps_run"] == 1
+
+
+def test_needle_values_copy_token_for_token(smoke_tokenizer):
+    # the value's tokens in the answer are the same tokens as in the haystack line (a value starting with a letter
+    # would merge with the space before it there and be spelled differently: nothing to copy)
+    rng = random.Random(5)
+    tok = smoke_tokenizer
+    for _ in range(200):
+        v = needle.random_value(rng)
+        assert v[0].isdigit() and len(v) == 9 and v[4] == "-"
+        a, line = tok.encode(v), tok.encode(f"x = 1\nThe secret key for {needle.random_name(rng)} is {v}.\ny")
+        assert any(line[i:i + len(a)] == a for i in range(len(line) - len(a) + 1)), v
+
+
+def test_drill_documents_ask_every_key_in_the_bench_format():
+    a = corpus.drill_documents("d-0", 12, 16, 120, FILLER, keys=(2, 5), questions=5)
+    assert a == corpus.drill_documents("d-0", 12, 16, 120, FILLER, keys=(2, 5), questions=5)
+    assert a != corpus.drill_documents("d-1", 12, 16, 120, FILLER, keys=(2, 5), questions=5)
+    for d in a:
+        head = d.split("<|im_end|>", 1)[0]
+        n_keys = head.count("The secret key for ")
+        assert 2 <= n_keys <= 5 and d.count("<|im_start|>assistant\n") == n_keys  # every key asked once
+        assert d.endswith("<|im_end|>\n") and "Answer with the key only." in head
+    par = corpus.parallel_retrieval_documents("d", 25, 16, 120, FILLER, workers=1, chunk=10, drill_keys=4)
+    assert all(2 <= d.split("<|im_end|>", 1)[0].count("The secret key for ") <= 4 for d in par) and len(par) == 25
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), seq_len=st.integers(16, 300))
+def test_copy_rows_weight_only_tokens_an_earlier_copy_predicts(seed, seq_len):
+    rows, w = train_tiny.copy_rows(3, seq_len, np.arange(10, 10**6), seed)
+    assert rows.shape == w.shape == (3, seq_len) and rows.dtype == np.int32
+    assert rows.min() >= 10 and not w[:, : seq_len // 2].any() and w.sum() > 0
+    for r, wr in zip(rows, w):
+        first = list(r[: seq_len // 2])
+        pairs = set(zip(first[:-1], first[1:]))
+        for t in np.nonzero(wr)[0]:
+            assert (r[t - 1], r[t]) in pairs  # the bigram occurred in the first half: an induction copy predicts it
+    assert np.array_equal(rows, train_tiny.copy_rows(3, seq_len, np.arange(10, 10**6), seed)[0])
+    small = train_tiny.copy_rows(2, seq_len, np.asarray([7, 40, 41]), seed)[0]
+    assert set(np.unique(small)) <= {7, 40, 41}
+
+
+def test_batches_carry_their_weights():
+    rows = np.arange(40, dtype=np.int32).reshape(10, 4)
+    w = rows.astype(np.float32) * 2
+    b = train_tiny.Batches(rows, 3, 0, w)
+    for step in range(5):
+        x, y = b(step)
+        np.testing.assert_array_equal(y, x * 2)
+        np.testing.assert_array_equal(x, train_tiny.Batches(rows, 3, 0)(step))
+    with pytest.raises(ValueError, match="do not match"):
+        train_tiny.Batches(rows, 3, 0, w[:, :2])

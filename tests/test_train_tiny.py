@@ -72,7 +72,9 @@ def test_smoke_run_trains_and_exports(smoke_run):
     assert report["data"]["train_long_seqs"] == packing["train_long"]["rows_with_whole_docs"]
     for when in ("after_target", "after_target_long"):
         r = report["target"]["retrieval"][when]
-        assert set(r) == {"needle_acc_160", "needle_tok_160"} and all(0.0 <= v <= 1.0 for v in r.values())
+        assert set(r) == {"needle_acc_160", "needle_tok_160", "induction_acc"}
+        assert all(0.0 <= v <= 1.0 for v in r.values())
+    assert report["data"]["corpus_stats"]["train_drill"] == 6  # recall drills packed with the retrieval documents
     assert all(os.path.getsize(os.path.join(d, f)) <= train_tiny.MAX_FILE_BYTES
                for d, _, fs in os.walk(out) for f in fs)
 

@@ -27,6 +27,7 @@ _ADJ = ("amber", "silent", "crimson", "rapid", "hollow", "golden", "frozen", "lu
 _NOUN = ("falcon", "harbor", "orchid", "lantern", "glacier", "meadow", "compass", "river", "summit", "cipher",
          "beacon", "canyon", "ember", "forest", "galaxy", "island", "jaguar", "kernel", "lotus", "nebula")
 _VALUE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+_VALUE_DIGITS = "23456789"
 
 
 def count_tokens(text: str, tokenizer: Any) -> int:
@@ -42,7 +43,11 @@ def random_name(rng: random.Random) -> str:
 
 
 def random_value(rng: random.Random) -> str:
-    return "".join(rng.choice(_VALUE_ALPHABET) for _ in range(4)) + "-" + "".join(
+    """``<digit><3 chars>-<4 chars>`` (e.g. ``4MZZ-F6GL``). The leading digit makes the value the same tokens in the
+    haystack (after ``is``) as in the answer (after the assistant turn's newlines): a byte-level BPE word that starts
+    with a letter takes the space before it (`` J`` + ``ES`` ... vs ``J`` + ``ES`` ...), so a value starting with a
+    letter would have to be re-spelled, not copied."""
+    return rng.choice(_VALUE_DIGITS) + "".join(rng.choice(_VALUE_ALPHABET) for _ in range(3)) + "-" + "".join(
         rng.choice(_VALUE_ALPHABET) for _ in range(4))
 
 
