@@ -37,7 +37,7 @@ def layer_case(cfg: TargetConfig, b: int, n_slots: int, dtype, seed: int = 0) ->
     hv, dv, c, kk = cfg.lin_num_v_heads, cfg.lin_v_dim, cfg.conv_dim, cfg.conv_kernel
     f = lambda *s, dt=dtype: jnp.asarray(rng.normal(size=s), dt)  # noqa: E731
     slots = jnp.asarray(rng.permutation(np.arange(1, n_slots))[:b], jnp.int32)
-    return (f(b, c + hv * dv + 2 * hv), f(c, kk) * 0.5, jnp.log(jnp.asarray(rng.uniform(1, 16, hv), jnp.float32)),
+    return ((f(b, c + hv * dv + 2 * hv),), f(c, kk) * 0.5, jnp.log(jnp.asarray(rng.uniform(1, 16, hv), jnp.float32)),
             f(hv, dt=jnp.float32) * 0.1, f(dv, dt=jnp.float32), f(n_slots, kk - 1, c),
             f(n_slots, hv, cfg.lin_k_dim, dv, dt=jnp.float32) * 0.1, slots, jnp.zeros((b,), bool),
             jnp.ones((b,), bool))

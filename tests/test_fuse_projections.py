@@ -101,3 +101,7 @@ def test_engine_fuses_a_copy_target_fuses_in_place_and_a_fused_target_cannot_be_
         shard_target(own, 1, 2)
     with pytest.raises(ValueError, match="already fused"):
         Engine(own, options=EngineOptions(max_batch=2, quantization="fp8"))
+    q = dj.Target(t.config, quant.quantize_params(_copy(t.params), "fp8"), t.eos_token_ids).fuse_projections()
+    assert qwen36.fused_unquantized(q.params) == []  # quantized at load, then fused ("b+a" stays plain)
+    eng = Engine(q, options=EngineOptions(max_batch=2, max_model_len=64, quantization="fp8"))  # as from_pretrained
+    assert eng.target.params["layers"][0]["mlp"]["gate+up"] is q.params["layers"][0]["mlp"]["gate+up"]

@@ -28,7 +28,10 @@ def make_case(seed: int, b: int, hk: int, r: int, dk: int, dv: int, n_slots: int
     f = lambda *s, dt=dtype: jnp.asarray(rng.normal(size=s), dt)  # noqa: E731
     live = rng.permutation(np.arange(1, n_slots))[:b]
     slots = np.where(rng.random(b) < 0.25, 0, live).astype(np.int32)
-    return dict(proj=f(b, c + hv * dv + 2 * hv), conv_w=f(c, kk) * 0.5,
+    proj = f(b, c + hv * dv + 2 * hv)
+    cuts = np.cumsum([c, hv * dv, hv])  # fused (one part), or the four separate matrices' outputs
+    parts = (proj,) if rng.random() < 0.5 else tuple(np.split(proj, cuts, axis=1))
+    return dict(parts=tuple(jnp.asarray(x) for x in parts), conv_w=f(c, kk) * 0.5,
                 a_log=jnp.log(jnp.asarray(rng.uniform(1, 16, hv), jnp.float32)),
                 dt_bias=f(hv, dt=jnp.float32) * 0.1, norm_w=f(dv, dt=jnp.float32),
                 conv_all=f(n_slots, kk - 1, c), ssm_all=f(n_slots, hv, dk, dv, dt=jnp.float32) * 0.3,
@@ -37,7 +40,7 @@ def make_case(seed: int, b: int, hk: int, r: int, dk: int, dv: int, n_slots: int
 
 
 def run_kernel(case: dict, hk: int, **static):
-    args = tuple(case.values())
+    args = tuple(case.values())  # parts: a tuple argument
     fn = jax.jit(lambda *a: decode.gdn_decode(*a, n_k_heads=hk, eps=1e-6, interpret=True, **static))
     return fn.lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
 
@@ -60,10 +63,16 @@ def test_kernel_matches_reference(seed, b, hk, r, dk, dv, dtype):
         np.testing.assert_array_equal(np.asarray(after)[untouched], np.asarray(before)[untouched], err_msg=name)
 
 
-def test_rejects_mismatched_shapes():
+def test_rejects_mismatched_shapes_and_split_segments():
     case, hk = make_case(0, 2, 2, 3, 16, 16, 5, jnp.float32)
     with pytest.raises(ValueError, match="disagree"):
         decode.gdn_decode(*case.values(), n_k_heads=3, eps=1e-6, interpret=True)
+    row = jnp.concatenate(case["parts"], axis=1)
+    with pytest.raises(ValueError, match="straddles"):  # a cut inside x
+        decode.gdn_decode((row[:, :10], row[:, 10:]), *list(case.values())[1:], n_k_heads=hk, eps=1e-6,
+                          interpret=True)
+    assert decode.segment_locations((64, 96, 12), {"x": 64, "z": 96, "b": 6, "a": 6}) == {
+        "x": (0, 0), "z": (1, 0), "b": (2, 0), "a": (2, 6)}
 
 
 def test_gpu_default_and_fallback_for_grouped_channels(monkeypatch):

@@ -166,7 +166,7 @@ def test_gdn_tree_lowers(platform, dtype, n, solve):
 def test_gdn_decode_lowers(platform, dtype, b):
     c, hv, dv, dk, kk, n_slots = CFG.conv_dim, CFG.lin_num_v_heads, CFG.lin_v_dim, CFG.lin_k_dim, CFG.conv_kernel, 33
     f32 = jnp.float32
-    args = (sd((b, c + hv * dv + 2 * hv), dtype), sd((c, kk), dtype), sd((hv,), f32), sd((hv,), f32), sd((dv,), f32),
+    args = ((sd((b, c + hv * dv + 2 * hv), dtype),), sd((c, kk), dtype), sd((hv,), f32), sd((hv,), f32), sd((dv,), f32),
             sd((n_slots, kk - 1, c), dtype), sd((n_slots, hv, dk, dv), f32), sd((b,), jnp.int32), sd((b,), jnp.bool_),
             sd((b,), jnp.bool_))
     fn = lambda *a: gdn.decode.gdn_decode(*a, n_k_heads=CFG.lin_num_k_heads, eps=CFG.rms_norm_eps)  # noqa: E731

@@ -284,9 +284,10 @@ class Engine:
         if drafter is not None and self.layout is not None:  # the drafter is small: replicated on every device
             drafter = (drafter[0], jax.device_put(drafter[1], self.layout.replicated))
         if quant.check_quantization(o.quantization) is not None:  # no-op for leaves quantized at load
-            if qwen36.is_fused(target.params):
+            if qwen36.fused_unquantized(target.params):
                 raise ValueError("quantization applies to the checkpoint's matrices, but this target's projections "
-                                 "are already fused: load it with quantization=... (or quantize before fusing)")
+                                 "are already fused in full precision: load it with quantization=... (or quantize "
+                                 "before fusing)")
             if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
                 raise ValueError("quantized weights cannot be sharded yet: use quantization with tensor_parallel=1 "
                                  "and data_parallel=1")

@@ -211,6 +211,14 @@ def is_fused(params: Params) -> bool:
                for key in block)
 
 
+def fused_unquantized(params: Params) -> list[str]:
+    """Fused projections in full precision that hold a matrix ``quant.quantize_params`` would quantize (it does not
+    read fused names: quantize before fusing). Targets quantized at load and then fused have none."""
+    return [key for layer in params["layers"] for block in layer.values() if isinstance(block, dict)
+            for key, w in block.items() if "+" in key and not quant.is_quantized(w)
+            and set(key.split("+")) & set(quant.MATMUL_NAMES)]
+
+
 def _joinable(a: Any, b: Any) -> bool:
     if quant.is_quantized(a) or quant.is_quantized(b):
         if not (quant.is_quantized(a) and quant.is_quantized(b)):
@@ -381,52 +389,62 @@ def gdn_decode_layer(p: Params, cfg: TargetConfig, u: jax.Array, valid: jax.Arra
     u [B,1,D]; valid [B,1]; fresh [B] (rows that start from a zero state); slots [B] (0 = null: not written);
     conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv] -> (out [B,1,D], conv_all, ssm_all). Everything between the input
     projections and out_proj is one op, ``gdn_decode`` (conv, gates, delta-rule step, gated norm, state writes),
-    which reads the projections' outputs as the one row ``[x | z | b | a]`` the fused in-projection
-    (``"qkv+z+b+a"``) writes: no slice of it is materialised.
+    which reads the projections' outputs where they are (the one row ``[x | z | b | a]`` the fused in-projection
+    ``"qkv+z+b+a"`` writes, or the separate matrices' outputs): no slice or concatenation of them is materialised
+    (concatenating four matmul outputs made XLA rebuild their weights every step: 28 ms 27B steps instead of 18).
     """
     b = u.shape[0]
-    if "qkv+z+b+a" in p:
-        proj = linear(u[:, 0], p["qkv+z+b+a"])
-    else:
-        hv = cfg.lin_num_v_heads
-        y = project(p, u[:, 0], {"qkv": p["conv"].shape[0], "z": hv * cfg.lin_v_dim, "b": hv, "a": hv})
-        proj = jnp.concatenate([y["qkv"], y["z"], y["b"], y["a"]], axis=-1)
-    out, conv_all, ssm_all = gdn_decode(proj, p["conv"], p["A_log"], p["dt_bias"], p["norm"], conv_all, ssm_all,
+    parts = tuple(linear(u[:, 0], p[key]) for key in _gdn_in_keys(p))
+    out, conv_all, ssm_all = gdn_decode(parts, p["conv"], p["A_log"], p["dt_bias"], p["norm"], conv_all, ssm_all,
                                         slots, fresh, valid[:, 0], n_k_heads=cfg.lin_num_k_heads,
                                         groups=cfg.gdn_qkv_groups, eps=cfg.rms_norm_eps)
     return linear(out.reshape(b, 1, -1), p["out"]), conv_all, ssm_all
 
 
-def gdn_decode(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *, n_k_heads: int,
+def _gdn_in_keys(p: Params) -> list[str]:
+    """A GDN layer's in-projection keys (``"qkv"``, ``"qkv+z"``, ``"qkv+z+b+a"``...) in row order."""
+    order = FUSED_GROUPS["gdn"]
+    keys = [k for k in p if set(k.split("+")) <= set(order)]
+    return sorted(keys, key=lambda k: order.index(k.split("+")[0]))
+
+
+def gdn_decode(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *, n_k_heads: int,
                groups: int = 1, eps: float):
     """:func:`gdn_decode_reference`'s contract through the kernel registry's ``"gdn_decode"`` op (on a GPU the fused
     Pallas kernel ``pallas_kernels.gdn.decode``; ``DFLASH_KERNELS=gdn_decode=reference`` for the jnp path)."""
     from pallas_kernels import registry
 
-    return registry.get("gdn_decode")(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid,
+    return registry.get("gdn_decode")(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid,
                                       n_k_heads=n_k_heads, groups=groups, eps=eps)
 
 
-def split_gdn_proj(proj: jax.Array, n_v_heads: int, v_dim: int):
-    """The in-projection row ``[..., C + Hv*dv + 2*Hv]`` -> x [..., C], z [..., Hv, dv], b, a [..., Hv]."""
+def split_gdn_proj(parts: tuple[jax.Array, ...], n_v_heads: int, v_dim: int):
+    """In-projection outputs that together are the row ``[..., C + Hv*dv + 2*Hv]`` -> x [..., C], z [..., Hv, dv],
+    b, a [..., Hv], each sliced from the part that holds it (no concatenation)."""
     hv, dv = n_v_heads, v_dim
-    c = proj.shape[-1] - hv * dv - 2 * hv
-    z = proj[..., c:c + hv * dv].reshape(proj.shape[:-1] + (hv, dv))
-    return proj[..., :c], z, proj[..., c + hv * dv:c + hv * dv + hv], proj[..., c + hv * dv + hv:]
+    width = sum(x.shape[-1] for x in parts)
+    sizes = {"x": width - hv * dv - 2 * hv, "z": hv * dv, "b": hv, "a": hv}
+    from pallas_kernels.gdn.decode import segment_locations
+
+    locs = segment_locations(tuple(x.shape[-1] for x in parts), sizes)
+    seg = {name: parts[k][..., o:o + sizes[name]] for name, (k, o) in locs.items()}
+    return seg["x"], seg["z"].reshape(seg["z"].shape[:-1] + (hv, dv)), seg["b"], seg["a"]
 
 
-def gdn_decode_reference(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+def gdn_decode_reference(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
                          n_k_heads: int, groups: int = 1, eps: float):
     """One decode token of a GDN layer between its projections, in jnp.
 
-    proj [B, C + Hv*dv + 2*Hv] the in-projections' outputs ``[x | z | b | a]`` (x the pre-conv row, z the output
-    gate, b / a the raw beta / decay gates); conv_w [C,K]; a_log, dt_bias [Hv]; norm_w [dv]; conv_all [S,K-1,C]
+    parts: the in-projections' outputs, [B, *] each, that concatenated are the row ``[x | z | b | a]`` of
+    C + Hv*dv + 2*Hv (x the pre-conv row, z the output gate, b / a the raw beta / decay gates; a segment never spans
+    two parts); conv_w [C,K]; a_log, dt_bias [Hv]; norm_w [dv]; conv_all [S,K-1,C]
     and ssm_all [S,Hv,dk,dv] every slot's state; slots [B] (0 = null); fresh [B] (read a zero state); valid [B]
-    (an invalid row leaves its state as read). Returns (y [B,Hv,dv] gated-normed in proj's dtype, conv_all,
+    (an invalid row leaves its state as read). Returns (y [B,Hv,dv] gated-normed in the parts' dtype, conv_all,
     ssm_all) with the rows of slots > 0 updated.
     """
-    f = acc_dtype(proj.dtype)
-    x, z, braw, araw = split_gdn_proj(proj, a_log.shape[0], norm_w.shape[0])
+    parts = tuple(parts)
+    f = acc_dtype(parts[0].dtype)
+    x, z, braw, araw = split_gdn_proj(parts, a_log.shape[0], norm_w.shape[0])
     braw, araw = braw.astype(f), araw.astype(f)
     cs = jnp.where(fresh[:, None, None], 0, conv_all[slots])
     ss = jnp.where(fresh[:, None, None, None], 0, ssm_all[slots]).astype(f)
@@ -434,7 +452,7 @@ def gdn_decode_reference(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all
     q, k, v, beta, g = gdn_qkv_gates(c, braw[:, None], araw[:, None], a_log, dt_bias, valid[:, None],
                                      n_k_heads=n_k_heads, v_dim=z.shape[-1], groups=groups)
     o, ss = gdn.gdn_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], ss)
-    y = gdn_gated_norm(o, z, norm_w, eps).astype(proj.dtype)
+    y = gdn_gated_norm(o, z, norm_w, eps).astype(parts[0].dtype)
     keep = slots > 0
     return y, set_rows_where(conv_all, (slots,), cs, keep), set_rows_where(ssm_all, (slots,), ss, keep)
 

@@ -21,7 +21,7 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 (``DFLASH_KERNELS=gdn_tree=pallas_triton``); trees over 64 slots or tiles that do not fit run the reference,
 with a warning.
 
-``"gdn_decode"`` (signature ``(proj [B, C+Hv*dv+2*Hv] = [x | z | b | a], conv_w [C,K], a_log, dt_bias [Hv], norm_w
+``"gdn_decode"`` (signature ``(parts (the in-projection outputs, together [B, C+Hv*dv+2*Hv] = [x | z | b | a]), conv_w [C,K], a_log, dt_bias [Hv], norm_w
 [dv], conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv],
 conv_all, ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
 projections, the slots' state updated in place): ``"reference"`` = ``qwen36.gdn_decode_reference``;
@@ -95,14 +95,14 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     return gdn_tree(q, k, v, beta, g, state, ancestors, **cfg, interpret=backend not in registry.GPU_BACKENDS)
 
 
-def gdn_decode_pallas(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
+def gdn_decode_pallas(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
                       n_k_heads: int, groups: int = 1, eps: float):
     """The registered fused decode kernel; channel layouts other than the checkpoint's (``groups > 1``, tensor
     parallel) and head dims its tiles cannot take run the reference, with a warning."""
     backend = registry.current_backend()
     hv, dv = a_log.shape[0], norm_w.shape[0]
     dk = (conv_w.shape[0] - hv * dv) // (2 * n_k_heads)
-    args = (proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid)
+    args = (parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid)
     try:
         if groups != 1:
             raise ValueError(f"gdn_decode: the kernel reads the checkpoint's [q | k | v] channels; groups={groups}")

@@ -1,7 +1,8 @@
 """Pallas (Triton lowering) kernel: one decode token of a Gated DeltaNet layer between its projections, fused.
 
 ``dflash_jax.models.qwen36.gdn_decode_reference``'s contract: from the in-projection row ``[x | z | b | a]`` (read in
-place: the fused ``"qkv+z+b+a"`` matmul's output, no slices materialised), the
+place from the projections' outputs, one part when fused ``"qkv+z+b+a"``: no slice or concatenation of them is
+materialised), the
 depthwise causal conv + SiLU (the slot's last K-1 rows), L2-normalised q / k, ``beta = sigmoid(b)``,
 ``g = -exp(A_log) softplus(a + dt_bias)``, the delta-rule step on the slot's fp32 state, the gated RMSNorm of the
 output, and the slot's new conv rows and state written back in place (``input_output_aliases``). In XLA this is
@@ -37,17 +38,28 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _kernel(p_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_ref, cs_ref, s_ref,
-            y_ref, cs_out_ref, s_out_ref, *, hk, dk, dv, hv, r, kk, eps):
-    # p_ref [B, C + Hv*dv + 2*Hv]: the in-projection row [x | z | b | a]. cs_out_ref / s_out_ref alias cs_ref / s_ref
-    # (the same buffers): the old state is read there, the new one written here.
+def _kernel(*refs, n_parts, locs, hk, dk, dv, hv, r, kk, eps):
+    # refs: the in-projection parts (together the row [x | z | b | a]; ``locs[seg] = (part, offset)`` where each
+    # segment starts), then conv_w, a_log, dt_bias, norm_w, slots, fresh, valid, conv_all, ssm_all, and the outputs
+    # y, conv_all, ssm_all. cs_out_ref / s_out_ref alias cs_ref / s_ref (the same buffers): the old state is read
+    # there, the new one written here.
+    parts = refs[:n_parts]
+    (w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_ref, cs_ref, s_ref, y_ref, cs_out_ref,
+     s_out_ref) = refs[n_parts:]
+
+    def seg(name, idx):
+        """Element(s) ``idx`` (an int or a ``pl.ds``, relative to the segment) of this row's segment ``name``."""
+        part, base = locs[name]
+        if isinstance(idx, pl.Slice):
+            return parts[part][i, pl.ds(base + idx.start, idx.size)]
+        return parts[part][i, base + idx]
+
     i = pl.program_id(0)
     j = pl.program_id(1)
     slot = slot_ref[i]
     fresh = fresh_ref[i] != 0
     m = (valid_ref[i] != 0).astype(F32)
     key_dim = hk * dk
-    c_dim = 2 * key_dim + hv * dv
     heads = [j * r + e for e in range(r)]  # the value heads of key head j
     # every state tile's load first: r independent 64 KiB reads in flight, not one after another
     states = [s_ref[slot, h] for h in heads]
@@ -55,7 +67,7 @@ def _kernel(p_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_
     def conv(off, n):
         """Conv + SiLU of channels [off, off + n) (rounded to x's dtype, as the reference), and their new rows."""
         ch = pl.ds(off, n)
-        x = p_ref[i, ch]
+        x = seg("x", ch)
         rows = [jnp.where(fresh, jnp.zeros_like(x), cs_ref[slot, t, ch]) for t in range(kk - 1)]
         acc = x.astype(F32) * w_ref[ch, kk - 1].astype(F32)
         for t in range(kk - 1):
@@ -82,8 +94,8 @@ def _kernel(p_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_
         v, v_rows = conv(v_off, dv)
         v = v * m
         store_rows(v_off, dv, v_rows)
-        braw = p_ref[i, c_dim + hv * dv + h].astype(F32)
-        araw = p_ref[i, c_dim + hv * dv + hv + h].astype(F32)
+        braw = seg("b", h).astype(F32)
+        araw = seg("a", h).astype(F32)
         beta = m / (1.0 + jnp.exp(-braw))
         g = -jnp.exp(alog_ref[h].astype(F32)) * _softplus(araw + dtb_ref[h].astype(F32)) * m
         s = jnp.where(fresh, jnp.zeros_like(s), s.astype(F32)) * jnp.exp(g)
@@ -95,7 +107,7 @@ def _kernel(p_ref, w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_
         def _():
             s_out_ref[slot, h] = s.astype(s_out_ref.dtype)
 
-        z = p_ref[i, pl.ds(c_dim + h * dv, dv)].astype(F32)
+        z = seg("z", pl.ds(h * dv, dv)).astype(F32)
         ms = jnp.sum(o * o) / dv
         y_ref[i, h] = (o * jax.lax.rsqrt(ms + eps) * nw * _silu(z)).astype(y_ref.dtype)
 
@@ -111,38 +123,61 @@ def default_num_warps(r: int) -> int:
     return 16 if r > 1 else 8
 
 
+def segment_locations(widths: tuple[int, ...], sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Where each segment of the row ``[x | z | b | a]`` (``sizes`` in that order) starts: ``{name: (part,
+    offset)}`` for parts of ``widths`` that concatenate to the row; a segment split across two parts is an error."""
+    bounds, start = [], 0
+    for w in widths:
+        bounds.append((start, start + w))
+        start += w
+    if start != sum(sizes.values()):
+        raise ValueError(f"gdn_decode: in-projection parts of widths {widths} do not make a row of {sizes}")
+    locs, off = {}, 0
+    for name, n in sizes.items():
+        part = next(k for k, (a, b) in enumerate(bounds) if a <= off < b)
+        if off + n > bounds[part][1]:
+            raise ValueError(f"gdn_decode: segment {name!r} straddles in-projection parts of widths {widths}")
+        locs[name] = (part, off - bounds[part][0])
+        off += n
+    return locs
+
+
 @functools.partial(jax.jit, static_argnames=("n_k_heads", "eps", "num_warps", "interpret"))
-def gdn_decode(proj, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *, n_k_heads: int,
+def gdn_decode(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *, n_k_heads: int,
                eps: float, num_warps: int | None = None, interpret: bool = False):
-    """The fused decode step (module doc). proj [B, C + Hv*dv + 2*Hv] the in-projection row ``[x | z | b | a]``;
-    conv_w [C, K]; a_log, dt_bias [Hv]; norm_w [dv]; conv_all [S, K-1, C]; ssm_all [S, Hv, dk, dv]; slots [B]
-    int32; fresh, valid [B]. Returns (y [B, Hv, dv] in proj's dtype, conv_all, ssm_all), the state updated in
-    place."""
-    b, width = proj.shape
+    """The fused decode step (module doc). parts: a tuple of [B, *] arrays, the in-projections' outputs, that
+    concatenated along the last axis are the row ``[x | z | b | a]`` (C + Hv*dv + 2*Hv; each segment inside one part:
+    one part for the fused ``"qkv+z+b+a"``, four for separate matrices); conv_w [C, K]; a_log, dt_bias [Hv]; norm_w
+    [dv]; conv_all [S, K-1, C]; ssm_all [S, Hv, dk, dv]; slots [B] int32; fresh, valid [B]. Returns (y [B, Hv, dv]
+    in the parts' dtype, conv_all, ssm_all), the state updated in place."""
+    parts = tuple(parts)
+    b = parts[0].shape[0]
     hv, dv = a_log.shape[0], norm_w.shape[0]
     hk = n_k_heads
     ch, kk = conv_w.shape
     key_dim = (ch - hv * dv) // 2
     dk = key_dim // hk if hk else 0
-    if width != ch + hv * dv + 2 * hv or 2 * key_dim + hv * dv != ch or hk * dk != key_dim or hv % hk \
-            or ssm_all.shape[1:] != (hv, dk, dv) or conv_all.shape[1:] != (kk - 1, ch):
-        raise ValueError(f"gdn_decode: proj {proj.shape}, conv_w {conv_w.shape}, a_log {a_log.shape}, norm_w "
-                         f"{norm_w.shape}, conv_all {conv_all.shape}, ssm_all {ssm_all.shape} disagree for {hk} key "
-                         f"heads")
+    if 2 * key_dim + hv * dv != ch or hk * dk != key_dim or hv % hk or ssm_all.shape[1:] != (hv, dk, dv) \
+            or conv_all.shape[1:] != (kk - 1, ch) or any(x.shape[0] != b or x.ndim != 2 for x in parts):
+        raise ValueError(f"gdn_decode: parts {[x.shape for x in parts]}, conv_w {conv_w.shape}, a_log {a_log.shape}, "
+                         f"norm_w {norm_w.shape}, conv_all {conv_all.shape}, ssm_all {ssm_all.shape} disagree for "
+                         f"{hk} key heads")
+    locs = segment_locations(tuple(x.shape[1] for x in parts), {"x": ch, "z": hv * dv, "b": hv, "a": hv})
     block_plan(dk=dk, dv=dv)
     r = hv // hk
-    kernel = functools.partial(_kernel, hk=hk, dk=dk, dv=dv, hv=hv, r=r, kk=kk, eps=eps)
-    n_in = 10
+    kernel = functools.partial(_kernel, n_parts=len(parts), locs=locs, hk=hk, dk=dk, dv=dv, hv=hv, r=r, kk=kk,
+                               eps=eps)
+    n_in = len(parts) + 9
     y, conv_all, ssm_all = pl.pallas_call(
         kernel,
         grid=(b, hk),
-        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), proj.dtype),
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), parts[0].dtype),
                    jax.ShapeDtypeStruct(conv_all.shape, conv_all.dtype),
                    jax.ShapeDtypeStruct(ssm_all.shape, ssm_all.dtype)],
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps or default_num_warps(r), num_stages=1),
         name=f"gdn_decode_hk{hk}_dk{dk}_dv{dv}",
-    )(proj, conv_w, a_log, dt_bias, norm_w, slots.astype(jnp.int32), fresh.astype(jnp.int32),
+    )(*parts, conv_w, a_log, dt_bias, norm_w, slots.astype(jnp.int32), fresh.astype(jnp.int32),
       valid.astype(jnp.int32), conv_all, ssm_all)
     return y, conv_all, ssm_all
