@@ -71,7 +71,7 @@ def test_rejects_mismatched_shapes_and_split_segments():
     with pytest.raises(ValueError, match="straddles"):  # a cut inside x
         decode.gdn_decode((row[:, :10], row[:, 10:]), *list(case.values())[1:], n_k_heads=hk, eps=1e-6,
                           interpret=True)
-    assert decode.segment_locations((64, 96, 12), {"x": 64, "z": 96, "b": 6, "a": 6}) == {
+    assert qwen36.segment_locations((64, 96, 12), {"x": 64, "z": 96, "b": 6, "a": 6}) == {
         "x": (0, 0), "z": (1, 0), "b": (2, 0), "a": (2, 6)}
 
 

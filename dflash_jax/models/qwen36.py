@@ -418,14 +418,31 @@ def gdn_decode(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, 
                                       n_k_heads=n_k_heads, groups=groups, eps=eps)
 
 
+def segment_locations(widths: tuple[int, ...], sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Where each segment of the row ``[x | z | b | a]`` (``sizes`` in that order) starts: ``{name: (part,
+    offset)}`` for parts of ``widths`` that concatenate to the row; a segment split across two parts is an error."""
+    bounds, start = [], 0
+    for w in widths:
+        bounds.append((start, start + w))
+        start += w
+    if start != sum(sizes.values()):
+        raise ValueError(f"gdn_decode: in-projection parts of widths {widths} do not make a row of {sizes}")
+    locs, off = {}, 0
+    for name, n in sizes.items():
+        part = next(k for k, (a, b) in enumerate(bounds) if a <= off < b)
+        if off + n > bounds[part][1]:
+            raise ValueError(f"gdn_decode: segment {name!r} straddles in-projection parts of widths {widths}")
+        locs[name] = (part, off - bounds[part][0])
+        off += n
+    return locs
+
+
 def split_gdn_proj(parts: tuple[jax.Array, ...], n_v_heads: int, v_dim: int):
     """In-projection outputs that together are the row ``[..., C + Hv*dv + 2*Hv]`` -> x [..., C], z [..., Hv, dv],
     b, a [..., Hv], each sliced from the part that holds it (no concatenation)."""
     hv, dv = n_v_heads, v_dim
     width = sum(x.shape[-1] for x in parts)
     sizes = {"x": width - hv * dv - 2 * hv, "z": hv * dv, "b": hv, "a": hv}
-    from pallas_kernels.gdn.decode import segment_locations
-
     locs = segment_locations(tuple(x.shape[-1] for x in parts), sizes)
     seg = {name: parts[k][..., o:o + sizes[name]] for name, (k, o) in locs.items()}
     return seg["x"], seg["z"].reshape(seg["z"].shape[:-1] + (hv, dv)), seg["b"], seg["a"]

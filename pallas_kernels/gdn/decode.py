@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dflash_jax.models.qwen36 import segment_locations
 from pallas_kernels.registry import check_block_shapes
 
 F32 = jnp.float32
@@ -121,25 +122,6 @@ def default_num_warps(r: int) -> int:
     """Warps a program: its ``r`` state tiles of ``[dk, dv]`` fp32 are held at once (16 warps: 96 registers a thread
     for three 128 x 128 tiles)."""
     return 16 if r > 1 else 8
-
-
-def segment_locations(widths: tuple[int, ...], sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """Where each segment of the row ``[x | z | b | a]`` (``sizes`` in that order) starts: ``{name: (part,
-    offset)}`` for parts of ``widths`` that concatenate to the row; a segment split across two parts is an error."""
-    bounds, start = [], 0
-    for w in widths:
-        bounds.append((start, start + w))
-        start += w
-    if start != sum(sizes.values()):
-        raise ValueError(f"gdn_decode: in-projection parts of widths {widths} do not make a row of {sizes}")
-    locs, off = {}, 0
-    for name, n in sizes.items():
-        part = next(k for k, (a, b) in enumerate(bounds) if a <= off < b)
-        if off + n > bounds[part][1]:
-            raise ValueError(f"gdn_decode: segment {name!r} straddles in-projection parts of widths {widths}")
-        locs[name] = (part, off - bounds[part][0])
-        off += n
-    return locs
 
 
 @functools.partial(jax.jit, static_argnames=("n_k_heads", "eps", "num_warps", "interpret"))
