@@ -62,6 +62,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--interval", type=int, default=4, help="every N-th layer is full attention, the rest GDN")
     ap.add_argument("--rotary", type=float, default=0.25, help="partial rotary factor")
     ap.add_argument("--head-dim", type=int, default=64, help="attention head size (the tiny target's: 64)")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (KV heads: half)")
+    ap.add_argument("--lin-heads", default="1,2", help="GDN K,V heads (the tiny target's: 2,6)")
+    ap.add_argument("--lin-dim", type=int, default=32, help="GDN key = value head size (the tiny target's: 64)")
     ap.add_argument("--theta", type=float, default=1e7, help="RoPE theta")
     ap.add_argument("--out-scale", type=float, default=1.0, help="output projections x this at init")
     ap.add_argument("--copy-only", action="store_true", help="train on copy rows only (induction check)")
@@ -76,6 +79,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--n-eval", type=int, default=32)
     ap.add_argument("--work", default="/tmp/retrieval_proxy")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-json", default="", help="also write the run (args, eval history, final) here")
     args = ap.parse_args(argv)
 
     from dflash_jax.models.tokenizer import Tokenizer
@@ -114,9 +118,11 @@ def main(argv=None) -> dict:
     print(f"data {time.time() - t0:.1f}s: {stats}; eval {ev_rows.shape}", flush=True)
 
     h = args.hidden
+    lin_k, lin_v = (int(x) for x in args.lin_heads.split(","))
     tcfg = tc.target_config({"hidden_size": h, "num_layers": args.layers, "full_attention_interval": args.interval,
-                             "num_heads": 4, "num_kv_heads": 2, "head_dim": args.head_dim, "lin_num_k_heads": 1,
-                             "lin_num_v_heads": 2, "lin_k_dim": 32, "lin_v_dim": 32, "intermediate_size": 2 * h,
+                             "num_heads": args.heads, "num_kv_heads": args.heads // 2, "head_dim": args.head_dim,
+                             "lin_num_k_heads": lin_k, "lin_num_v_heads": lin_v, "lin_k_dim": args.lin_dim,
+                             "lin_v_dim": args.lin_dim, "intermediate_size": 2 * h,
                              "conv_kernel": 4, "rope_theta": args.theta, "partial_rotary_factor": args.rotary,
                              "max_position_embeddings": 4096},
                             tok.vocab_size, eos_token_id=sp["<|im_end|>"], pad_token_id=sp["<|endoftext|>"])
@@ -148,6 +154,9 @@ def main(argv=None) -> dict:
     out = {"args": vars(args), "steps": res.steps, "final": final, "evals": res.history["eval"],
            "seconds": round(time.time() - t0, 1)}
     print(json.dumps({"final": final, "steps": res.steps, "seconds": out["seconds"]}), flush=True)
+    if args.out_json:
+        with open(args.out_json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
     return out
 
 
