@@ -4,9 +4,9 @@ Presets (``PRESETS``) give every size knob of ``experiments/train_tiny.py``; com
 
 * ``tiny``  - the shipped set (trained on an H200; sized so the three checkpoints in bf16 with their tokenizers stay
   under 24 MB): vocabulary 4096, sequences of 2048; target hidden 256, 8 layers ``[GDN, GDN, GDN, attn] x 2``, 4/2
-  attention heads x 64 with the output gate, GDN 2/6 heads x 64, ff 512; drafter 4 layers ``[S x 3, F]`` (window
+  attention heads x 64 with the output gate (full rotary, theta 1e4), GDN 2/6 heads x 64, ff 512; drafter 4 layers ``[S x 3, F]`` (window
   256, block 16, ff 384, target layers by the default rule); dense scorer hidden 128, 2 layers, 4/2 heads x 32.
-  Training (``train``): the target at 2048 (rows of stdlib + chat, each retrieval document and dense recall drill
+  Training (``train``): the target on synthetic copy rows of 128 alone (``target_copy``), then at 2048 (rows of stdlib + chat, each retrieval document and dense recall drill
   whole in a row, 10 % synthetic copy rows, assistant answers weighted 2x), then a
   long phase ``target_long`` at 8448 on rows each holding a long retrieval document; the drafter (on the
   target's rows, labels = the target's argmax, so retrieval haystacks are code to it); the scorer. Each phase's
@@ -44,8 +44,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "seq_len": 2048,
         "target": {"hidden_size": 256, "num_layers": 8, "full_attention_interval": 4, "num_heads": 4,
                    "num_kv_heads": 2, "head_dim": 64, "lin_num_k_heads": 2, "lin_num_v_heads": 6, "lin_k_dim": 64,
-                   "lin_v_dim": 64, "intermediate_size": 512, "conv_kernel": 4, "rope_theta": 1e7,
-                   "partial_rotary_factor": 0.25, "max_position_embeddings": 32768},
+                   "lin_v_dim": 64, "intermediate_size": 512, "conv_kernel": 4, "rope_theta": 1e4,
+                   "partial_rotary_factor": 1.0, "max_position_embeddings": 32768},
         "drafter": {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 384,
                     "sliding_window": 256, "block_size": 16, "rope_theta": 1e7},
         "scorer": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
@@ -53,6 +53,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": {
             # "minutes": each phase's step count is fitted to this time budget on the machine it runs on
             # (train_tiny.run_phase); the report records the steps run.
+            # copy rows alone first, at 128 tokens: on the GPU the shipped shape starts copying after ~1-1.5K such
+            # steps with full rotary at theta 1e4 (0.95 of held-out copies at 1500), not within 3K at a quarter
+            # rotary and theta 1e7 (0.27) (experiments/results/retrieval_proxy_*.md)
+            "target_copy": {"seq_len": 128, "rows": 8000, "steps": 2000, "batch": 32, "lr": 3e-3, "warmup": 0.02,
+                            "wd": 0.1, "clip": 1.0, "minutes": None},
             "target": {"steps": 3000, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
                        "minutes": 3.0, "answer_weight": 2.0, "copy_fraction": 0.1},
             # then the target continues at 8192 + 256 tokens (the 8K bench prompt and its answer fit a row) on
@@ -83,6 +88,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "scorer": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
                    "intermediate_size": 64, "rope_theta": 1e6, "max_position_embeddings": 1024},
         "train": {
+            "target_copy": {"seq_len": 64, "rows": 16, "steps": 3, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1,
+                            "clip": 1.0, "minutes": None},
             "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0, "minutes": None,
                        "answer_weight": 3.0, "copy_fraction": 0.2},
             "target_long": {"seq_len": 512, "steps": 4, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.1,

@@ -19,7 +19,9 @@ latest checkpoint of a phase, a finished phase is not re-run):
    answers at ``data.retrieval_eval`` lengths. Cached in the work dir, keyed by the data settings.
 2. target: the real Qwen3.5/3.6 hybrid (``qwen36.forward`` with a fresh paged state per batch, so training runs the
    same code that serves) trained with next-token CE, AdamW + warmup + cosine + global-norm clipping; fp32 master
-   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step; ``copy_fraction`` of its
+   weights, matrices cast to ``--compute-dtype`` (bf16 on GPU by default) inside the step. First ``target_copy``
+   (when configured): short synthetic copy rows alone, where the induction mechanism forms; then text, where
+   ``copy_fraction`` of its
    rows are synthetic copy rows (``copy_rows`` over the needle values' token ids, loss only on the repeated half:
    a dense signal for the copy mechanism retrieval needs); then ``target_long``
    continues it on the long rows (8448 tokens in ``tiny``: the 8K bench prompt and its answer fit a row).
@@ -1074,7 +1076,10 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     hp_l = cfg["train"].get("target_long")
     long_T = hp_l["seq_len"] if hp_l and hp_l.get("steps") else None
     data = prepare_data(cfg["data"], T, seed, work, long_T)
-    order = ["target"] + (["target_long"] if long_T else []) + ["drafter"] + ([] if args.no_scorer else ["scorer"])
+    hp_c = cfg["train"].get("target_copy")
+    copy_warmup = bool(hp_c and hp_c.get("steps"))
+    order = (["target_copy"] if copy_warmup else []) + ["target"] + (["target_long"] if long_T else []) + \
+        ["drafter"] + ([] if args.no_scorer else ["scorer"])
 
     def time_cap(name: str) -> float | None:
         """Seconds of steps the --time-budget leaves phase ``name``: the rest of the budget less the later phases'
@@ -1128,6 +1133,22 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
 
     copy_ids = value_token_ids(HFTokenizer.from_file(os.path.join(data.tokenizer_dir, "tokenizer.json")))
     ind_rows, ind_w = copy_rows(16, min(T, 512), copy_ids, seed + 5)
+    retrieval, res_c = {}, None
+    if copy_warmup:
+        # copy rows alone first (short, cheap): the induction mechanism forms here within ~1-2K steps, where mixed
+        # into text from step 0 it had not formed in the whole target phase (experiments/results/
+        # retrieval_proxy_cpu.md); the text phase then keeps it with its own copy rows
+        w_rows, w_w = copy_rows(hp_c["rows"], hp_c["seq_len"], copy_ids, seed + 6)
+        log(f"[target_copy] {len(w_rows)} copy rows of {hp_c['seq_len']} ({len(copy_ids)} value token ids)")
+        res_c = run_phase("target_copy", tp, None, make_target_loss(1.0), Batches(w_rows, hp_c["batch"], seed + 6, w_w),
+                          hp_c, work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
+                          ckpt_every=cfg["ckpt_every"], tokens_per_step=hp_c["batch"] * hp_c["seq_len"],
+                          deadline=deadline, max_seconds=time_cap("target_copy"))
+        tp = res_c.params
+        t0 = time.perf_counter()
+        retrieval["after_copy"] = make_induction_eval(t_hidden, ind_rows, ind_w, 4)(compute_params(tp, cdtype))
+        log(f"[target_copy] induction_acc {retrieval['after_copy']['induction_acc']:.3f} on held-out copy rows of "
+            f"{ind_rows.shape[1]} ({time.perf_counter() - t0:.1f}s)")
     t_batches = Batches(data.train, hp_t["batch"], seed)
     copy_frac = float(hp_t.get("copy_fraction", 0.0))
     if copy_frac > 0:
@@ -1147,7 +1168,6 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         needle_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4)
         induction_fn = make_induction_eval(t_hidden, ind_rows, ind_w, 4)
         r_eval_fn = lambda p: needle_fn(p) | induction_fn(p)  # noqa: E731
-    retrieval = {}
     if r_eval_fn is not None:
         t0 = time.perf_counter()
         retrieval["after_target"] = r_eval_fn(compute_params(tp, cdtype))
@@ -1268,7 +1288,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     log(f"[export] {out}: " + " ".join(f"{k} {v}" for k, v in check.items()))
 
     # ---- report --------------------------------------------------------------------------------------------------
-    curves = {"target": res_t.history} | ({"target_long": res_l.history} if res_l else {}) | {
+    curves = ({"target_copy": res_c.history} if res_c else {}) | {"target": res_t.history} | ({"target_long": res_l.history} if res_l else {}) | {
         "drafter": res_d.history}
     if res_s is not None:
         curves["scorer"] = res_s.history
@@ -1302,6 +1322,9 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                    "parameters": n_params(tp), "held_out": t_eval, "train_loss": first_last(res_t.history),
                    "timing": res_t.timing, "resumed_from": res_t.resumed_from, "hparams": hp_t,
                    "retrieval": retrieval,
+                   "copy": None if res_c is None else {
+                       "train_loss": first_last(res_c.history), "timing": res_c.timing,
+                       "resumed_from": res_c.resumed_from, "hparams": hp_c},
                    "long": None if res_l is None else {
                        "train_loss": first_last(res_l.history), "timing": res_l.timing,
                        "resumed_from": res_l.resumed_from, "hparams": hp_l}},
