@@ -491,5 +491,17 @@ def test_bench_ar_times_int4_against_the_unquantized_target(tmp_path):
     [f] = list(tmp_path.iterdir())
     figs = json.load(open(f))["figures"]
     assert figs["int4.c1.tok_s"] > 0 and figs["f32.c1.tok_s"] > 0
+    assert figs["int4.c1.ceiling_ratio"] > 0 and figs["f32.c1.ceiling_tok_s"] > 0
     assert figs["int4_speedup.c1"] == pytest.approx(figs["int4.c1.tok_s"] / figs["f32.c1.tok_s"])
     assert figs["int4.weight_bytes_per_element"] < figs["f32.weight_bytes_per_element"] / 2
+
+
+def test_bench_ar_ceiling_iters_zero_skips_the_ceiling(tmp_path):
+    from dflash_jax.bench.__main__ import main
+
+    assert main(["ar", "--random-weights", os.path.join(A, "config.json"), "--dtype", "float32", "--concurrency", "1",
+                 "--prompt-len", "16", "--output-len", "8", "--prefill-chunk", "16", "--prefill-batch", "1",
+                 "--ceiling-iters", "0", "--out-dir", str(tmp_path)]) == 0
+    [f] = list(tmp_path.iterdir())
+    figs = json.load(open(f))["figures"]
+    assert figs["c1.tok_s"] > 0 and not [k for k in figs if "ceiling" in k]

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--prefill-batch", type=int, default=4)
-    p.add_argument("--ceiling-iters", type=int, default=20)
+    p.add_argument("--ceiling-iters", type=int, default=20,
+                   help="timed iterations of the weight-stream ceiling per concurrency; 0 skips it")
     p.add_argument("--all-buckets", action="store_true",
                    help="compile every serving bucket (powers of two up to the largest concurrency), as the server "
                         "does, so startup_compile_s is the server's start-up figure; default: only the measured "
@@ -140,9 +141,9 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
                                  "startup_cache_hits": report.get("cache_hits", 0),
                                  "startup_buckets": len(eng.prefill_buckets) + len(eng.decode_buckets),
                                  "weight_bytes_per_element": w_itemsize}
-    # warm-up run through the loop: every decode bucket the cases will use, 8 tokens
+    # warm-up run through the loop: every decode bucket the cases will use, up to 8 tokens
     for c in args.concurrency:
-        _case(eng, c, 16, 8, cfg.vocab_size, 0, measure=False)
+        _case(eng, c, min(16, args.prompt_len), min(8, args.output_len), cfg.vocab_size, 0, measure=False)
     compiles_before = compile_count()
     tp, dp = args.tensor_parallel, args.data_parallel
     single = tp * dp == 1  # the weight-stream ceiling is a one-device figure: measured only then
@@ -162,7 +163,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
     for c in args.concurrency if dp == 1 else ():  # device-only step: host overhead = tpot - this
         figures[f"c{c}.device_step_ms"] = device_step_ms(eng, c, args.prompt_len + args.output_len // 2)
-    for c in args.concurrency if single else ():  # the single-device weight-stream ceiling, after the cases
+    for c in args.concurrency if single and args.ceiling_iters > 0 else ():  # the weight-stream ceiling, last
         ceil[c] = ceiling.measure_ceiling(cfg, eng.target.params, c, iters=args.ceiling_iters, fn=fn)
         figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]
         figures[f"c{c}.ceiling_ratio"] = figures[f"c{c}.tok_s"] / ceil[c]["tok_s"]
