@@ -16,9 +16,9 @@ With ``--kvflash-fraction F`` the same prompts are also answered under KVFlash b
 (``--kvflash-scoring``): a fresh engine per context, one sequence at a time, a resident pool of ``F x context`` tokens
 (whole pages), greedy as the unbounded arm: ``needle.<ctx>.kvflash.accuracy``, ``.pool_tokens``, pages out / in per
 prompt, ``.needle_resident`` (share of answering steps at which the key's pages were resident), ``.same_reply``
-(replies equal to the unbounded arm's) and ``.score_decisions`` (the engine's total over the context's prompts). Every prompt whose
-history exceeds the pool must show pages moved (its residency telemetry, ``concurrency.prove_kvflash``), else the run
-fails and writes nothing.
+(replies equal to the unbounded arm's) and ``.score_decisions`` (the engine's total over the context's prompts).
+Every prompt whose history exceeds the pool must show pages moved (its residency telemetry,
+``concurrency.prove_kvflash``), else the run fails and writes nothing.
 """
 
 from __future__ import annotations
