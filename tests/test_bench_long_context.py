@@ -53,3 +53,39 @@ def test_needle_bench_shipped_set(tmp_path):
     assert f["needle.1024.prompt_tokens"] <= 1024
     prompts = rec["extra"]["prompts"]
     assert len(prompts) == 3 and all(p["answer"] and "pflash_hit" in p for p in prompts)
+
+
+def test_needle_bench_kvflash_arm(tmp_path):
+    """The KVFlash arm answers under a pool of a quarter of the context: pages really leave the pool."""
+    rc = main(["needle", "--model", os.path.join(SHIPPED, "target"), "--context", "512", "--n", "2",
+               "--kvflash-fraction", "0.25", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    rec = _figures(tmp_path, "needle_")
+    f = rec["figures"]
+    assert f["needle.512.kvflash.pool_tokens"] == 128  # 0.25 x 512, whole 16-token pages
+    assert f["needle.512.kvflash.pool_tokens"] < f["needle.512.prompt_tokens"]
+    assert 0 < f["needle.512.kvflash.pool_fraction"] <= 0.26
+    assert f["needle.512.kvflash.pages_out"] > 0
+    assert 0 < f["needle.512.kvflash.resident_fraction"] < 0.5
+    assert 0 <= f["needle.512.kvflash.same_reply"] <= 1 and 0 <= f["needle.512.kvflash.needle_resident"] <= 1
+    prompts = rec["extra"]["prompts"]
+    assert len(prompts) == 2 and rec["extra"]["kvflash_fraction"] == 0.25
+    for p in prompts:
+        assert p["kvflash_pages_out"] > 0
+        assert p["kvflash_resident_pages"] <= 128 // 16 < p["kvflash_logical_pages"]
+        assert p["kvflash_hit"] == (p["answer"] in (p["kvflash_reply"] or ""))
+    assert f["needle.512.kvflash.accuracy"] == sum(p["kvflash_hit"] for p in prompts) / 2
+
+
+def test_answer_span_is_the_key():
+    from dflash_jax.bench.acceptance import held_out_files
+    from dflash_jax.bench.needle import answer_span, bench_prompts
+    from dflash_jax.models.tokenizer import Tokenizer
+
+    model = os.path.join(SHIPPED, "target")
+    tok = Tokenizer.from_dir(model)
+    for ids, ans, _ in bench_prompts(tok, held_out_files(model)[:2], 256, 3, 0):
+        a, b = answer_span(tok, ids, ans)
+        assert ans in tok.decode(ids[a:b])
+        assert ans not in tok.decode(ids[a + 1:b]) and ans not in tok.decode(ids[a:b - 1])
+        assert tok.decode(ids[a - 4:a]).endswith("is") or " is" in tok.decode(ids[a - 4:b])

@@ -8,6 +8,17 @@ turn (thinking off), decodes greedily and counts a hit when the answer appears i
 prompt is also compressed by the dense scorer (``prefill.pflash.compress``, mode always) and answered again:
 ``needle.<ctx>.accuracy`` vs ``needle.<ctx>.pflash.accuracy``, with the kept fraction; and, as the baseline, chunks
 chosen at random under the same rule (same head/tail/structure, same budget): ``needle.<ctx>.random_chunks.accuracy``.
+PFlash always keeps the chunks covering ``--head-tokens`` / ``--tail-tokens`` (defaults 256 / 768, sized for long
+prompts): at a few thousand tokens they alone exceed a 5 % keep, so lower them there (``kept_fraction`` says what was
+kept); ``.needle_kept`` = the share of compressed prompts that still hold the key.
+
+With ``--kvflash-fraction F`` the same prompts are also answered under KVFlash bounded residency
+(``--kvflash-scoring``): a fresh engine per context, one sequence at a time, a resident pool of ``F x context`` tokens
+(whole pages), greedy as the unbounded arm: ``needle.<ctx>.kvflash.accuracy``, ``.pool_tokens``, pages out / in per
+prompt, ``.needle_resident`` (share of answering steps at which the key's pages were resident), ``.same_reply``
+(replies equal to the unbounded arm's) and ``.score_decisions`` (the engine's total over the context's prompts).
+Every prompt whose history exceeds the pool must show pages moved (its residency telemetry,
+``concurrency.prove_kvflash``), else the run fails and writes nothing.
 """
 
 from __future__ import annotations
@@ -139,6 +150,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target checkpoint directory (with tokenizer.json)")
     p.add_argument("--scorer", help="dense PFlash scorer checkpoint: also answer from the compressed prompt")
     p.add_argument("--keep-ratio", type=float, default=0.05, help="PFlash keep ratio")
+    p.add_argument("--head-tokens", type=int, default=None, help="PFlash always-kept head (default: PFlashOptions')")
+    p.add_argument("--tail-tokens", type=int, default=None, help="PFlash always-kept tail (default: PFlashOptions')")
+    p.add_argument("--kvflash-fraction", type=float, default=None, metavar="F",
+                   help="also answer under KVFlash with a resident pool of F x context tokens (one sequence at a time)")
+    p.add_argument("--kvflash-scoring", choices=("keys", "lru"), default="keys", help="KVFlash page ranking")
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--context", type=int, nargs="+", default=[8192], help="prompt lengths in tokens")
     p.add_argument("--n", type=int, default=20, help="prompts per context length (depths spread evenly)")
@@ -166,6 +182,96 @@ def bench_prompts(tok, files: Sequence[str], ctx: int, n: int, seed: int) -> lis
     return out
 
 
+def answer_span(tok: Any, ids: Sequence[int], answer: str) -> tuple[int, int]:
+    """Token range ``[start, end)`` of ``ids`` whose text holds ``answer`` (its one occurrence in the prompt): the
+    shortest prefix and then the shortest suffix of it that still decode to text containing ``answer``."""
+    def search(ok, hi: int) -> int:  # smallest k in [0, hi] with ok(k) (ok monotone)
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        return lo
+
+    end = search(lambda k: answer in tok.decode(list(ids[:k])), len(ids))
+    start = end - search(lambda k: answer in tok.decode(list(ids[end - k:end])), end)
+    return start, end
+
+
+def generate_tracked(eng: Any, ids: Sequence[int], sp: Any, pages: set[int]) -> tuple[Any, float]:
+    """Run one request on a KVFlash engine; returns its output and the share of its answering steps (from the one
+    sampling the first token on, while it runs) at which every logical page in ``pages`` was resident."""
+    rid = eng.submit(list(ids), sp)
+    hits = []
+    while True:
+        outs = {o.request_id: o for o in eng.step()}
+        o = outs.get(rid)
+        if o is not None and o.finish_reason is not None:
+            return o, float(np.mean(hits)) if hits else 0.0
+        where = (eng.kvflash_residency() or {}).get(rid)
+        if o is not None and o.token_ids and where is not None:
+            hits.append(pages <= set(where["resident"]))
+        if not eng.has_work():
+            raise RuntimeError("engine went idle with the request unfinished")
+
+
+#: Prefill chunk of the KVFlash arm's engine: a step's write pages must fit the pool (a 512-token chunk needs 33
+#: pages of 16, more than a quarter of 2K), and a smaller chunk also bounds what each chunk's queries see.
+KVFLASH_PREFILL_CHUNK = 64
+
+
+def kvflash_arm(target: Any, tok: Any, cases: Sequence[tuple[list[int], str, float]], ctx: int, max_len: int,
+                fraction: float, scoring: str, sp: Any,
+                reference: Sequence[str | None]) -> tuple[dict[str, float], list[dict], list[str]]:
+    """Answer ``cases`` under KVFlash: a fresh engine, one sequence at a time, a pool of ``fraction x ctx`` tokens.
+
+    Returns ``(figures, per-prompt records, proof failures)``; ``reference`` = the unbounded arm's replies (for
+    ``same_reply``). A failure names a prompt whose history exceeded the pool but whose pages never moved.
+    """
+    from dflash_jax.bench.concurrency import prove_kvflash
+    from dflash_jax.engine.loop import Engine, EngineOptions
+
+    page = EngineOptions.page_size
+    pool = int(fraction * ctx) // page * page
+    eng = Engine(target, tok, EngineOptions(max_batch=1, max_model_len=max_len, prefill_chunk=KVFLASH_PREFILL_CHUNK,
+                                            prefill_batch=1, kvflash=pool, kvflash_scoring=scoring))
+    t0 = time.perf_counter()
+    outs, resident = [], []
+    for ids, ans, _ in cases:
+        a, b = answer_span(tok, ids, ans)
+        o, frac = generate_tracked(eng, ids, sp, set(range(a // page, (b - 1) // page + 1)))
+        outs.append(o)
+        resident.append(frac)
+    seconds = time.perf_counter() - t0
+    pool = eng.kvflash_pool_tokens
+    recs, failures = [], []
+    for i, ((ids, ans, _), o, frac) in enumerate(zip(cases, outs, resident)):
+        st = o.stats
+        history = len(ids) + len(o.token_ids)
+        why = prove_kvflash(st, history > pool)
+        if why:
+            failures.append(f"context {ctx} prompt {i}: {why}")
+        recs.append({"kvflash_reply": o.text, "kvflash_hit": ans in (o.text or ""),
+                     "kvflash_pages_out": st.get("kv_pages_out"), "kvflash_pages_in": st.get("kv_pages_in"),
+                     "kvflash_resident_pages": st.get("kv_resident_pages"),
+                     "kvflash_logical_pages": st.get("kv_logical_pages"), "kvflash_needle_resident": frac})
+    rep = eng.kvflash_report()
+    pre = f"needle.{ctx}.kvflash"
+    figures = {
+        f"{pre}.accuracy": float(np.mean([r["kvflash_hit"] for r in recs])),
+        f"{pre}.pool_tokens": float(pool),
+        f"{pre}.pool_fraction": pool / float(np.mean([len(c[0]) for c in cases])),
+        f"{pre}.pages_out": float(np.mean([r["kvflash_pages_out"] for r in recs])),
+        f"{pre}.pages_in": float(np.mean([r["kvflash_pages_in"] for r in recs])),
+        f"{pre}.resident_fraction": float(np.mean([r["kvflash_resident_pages"] / r["kvflash_logical_pages"]
+                                                   for r in recs])),
+        f"{pre}.needle_resident": float(np.mean(resident)),
+        f"{pre}.same_reply": float(np.mean([o.text == ref for o, ref in zip(outs, reference)])),
+        f"{pre}.score_decisions": float(rep["score_decisions"]),
+        f"{pre}.seconds": seconds,
+    }
+    return figures, recs, failures
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     from dflash_jax.bench import results
     from dflash_jax.bench.acceptance import held_out_files
@@ -181,12 +287,15 @@ def run(args: argparse.Namespace, command: str) -> int:
         from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions
 
         scorer = DenseScorer.from_pretrained(args.scorer, dtype=args.dtype)
-        opts = PFlashOptions(mode="always", keep_ratio=args.keep_ratio, min_tokens=1)
+        opts = PFlashOptions(mode="always", keep_ratio=args.keep_ratio, min_tokens=1,
+                             **{k: v for k, v in (("head_tokens", args.head_tokens), ("tail_tokens", args.tail_tokens))
+                                if v is not None})
     max_len = -(-(max(args.context) + 64) // 256) * 256
     eng = Engine(target, tok, EngineOptions(max_batch=4, max_model_len=max_len, prefill_chunk=512, prefill_batch=1))
     sp = SamplingParams(max_tokens=16, temperature=0.0)
     figures: dict[str, float] = {}
     per_prompt = []
+    failures: list[str] = []
     for ctx in args.context:
         cases = bench_prompts(tok, files, ctx, args.n, args.seed)
         t0 = time.perf_counter()
@@ -205,6 +314,8 @@ def run(args: argparse.Namespace, command: str) -> int:
             hits_c = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs_c)]
             figures[f"needle.{ctx}.pflash.accuracy"] = float(np.mean(hits_c))
             figures[f"needle.{ctx}.pflash.kept_fraction"] = float(np.mean([c.ratio for c in comp]))
+            kept_c = [ans in tok.decode(c.effective_ids.tolist()) for c, (_, ans, _) in zip(comp, cases)]
+            figures[f"needle.{ctx}.pflash.needle_kept"] = float(np.mean(kept_c))
             figures[f"needle.{ctx}.pflash.scoring_s"] = float(np.mean([c.scoring_s for c in comp]))
             rng = np.random.default_rng(args.seed)
             rand = [compress(np.asarray(ids), lambda x, _: rng.random(len(x)), opts, must_keep=protected_mask(ids, tok))
@@ -213,15 +324,33 @@ def run(args: argparse.Namespace, command: str) -> int:
             hits_r = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs_r)]
             figures[f"needle.{ctx}.random_chunks.accuracy"] = float(np.mean(hits_r))
             figures[f"needle.{ctx}.random_chunks.kept_fraction"] = float(np.mean([c.ratio for c in rand]))
-            for r, o, h, hr in zip(rec, outs_c, hits_c, hits_r):
-                r.update(pflash_reply=o.text, pflash_hit=h, random_chunks_hit=hr)
+            kept_r = [ans in tok.decode(c.effective_ids.tolist()) for c, (_, ans, _) in zip(rand, cases)]
+            figures[f"needle.{ctx}.random_chunks.needle_kept"] = float(np.mean(kept_r))
+            for r, o, orr, h, hr, kc, kr in zip(rec, outs_c, outs_r, hits_c, hits_r, kept_c, kept_r):
+                r.update(pflash_reply=o.text, pflash_hit=h, pflash_needle_kept=kc, random_chunks_reply=orr.text,
+                         random_chunks_hit=hr, random_chunks_needle_kept=kr)
+        if args.kvflash_fraction is not None:
+            kv_fig, kv_rec, kv_fail = kvflash_arm(target, tok, cases, ctx, max_len, args.kvflash_fraction,
+                                                  args.kvflash_scoring, sp, [o.text for o in outs])
+            figures.update(kv_fig)
+            failures += kv_fail
+            for r, kr in zip(rec, kv_rec):
+                r.update(kr)
         per_prompt += rec
         print(f"context {ctx}: accuracy {figures[f'needle.{ctx}.accuracy']:.2f}" +
-              (f", with PFlash {figures[f'needle.{ctx}.pflash.accuracy']:.2f}" if scorer is not None else ""),
+              (f", with PFlash {figures[f'needle.{ctx}.pflash.accuracy']:.2f}" if scorer is not None else "") +
+              (f", KVFlash {figures[f'needle.{ctx}.kvflash.accuracy']:.2f}" if args.kvflash_fraction else ""),
               flush=True)
     results.print_table(figures)
+    if failures:
+        print("KVFlash not proved, no result written:\n  " + "\n  ".join(failures), flush=True)
+        return 1
     if not args.no_write:
         extra = {"model": args.model, "scorer": args.scorer, "keep_ratio": args.keep_ratio if scorer else None,
+                 "pflash_head_tokens": opts.head_tokens if opts else None,
+                 "pflash_tail_tokens": opts.tail_tokens if opts else None,
+                 "kvflash_fraction": args.kvflash_fraction, "kvflash_scoring": args.kvflash_scoring,
+                 "kvflash_prefill_chunk": KVFLASH_PREFILL_CHUNK if args.kvflash_fraction is not None else None,
                  "filler_files": [f.rsplit("/", 1)[-1] for f in files], "prompts": per_prompt}
         print("wrote", results.write_result("needle", figures, command, extra, out_dir=args.out_dir))
     return 0
