@@ -339,3 +339,25 @@ def test_drafter_scoring_under_pressure_ranks_by_the_drafters_queries(ddtree):
     assert_reclaimed(eng)
     with pytest.raises(ValueError, match="needs a drafter"):
         Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_scoring="drafter"))
+
+
+@SHARED
+def test_bounds_scoring_ranks_by_the_targets_queries_and_runs_the_prompts_last_token_alone():
+    """Bounds scoring: prefill / decode steps return the target's queries, pages are summarised by their key
+    bounds and ranked by them (not only LRU), the prompt's last token is a prefill chunk of its own (its rescoring
+    sees the prompt's end), exact token counts and accounting under pressure, every page-in bit-exact."""
+    eng = Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_scoring="bounds"))
+    assert eng.query_tail > 0
+    ps = prompts(100, 100, 100, seed=3)
+    sps = [SamplingParams(max_tokens=16, ignore_eos=True)] * 3
+    with checked_round_trips(eng) as checked:
+        got, tables = drive(eng, ps, sps)
+    assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in got)
+    assert any((t < 0).any() for t in tables)  # residency really was bounded
+    rep = eng.kvflash_report()
+    assert rep["scoring"] == "bounds" and rep["score_decisions"] > 0 and rep["summary_failures"] == 0
+    assert rep["pages_out"] > 0 and len(checked) == rep["pages_in"] > 0
+    assert {src for src, _ in eng.kvf._sum} == {"bounds"}
+    c = BASE.prefill_chunk
+    assert all(o.stats["prefill_chunks"] == -(-(len(p) - 1) // c) + 1 for o, p in zip(got, ps))
+    assert_reclaimed(eng)

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_jax.kv.kvflash import NOT_RESIDENT, KVFlashOptions, Residency, resolve_pool_tokens
+from dflash_jax.kv.kvflash import (NOT_RESIDENT, KVFlashOptions, Residency, bound_scores, dot_scores,
+                                     resolve_pool_tokens)
 
 
 class Sim:
@@ -315,4 +316,72 @@ def test_drafter_scoring_ranks_by_query_dot_summary_and_falls_back_to_lru_withou
     res.set_query(99, vec[0])  # an unknown sequence is ignored
     sim.step([(1, 12, 13)])
     assert res.stats_of(0)["unscored_fallbacks"] == fallbacks + 1
+    sim.check()
+
+
+def _bounds(keys: np.ndarray) -> np.ndarray:
+    """keys [P, L, Hkv, D] of one page -> its bounds [2, L, Hkv, D] (what ``KVFlashDevice.key_bounds`` returns)."""
+    return np.stack([keys.min(0), keys.max(0)])
+
+
+def test_bound_scores_find_the_page_with_one_aligned_key_that_mean_keys_miss():
+    rng = np.random.default_rng(0)
+    d, p = 8, 16
+    q = np.zeros((1, 1, 2, d), np.float32)  # one position, one layer, two query heads on one KV head
+    q[0, 0, 0, 0] = 4.0  # head 0 looks for keys along axis 0; head 1 is diffuse
+    q[0, 0, 1] = rng.normal(size=d) * 0.1
+    noise = lambda: rng.normal(size=(p, 1, 1, d)).astype(np.float32) * 0.05 * (np.arange(d) > 0)
+    needle = noise()
+    needle[5, 0, 0, 0] = 3.0  # one token of 16 carries the matching key: its page mean along axis 0 is 3 / 16
+    plain = [noise() + 0.5 * np.eye(d, dtype=np.float32)[0] for _ in range(3)]  # mean 0.5 along 0, no key above it
+    pages = [plain[0], needle, plain[1], plain[2]]
+    assert bound_scores(q, np.stack([_bounds(k) for k in pages])).argmax() == 1
+    # the mean-key dot product ranks the needle page last: the one line is averaged away
+    means = np.stack([k.mean(0).ravel() for k in pages])
+    assert dot_scores(q[0, :, :1].ravel(), means).argmin() == 1
+    # the bounds really bound every key's logit from above, head by head
+    b = np.stack([_bounds(k) for k in pages])
+    for i, k in enumerate(pages):
+        for h in range(2):
+            ub = np.maximum(q[0, 0, h] * b[i, 0, 0, 0], q[0, 0, h] * b[i, 1, 0, 0]).sum()
+            assert (k[:, 0, 0] @ q[0, 0, h] <= ub + 1e-6).all()
+
+
+def test_bound_scores_let_one_sharp_head_outrank_many_diffuse_ones():
+    d, n = 4, 6
+    q = np.ones((1, 2, 4, d), np.float32)  # 2 layers x 4 heads, 2 KV heads
+    b = np.zeros((n, 2, 2, 2, d), np.float32)
+    b[:, :, :, :, :] = np.linspace(1.0, 1.5, n)[:, None, None, None, None]  # large, flat logits: page 5 a bit more
+    b[2, :, 1, 1, 0] = 30.0  # layer 1, KV head 1 (heads 2, 3) have one key of page 2 far above the rest
+    sc = bound_scores(q, b)
+    assert sc.shape == (n,) and sc.argmax() == 2
+    assert list(np.argsort(-sc))[1] == 5  # then the diffuse heads' order
+
+
+def test_bounds_scoring_ranks_by_pushed_queries_and_a_prefill_query_forces_a_rescore():
+    sim = Sim(pool_pages=5, page_size=4, scoring="bounds", sink_pages=1, window_pages=1, rescore_every=1000,
+              hysteresis=0.0)
+    res = sim.res
+    assert sim.admit(0, 100) and sim.admit(1, 100)
+    d = 8
+    vec = {}
+    for lp in range(8):  # page lp holds one key along axis lp among zeros: bounds [2, L=1, Hkv=1, D]
+        k = np.zeros((4, 1, 1, d), np.float32)
+        k[1, 0, 0, lp] = 1.0
+        vec[lp] = _bounds(k)
+    summaries = _grow_summarised(sim, vec)
+    sim.step([(1, 0, 8)])  # no query yet: LRU, counted
+    assert res.resident_of(0) == [0, 6, 7] and res.stats_of(0)["unscored_fallbacks"] >= 1
+    q = np.zeros((2, 1, 2, d), np.float32)  # two positions, two query heads on the one KV head
+    q[1, 0, 1, 3] = 5.0  # the newest position's second head attends to page 3's key
+    res.push_query(0, q[:1], keep=4)
+    res.push_query(0, q[1:], keep=4, rescore=True)  # a prefill chunk's queries: re-rank now, not in 1000 steps
+    assert res._seqs[0].query.shape == (2, 1, 2, d)
+    summaries()
+    plan = sim.step([(1, 8, 12)])
+    assert res._seqs[0].ranks[0] == 3 and res.resident_of(0) == [0, 3, 7]
+    assert any(t.sid == 0 and t.logical == 3 for t in plan.page_in)  # paged back in from its host slab
+    res.push_query(0, np.zeros((3, 1, 2, d), np.float32), keep=4)
+    assert res._seqs[0].query.shape == (4, 1, 2, d)  # the window keeps the newest 4
+    res.push_query(99, q, keep=4)  # an unknown sequence is ignored
     sim.check()

@@ -79,7 +79,8 @@ def test_kvflash_drafter_scoring_needs_ddtree_and_presets_are_checked(tmp_path):
         _resolve("--model", MODEL, "--kvflash", "8192", "--kvflash-scoring", "drafter")
     preset = tmp_path / "p.yaml"
     for text, needle in (("kvflash: 8192\nkvflash-scoring: drafter\n", "needs --ddtree"),
-                         ("kvflash-scoring: attention\n", "--kvflash-scoring must be one of keys, drafter, lru")):
+                         ("kvflash-scoring: attention\n",
+                          "--kvflash-scoring must be one of keys, bounds, drafter, lru")):
         preset.write_text(text)
         with pytest.raises(StartupError, match=needle):
             _resolve("--model", MODEL, "--config", str(preset))

@@ -38,6 +38,10 @@ from dflash_jax.state import DraftKV, EngineState, StepInput
 from dflash_jax.sharding import Layout, to_host
 from dflash_jax.target import Target, load_target, shard_target
 
+#: Newest positions whose target queries rank pages under KVFlash ``bounds`` scoring (one page's worth: a question
+#: of a few words plus the chat template's tail).
+KVFLASH_QUERY_TAIL = 16
+
 FinishReason = str  # "stop" | "length" | "abort" | "error" (the engine failed this request alone; stats["error"])
 
 
@@ -207,7 +211,8 @@ class EngineOptions:
     # KVFlash bounded residency: None/"off" = every page resident; "auto" = a pool sized from free device memory;
     # an int = a resident pool of that many tokens shared by all running sequences (their histories live on host)
     kvflash: int | str | None = None
-    # "keys" | "drafter" (needs the drafter and spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
+    # "keys" | "bounds" (key min/max per page vs the target's latest queries) | "drafter" (needs the drafter and
+    # spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
     kvflash_scoring: str = "keys"
     kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
@@ -325,6 +330,9 @@ class Engine:
         if self.draft_scoring and not self.dcfg.full_layers:
             raise ValueError("kvflash_scoring='drafter' needs a drafter with a full-attention layer (sliding layers "
                              "never see beyond their window); use 'keys' or 'lru'")
+        # bounds scoring: prefill and decode steps also return the target's queries of each row's newest positions
+        self.query_tail = KVFLASH_QUERY_TAIL if (self.kvflash_pool_tokens is not None
+                                                 and o.kvflash_scoring == "bounds") else 0
         if self.kvflash_pool_tokens is None:
             self.pools: list[PageAllocator | Residency] = [PageAllocator(n_pages, o.page_size) for _ in range(dp)]
         else:
@@ -344,7 +352,8 @@ class Engine:
 
             self.kvf = KVFlashDevice(self.state, self.dkv, self.pools[0].host_pages, host_kind=o.kvflash_host_kind,
                                      draft_summary_layers=self.dcfg.full_layers if self.draft_scoring else (),
-                                     target_summaries=o.kvflash_scoring == "keys")
+                                     target_summaries=o.kvflash_scoring == "keys",
+                                     target_bounds=o.kvflash_scoring == "bounds")
         self._plan: Plan | None = None
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}
@@ -423,6 +432,7 @@ class Engine:
             try:
                 phys = [p for _, _, p in need]
                 sums = (self.kvf.draft_summaries(self.dkv, phys) if self.draft_scoring
+                        else self.kvf.key_bounds(self.state, phys) if self.query_tail
                         else self.kvf.summaries(self.state, phys))
                 res.set_summaries([(sid, lp) for sid, lp, _ in need], sums)
             except Exception:  # noqa: BLE001 - without summaries the ranking falls back to LRU (counted)
@@ -633,7 +643,7 @@ class Engine:
         if kind.startswith("advance_"):
             return self._lower_advance(kind.removeprefix("advance_"), b)
         body = (functools.partial(spec_step, self.cfg, self.dcfg, self.spec_cfg.for_batch(b)) if kind == "spec"
-                else functools.partial(step, self.cfg, self.dcfg))
+                else functools.partial(step, self.cfg, self.dcfg, query_tail=self.query_tail))
         packing = self.packing(kind, b)
 
         def packed(params, dparams, state, dkv, buf):
@@ -1043,6 +1053,9 @@ class Engine:
             if self.draft_scoring:  # decoding without drafting: no drafter query for these rows (LRU until next round)
                 for _, r in rows:
                     self.pages.set_query(r.rid, None)
+            if self.query_tail:
+                for i, r in rows:
+                    self.pages.push_query(r.rid, out.query[i, -1:], self.query_tail)
             for i, r in rows:
                 r.stats.decode_steps += 1
                 self._accept(r, out, i)
@@ -1080,20 +1093,33 @@ class Engine:
                                         else 2 * st.reprobe_after)
         return [r for _, r in rows]
 
+    def _chunk_end(self, r: _Request) -> int:
+        """End of ``r``'s next prefill chunk. With bounds scoring the prompt's last token runs as a chunk of its own:
+        the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in what
+        they attend to before the step that samples the first token."""
+        end = min(len(r.prompt), r.cursor + self.options.prefill_chunk)
+        if self.query_tail and end == len(r.prompt) and end - r.cursor > 1:
+            end -= 1
+        return end
+
     def _prefill(self, rows: list[_Request]) -> list[_Request]:
         c = self.options.prefill_chunk
-        rows = self._reside(rows, [(r.cursor, min(len(r.prompt), r.cursor + c)) for r in rows])
+        rows = self._reside(rows, [(r.cursor, self._chunk_end(r)) for r in rows])
         if not rows:
             return []
         toks = np.zeros((len(rows), c), np.int32)
         nv = np.zeros(len(rows), np.int32)
         start = np.array([r.cursor for r in rows], np.int32)
         for i, r in enumerate(rows):
-            part = r.prompt[r.cursor: r.cursor + c]
+            part = r.prompt[r.cursor: self._chunk_end(r)]
             toks[i, : len(part)] = part
             nv[i] = len(part)
         out = self._fetch(self._run("prefill", rows, toks, nv, start))
         done = []
+        if self.query_tail:
+            for i, r in enumerate(rows):
+                self.pages.push_query(r.rid, out.query[i, self.query_tail - min(self.query_tail, int(nv[i])):],
+                                      self.query_tail, rescore=True)
         for i, r in enumerate(rows):
             r.cursor += int(nv[i])
             r.stats.prefill_chunks += 1

@@ -22,23 +22,30 @@ from dflash_jax.state import DraftKV, EngineState, StepInput
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """[B] next token per row and its log-probability (float32); [B, K] the K most likely alternatives."""
+    """[B] next token per row and its log-probability (float32); [B, K] the K most likely alternatives.
+
+    query: with ``query_tail`` Q > 0, the rotated queries of each row's last Q real positions (oldest first; a row
+    with fewer than Q repeats its first one) over the target's attention layers, ``[B, Q, L, H, hd]`` float32
+    (KVFlash ``bounds`` scoring); else None."""
 
     tokens: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    query: jax.Array | None = None
 
 
 def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: EngineState, dkv: DraftKV | None,
-         inp: StepInput, samp: SamplingArrays):
+         inp: StepInput, samp: SamplingArrays, query_tail: int = 0):
     """Run ``inp`` ([B, T] tokens) through the target and sample each row's next token.
 
     With a drafter (``dcfg`` set), the drafter's context cache is extended with these positions too, so a
-    sequence can draft from any point. Returns ``(state', dkv', StepOutput)``.
+    sequence can draft from any point. ``query_tail``: also return the queries of each row's last that many
+    positions (``StepOutput.query``). Returns ``(state', dkv', StepOutput)``.
     """
     layers = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
-    h, kv, rec, feats = qwen36.forward(params, cfg, inp, state.kv, state.rec, layers)
+    qs: list | None = [] if query_tail else None
+    h, kv, rec, feats = qwen36.forward(params, cfg, inp, state.kv, state.rec, layers, qs)
     if dcfg is not None:
         from dflash_jax.engine.spec_steps import features, write_draft_context
 
@@ -47,12 +54,18 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = qwen36.lm_logits(params, h_last)
     tok, logp, top_ids, top_lp = sample(logits, samp)
-    return EngineState(kv=kv, rec=rec), dkv, StepOutput(tok, logp, top_ids, top_lp)
+    query = None
+    if query_tail:
+        t = inp.tokens.shape[1]
+        at = jnp.clip(inp.n_valid[:, None] - query_tail + jnp.arange(query_tail)[None], 0, t - 1)  # [B, Q]
+        query = jnp.stack([jnp.take_along_axis(q, at[:, :, None, None], axis=1) for q in qs], axis=2)
+        query = query.astype(jnp.float32)  # [B, Q, L, H, hd]
+    return EngineState(kv=kv, rec=rec), dkv, StepOutput(tok, logp, top_ids, top_lp, query)
 
 
-def step_fn(cfg: TargetConfig, dcfg: DrafterConfig | None = None):
+def step_fn(cfg: TargetConfig, dcfg: DrafterConfig | None = None, query_tail: int = 0):
     """``f(params, dparams, state, dkv, inp, samp)`` jitted with the state (and drafter cache) donated.
 
     The same function serves prefill buckets (T = chunk) and decode buckets (T = 1).
     """
-    return jax.jit(functools.partial(step, cfg, dcfg), donate_argnums=(2, 3))
+    return jax.jit(functools.partial(step, cfg, dcfg, query_tail=query_tail), donate_argnums=(2, 3))

@@ -15,7 +15,8 @@ Host side (``Residency``: pure Python + NumPy, no JAX) decides, between steps:
   sequence's floor being its pinned pages; eviction victims come from the sequence furthest above its quota
   (largest excess first), so no sequence is starved and every sequence with demand gets at least its share;
 * what stays resident inside a sequence's quota: pinned pages, then the recent window (newest first) and the
-  sink pages, then the rest ranked by score (``scoring="keys"`` or ``"drafter"``) or recency (``"lru"``). A
+  sink pages, then the rest ranked by score (``scoring="bounds"``, ``"keys"`` or ``"drafter"``) or recency
+  (``"lru"``). A
   ranking without a query or without every page's summary, and a scorer fault, fall back to LRU for that decision
   and are counted;
 * the transfers: page-out (resident dirty page -> a host slab) and page-in (host slab -> a free physical page).
@@ -42,7 +43,7 @@ import numpy as np
 from dflash_jax.kv.pages import OutOfPages, RequestTooLarge
 
 NOT_RESIDENT = -1  # page-table entry of a logical page that is not resident (attention masks its keys)
-SCORINGS = ("keys", "drafter", "lru")
+SCORINGS = ("keys", "bounds", "drafter", "lru")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,10 @@ class KVFlashOptions:
     sequence's latest full page's mean keys (a stand-in for its latest queries) with each page's mean keys, over
     the target's attention layers; ``"drafter"`` by the DFlash drafter's attention logits of its latest round's
     anchor queries (``set_query``) over each page's mean drafter context keys, over the drafter's full-attention
-    layers (a sequence without a query yet ranks by LRU, counted); ``"lru"`` ranks by last use. sink_pages / window_pages: always-kept head and
+    layers (a sequence without a query yet ranks by LRU, counted); ``"bounds"`` (Quest-style) keeps per page the
+    elementwise min and max of its keys per attention layer and KV head and scores it with the target's own
+    rotated queries of the sequence's latest positions (``push_query``), see ``bound_scores``; ``"lru"`` ranks by
+    last use. sink_pages / window_pages: always-kept head and
     recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
     between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
     resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
@@ -84,7 +88,7 @@ class _Page:
     slab: int = -1
     dirty: bool = True
     last_use: int = 0
-    summary: np.ndarray | None = None  # [F] mean keys of the page once full (target or drafter keys: for scoring)
+    summary: np.ndarray | None = None  # mean keys [F] (keys / drafter) or key bounds [2, L, Hkv, D] of a full page
 
 
 @dataclasses.dataclass
@@ -95,7 +99,7 @@ class _Seq:
     reserved: int  # host-capacity pages promised, not yet materialised
     ranks: list[int] | None = None  # cached logical order best-first (non-protected pages), from the last rescoring
     ranked_at: int = -(10 ** 9)
-    query: np.ndarray | None = None  # [F] the drafter's latest anchor queries (drafter scoring), None before a round
+    query: np.ndarray | None = None  # drafter: [F] latest anchor queries; bounds: [Q, L, H, D] latest target queries
     version: int = 0  # bumped on every residency change (block-table refresh)
     stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
@@ -137,7 +141,7 @@ class Residency:
             raise ValueError("kvflash needs pool_pages, host_pages, page_size >= 1")
         self.pool_pages, self.host_pages, self.page_size, self.opts = pool_pages, host_pages, page_size, opts
         self.floor_pages = floor_pages
-        self.scorer = scorer or dot_scores
+        self.scorer = scorer or (bound_scores if opts.scoring == "bounds" else dot_scores)
         self._free_phys = list(range(1, pool_pages + 1))
         self._free_slabs = list(range(host_pages))
         self._seqs: dict[int, _Seq] = {}
@@ -292,6 +296,19 @@ class Residency:
         if s is not None:
             s.query = None if query is None else np.asarray(query, np.float32)
 
+    def push_query(self, sid: int, queries: np.ndarray, keep: int, rescore: bool = False) -> None:
+        """Append the target's queries of ``sid``'s newest positions ``[n, L, H, D]`` (bounds scoring) to its query
+        window, which keeps the latest ``keep``. ``rescore``: re-rank at the next step whatever ``rescore_every``
+        says (a prefill chunk's queries: the prompt's end, e.g. its question, must be able to page its pages in
+        before the step that answers). Unknown / released sequences are ignored."""
+        s = self._seqs.get(sid)
+        if s is None or len(queries) == 0:
+            return
+        q = np.asarray(queries, np.float32)
+        s.query = (q if s.query is None else np.concatenate([s.query, q]))[-keep:]
+        if rescore:
+            s.ranks = None
+
     # ---- the step protocol ------------------------------------------------------------------------------------
     def prepare(self, rows: Sequence[tuple[int, int, int]]) -> Plan:
         """Make a step's write pages resident and pinned; rebalance the pool; return the transfers to run.
@@ -430,7 +447,7 @@ class Residency:
             self.counters["lru_decisions"] += 1
             s.stats["lru_decisions"] += 1
             return lru
-        if self.opts.scoring == "drafter":
+        if self.opts.scoring in ("drafter", "bounds"):
             query = s.query
         else:
             full = s.n_tokens // self.page_size
@@ -580,6 +597,28 @@ class Residency:
 def dot_scores(query: np.ndarray, summaries: np.ndarray) -> np.ndarray:
     """Score of each page: its mean keys dotted with the query summary (both [F], flattened layers x heads x D)."""
     return summaries @ query
+
+
+def bound_scores(query: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Quest-style page scores from key bounds: ``query [Q, L, H, D]`` (rotated target queries of the latest Q
+    positions, L attention layers, H query heads), ``bounds [n, 2, L, Hkv, D]`` (per page the elementwise min and
+    max of its keys) -> ``[n]``.
+
+    For query head h (reading KV head h // (H / Hkv)), ``ub = sum_d max(q_d kmin_d, q_d kmax_d)`` bounds the logit
+    ``q . k`` of every key of the page from above, however few of its tokens carry it (a mean over the page would
+    dilute a one-line needle). Each (position, layer, head) turns its bounds into log shares of attention over the
+    candidate pages (``ub / sqrt(D)`` less their log-sum-exp), which puts heads of different logit scales on one
+    footing; a page scores its best share over all of them: one sharp head (a retrieval head) that would attend to
+    it is reason enough to keep it, where a sum would let many diffuse heads outvote that one.
+    """
+    q = np.asarray(query, np.float32)
+    b = np.asarray(bounds, np.float32)
+    h, hkv, d = q.shape[2], b.shape[3], q.shape[3]
+    kv = np.repeat(b, h // hkv, axis=3)  # [n, 2, L, H, D]: each query head's KV head
+    ub = np.maximum(q[:, None] * kv[None, :, 0], q[:, None] * kv[None, :, 1]).sum(-1) * d ** -0.5  # [Q, n, L, H]
+    m = ub.max(axis=1, keepdims=True)
+    share = ub - (m + np.log(np.exp(ub - m).sum(axis=1, keepdims=True)))
+    return share.max(axis=(0, 2, 3))
 
 
 def resolve_pool_tokens(spec: str | int | None, *, free_bytes: int | None, bytes_per_token: int, page_size: int,

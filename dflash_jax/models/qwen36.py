@@ -289,9 +289,13 @@ def attn_output(p: Params, o: jax.Array, gate: jax.Array | None) -> jax.Array:
 
 
 def attention_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, valid: jax.Array,
-                    k_pages: jax.Array, v_pages: jax.Array):
-    """Gated full attention over paged KV. u [B,T,D] -> ([B,T,D], k_pages, v_pages)."""
+                    k_pages: jax.Array, v_pages: jax.Array, queries: list | None = None):
+    """Gated full attention over paged KV. u [B,T,D] -> ([B,T,D], k_pages, v_pages).
+
+    queries: when a list, the layer's rotated queries ``[B,T,H,hd]`` are appended to it (KVFlash page scoring)."""
     q, gate, k, v = attn_project(p, cfg, u, inp.positions)
+    if queries is not None:
+        queries.append(q)
     k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inp.page_table, inp.positions, valid)
     o = attention.paged_attention(q, k_pages, v_pages, inp.page_table, inp.positions, cfg.head_dim ** -0.5)
     return attn_output(p, o, gate), k_pages, v_pages
@@ -478,12 +482,13 @@ def gdn_decode_reference(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_al
 # the forward step
 # ---------------------------------------------------------------------------------------------
 def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec: RecurrentSlots,
-            return_layers: tuple[int, ...] = ()):
+            return_layers: tuple[int, ...] = (), queries: list | None = None):
     """Run T tokens of B sequences through the target, reading and updating their paged KV and slots.
 
     A row whose first position is 0 starts from a zero recurrent state (whatever its slot held before).
     Returns ``(h [B,T,D] after the final norm, kv', rec', feats)`` where ``feats`` is
     ``[len(return_layers), B, T, D]`` (outputs of those decoder layers, before the final norm) or None.
+    queries: when a list, each attention layer's rotated queries ``[B,T,H,hd]`` are appended to it, in order.
     """
     valid = inp.valid
     fresh = inp.positions[:, 0] == 0  # a row starting at position 0 has no recurrent history
@@ -495,7 +500,7 @@ def forward(params: Params, cfg: TargetConfig, inp: StepInput, kv: KVPages, rec:
     for i, (lt, p) in enumerate(zip(cfg.layer_types, params["layers"])):
         u = rms_norm_zc(h, p["input_norm"], cfg.rms_norm_eps)
         if lt == FULL:
-            out, ks[ai], vs[ai] = attention_layer(p["attn"], cfg, u, inp, valid, ks[ai], vs[ai])
+            out, ks[ai], vs[ai] = attention_layer(p["attn"], cfg, u, inp, valid, ks[ai], vs[ai], queries)
             ai += 1
         elif decode:
             out, convs[gi], ssms[gi] = gdn_decode_layer(p["gdn"], cfg, u, valid, fresh, inp.slots, convs[gi], ssms[gi])

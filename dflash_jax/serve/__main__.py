@@ -6,10 +6,10 @@
     python -m dflash_jax.serve --config configs/h200.yaml --model PATH
 
 Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation, ``--prefill-compression auto|always
---prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring keys|drafter|lru]`` bounded KV
-residency (a resident pool of N tokens shared by all running sequences, histories backed by pinned host memory),
-``--fast-rollback`` (one sequence) the node-selecting commit. Combinations this engine cannot run are rejected at
-start-up with a message naming the flags, never silently ignored.
+--prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring keys|bounds|drafter|lru]``
+bounded KV residency (a resident pool of N tokens shared by all running sequences, histories backed by pinned host
+memory), ``--fast-rollback`` (one sequence) the node-selecting commit. Combinations this engine cannot run are
+rejected at start-up with a message naming the flags, never silently ignored.
 """
 
 from __future__ import annotations
@@ -63,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "device memory); the rest of each history lives in pinned host memory")
     ap.add_argument("--kvflash-scoring", choices=SCORINGS, default=None,
                     help="what stays resident beyond the sink and recent pages: keys = query-aware score of each "
-                         "page's mean keys against the latest keys; drafter (needs --ddtree) = the DFlash drafter's "
-                         "attention logits of its latest queries over each page's mean context keys (LRU for a "
-                         "sequence before its first round or decoding AR); lru = least recently used leaves first")
+                         "page's mean keys against the latest keys; bounds = Quest-style upper bound of the "
+                         "target's latest queries over each page's key min/max; drafter (needs --ddtree) = the "
+                         "DFlash drafter's attention logits of its latest queries over each page's mean context keys "
+                         "(LRU for a sequence before its first round or decoding AR); lru = least recently used "
+                         "leaves first")
     ap.add_argument("--fast-rollback", action="store_true", default=None,
                     help="single sequence (--ddtree, --max-concurrency 1): commit by selecting the accepted tree "
                          "node's kept recurrent state instead of the closed-form replay")
