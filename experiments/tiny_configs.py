@@ -4,12 +4,14 @@ Presets (``PRESETS``) give every size knob of ``experiments/train_tiny.py``; com
 
 * ``tiny``  - the shipped set (trained on an H200; sized so the three checkpoints in bf16 with their tokenizers stay
   under 24 MB): vocabulary 4096, sequences of 2048; target hidden 256, 8 layers ``[GDN, GDN, GDN, attn] x 2``, 4/2
-  attention heads x 64 with the output gate (full rotary, theta 1e4), GDN 2/6 heads x 64, ff 512; drafter 4 layers ``[S x 3, F]`` (window
-  256, block 16, ff 384, target layers by the default rule); dense scorer hidden 128, 2 layers, 4/2 heads x 32.
-  Training (``train``): the target on synthetic copy rows of 128 alone (``target_copy``), then at 2048 (rows of stdlib + chat, each retrieval document and dense recall drill
-  whole in a row, 10 % synthetic copy rows, assistant answers weighted 2x), then a
-  long phase ``target_long`` at 8448 on rows each holding a long retrieval document; the drafter (on the
-  target's rows, labels = the target's argmax, so retrieval haystacks are code to it); the scorer. Each phase's
+  attention heads x 64 with the output gate (full rotary, theta 1e4), GDN 2/6 heads x 64, ff 512; drafter 4
+  layers ``[S x 3, F]`` (window 256, block 16, ff 384, target layers by the default rule); dense scorer hidden 128,
+  2 layers, 4/2 heads x 32.
+  Training (``train``): the target on synthetic copy rows of 128 alone (``target_copy``), then at 2048 (rows of
+  stdlib + chat, each retrieval document and dense recall drill whole in a row, 10 % synthetic copy rows, assistant
+  answers weighted 2x), then a long phase ``target_long`` at 8448 on rows each holding a long retrieval document;
+  the drafter (on the target's rows, labels = the target's argmax, so retrieval haystacks are code to it); the
+  scorer (copy rows alone first, then text with copy rows and answers weighted 2x). Each phase's
   ``minutes`` fits its step count to a time budget.
 * ``smoke`` - the same structure at toy width, a small corpus and a few steps (CPU, about a minute).
 
@@ -66,8 +68,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                             "clip": 1.0, "minutes": 1.0, "answer_weight": 4.0},
             "drafter": {"steps": 4000, "batch": 8, "lr": 6e-4, "warmup": 0.04, "wd": 0.0, "clip": 1.0,
                         "anchors": 128, "gamma": 7.0, "minutes": 2.0},
+            # the scorer too: PFlash finds a question's chunk through the scorer's attention, which needs a model
+            # that retrieves (the dense 2-layer code copies within ~300 steps on a CPU proxy)
+            "scorer_copy": {"seq_len": 128, "rows": 8000, "steps": 1000, "batch": 32, "lr": 3e-3, "warmup": 0.02,
+                            "wd": 0.1, "clip": 1.0, "minutes": None},
             "scorer": {"steps": 1500, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
-                       "minutes": 0.5},
+                       "minutes": 0.5, "answer_weight": 2.0, "copy_fraction": 0.1},
         },
         "eval": {"seqs": 48, "tau_seqs": 16, "tau_anchors": 16, "every": 500},
         "log_every": 20, "ckpt_every": 250,
@@ -96,7 +102,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                             "clip": 1.0, "answer_weight": 3.0, "minutes": None},
             "drafter": {"steps": 6, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.0, "clip": 1.0,
                         "anchors": 8, "gamma": 7.0},
-            "scorer": {"steps": 6, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0},
+            "scorer_copy": {"seq_len": 64, "rows": 16, "steps": 3, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1,
+                            "clip": 1.0, "minutes": None},
+            "scorer": {"steps": 6, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0,
+                       "answer_weight": 3.0, "copy_fraction": 0.2},
         },
         "eval": {"seqs": 4, "tau_seqs": 2, "tau_anchors": 4, "every": 0},
         "log_every": 2, "ckpt_every": 6,

@@ -1078,8 +1078,9 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     data = prepare_data(cfg["data"], T, seed, work, long_T)
     hp_c = cfg["train"].get("target_copy")
     copy_warmup = bool(hp_c and hp_c.get("steps"))
+    scorer_copy = not args.no_scorer and bool((cfg["train"].get("scorer_copy") or {}).get("steps"))
     order = (["target_copy"] if copy_warmup else []) + ["target"] + (["target_long"] if long_T else []) + \
-        ["drafter"] + ([] if args.no_scorer else ["scorer"])
+        ["drafter"] + (["scorer_copy"] if scorer_copy else []) + ([] if args.no_scorer else ["scorer"])
 
     def time_cap(name: str) -> float | None:
         """Seconds of steps the --time-budget leaves phase ``name``: the rest of the budget less the later phases'
@@ -1109,18 +1110,20 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     asst_ids = {"im_start": sp["<|im_start|>"], "im_end": sp["<|im_end|>"],
                 "assistant": _token_ids(data.tokenizer_dir, "assistant")}
 
-    def make_target_loss(answer_weight: float):
-        def target_loss(params, frozen, batch, key):
-            tokens, w = batch if isinstance(batch, tuple) else (batch, None)  # (rows, weights) with copy rows
-            p = compute_params(params, cdtype)
-            h, _ = target_hidden(p, tcfg, tokens)
+    def make_lm_loss(logits_fn: Callable, answer_weight: float) -> Callable:
+        """Next-token CE of ``logits_fn(compute params, tokens [B, T]) -> [B, T, V]`` on a batch of rows or of
+        (rows, weights) (copy rows weigh only their repeated halves); assistant answers weigh ``answer_weight``."""
+        def lm_loss(params, frozen, batch, key):
+            tokens, w = batch if isinstance(batch, tuple) else (batch, None)
             if answer_weight != 1.0:
                 a = 1.0 + (answer_weight - 1.0) * assistant_mask(tokens, asst_ids["im_start"], asst_ids["assistant"],
                                                                  asst_ids["im_end"])
                 w = a if w is None else w * a
-            return weighted_next_token_ce(qwen36.lm_logits(p, h), tokens, w), {}
-        return target_loss
+            return weighted_next_token_ce(logits_fn(compute_params(params, cdtype), tokens), tokens, w), {}
+        return lm_loss
 
+    t_logits = lambda p, tok: qwen36.lm_logits(p, target_hidden(p, tcfg, tok)[0])  # noqa: E731
+    make_target_loss = lambda answer_weight: make_lm_loss(t_logits, answer_weight)  # noqa: E731
     target_loss = make_target_loss(float(hp_t.get("answer_weight", 1.0)))
 
     t_hidden = lambda p, tok: target_hidden(p, tcfg, tok)[0]
@@ -1133,31 +1136,39 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
 
     copy_ids = value_token_ids(HFTokenizer.from_file(os.path.join(data.tokenizer_dir, "tokenizer.json")))
     ind_rows, ind_w = copy_rows(16, min(T, 512), copy_ids, seed + 5)
+    def copy_phase(name: str, params: Any, loss_fn: Callable, hidden_fn: Callable, hp: dict[str, Any],
+                   row_seed: int) -> tuple[Any, PhaseResult, dict[str, float]]:
+        """Copy rows alone (short, cheap): the induction mechanism forms here within ~1-2K steps, where mixed into
+        text from step 0 it had not formed in a whole target phase (experiments/results/retrieval_proxy_*); the
+        text phase then keeps it with its own copy rows. Returns (params, result, induction eval)."""
+        rows, w = copy_rows(hp["rows"], hp["seq_len"], copy_ids, row_seed)
+        log(f"[{name}] {len(rows)} copy rows of {hp['seq_len']} ({len(copy_ids)} value token ids)")
+        res = run_phase(name, params, None, loss_fn, Batches(rows, hp["batch"], row_seed, w), hp, work=work,
+                        resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
+                        tokens_per_step=hp["batch"] * hp["seq_len"], deadline=deadline, max_seconds=time_cap(name))
+        t0 = time.perf_counter()
+        ind = make_induction_eval(hidden_fn, ind_rows, ind_w, 4)(compute_params(res.params, cdtype))
+        log(f"[{name}] induction_acc {ind['induction_acc']:.3f} on held-out copy rows of {ind_rows.shape[1]} "
+            f"({time.perf_counter() - t0:.1f}s)")
+        return res.params, res, ind
+
+    def text_batches(name: str, hp: dict[str, Any], batch_seed: int, copy_seed: int) -> Batches:
+        """The training rows, with ``hp["copy_fraction"]`` of synthetic copy rows mixed in (weighted rows)."""
+        frac = float(hp.get("copy_fraction", 0.0))
+        if frac <= 0:
+            return Batches(data.train, hp["batch"], batch_seed)
+        n_copy = max(1, int(round(frac * len(data.train) / (1.0 - frac))))
+        c_rows, c_w = copy_rows(n_copy, T, copy_ids, copy_seed)
+        log(f"[{name}] {n_copy} copy rows ({len(copy_ids)} value token ids) mixed into {len(data.train)} text rows "
+            f"({frac:.0%})")
+        return Batches(np.concatenate([data.train, c_rows]), hp["batch"], batch_seed,
+                       np.concatenate([np.ones(data.train.shape, np.float32), c_w]))
+
     retrieval, res_c = {}, None
     if copy_warmup:
-        # copy rows alone first (short, cheap): the induction mechanism forms here within ~1-2K steps, where mixed
-        # into text from step 0 it had not formed in the whole target phase (experiments/results/
-        # retrieval_proxy_cpu.md); the text phase then keeps it with its own copy rows
-        w_rows, w_w = copy_rows(hp_c["rows"], hp_c["seq_len"], copy_ids, seed + 6)
-        log(f"[target_copy] {len(w_rows)} copy rows of {hp_c['seq_len']} ({len(copy_ids)} value token ids)")
-        res_c = run_phase("target_copy", tp, None, make_target_loss(1.0), Batches(w_rows, hp_c["batch"], seed + 6, w_w),
-                          hp_c, work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
-                          ckpt_every=cfg["ckpt_every"], tokens_per_step=hp_c["batch"] * hp_c["seq_len"],
-                          deadline=deadline, max_seconds=time_cap("target_copy"))
-        tp = res_c.params
-        t0 = time.perf_counter()
-        retrieval["after_copy"] = make_induction_eval(t_hidden, ind_rows, ind_w, 4)(compute_params(tp, cdtype))
-        log(f"[target_copy] induction_acc {retrieval['after_copy']['induction_acc']:.3f} on held-out copy rows of "
-            f"{ind_rows.shape[1]} ({time.perf_counter() - t0:.1f}s)")
-    t_batches = Batches(data.train, hp_t["batch"], seed)
-    copy_frac = float(hp_t.get("copy_fraction", 0.0))
-    if copy_frac > 0:
-        n_copy = max(1, int(round(copy_frac * len(data.train) / (1.0 - copy_frac))))
-        c_rows, c_w = copy_rows(n_copy, T, copy_ids, seed + 4)
-        t_batches = Batches(np.concatenate([data.train, c_rows]), hp_t["batch"], seed,
-                            np.concatenate([np.ones(data.train.shape, np.float32), c_w]))
-        log(f"[target] {n_copy} copy rows ({len(copy_ids)} value token ids) mixed into {len(data.train)} text rows "
-            f"({copy_frac:.0%})")
+        tp, res_c, retrieval["after_copy"] = copy_phase("target_copy", tp, make_target_loss(1.0), t_hidden, hp_c,
+                                                        seed + 6)
+    t_batches = text_batches("target", hp_t, seed, seed + 4)
     res_t = run_phase("target", tp, None, target_loss, t_batches, hp_t, work=work,
                       resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
                       eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
@@ -1242,7 +1253,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     log("[drafter] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in d_eval.items()))
 
     # ---- scorer --------------------------------------------------------------------------------------------------
-    res_s, s_eval, scfg = None, None, None
+    res_s, s_eval, scfg, res_sc, s_retrieval = None, None, None, None, {}
     if not args.no_scorer:
         scfg = tc.dense_config(cfg["scorer"], data.vocab_size, eos_token_id=sp["<|im_end|>"],
                                pad_token_id=sp["<|endoftext|>"])
@@ -1250,22 +1261,34 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         hp_s = cfg["train"]["scorer"]
         log(f"[scorer] {n_params(sparams):,} parameters (plain Qwen3 dense, {scfg.num_layers} layers)")
 
-        def scorer_loss(params, frozen, tokens, key):
-            p = compute_params(params, cdtype)
-            h = dense.hidden_states(p, scfg, tokens)
-            logits = jnp.einsum("btd,vd->btv", h, p["lm_head"].astype(h.dtype), preferred_element_type=F32)
-            return jnp.mean(next_token_ce(logits, tokens)), {}
+        s_hidden = lambda p, tok: dense.hidden_states(p, scfg, tok)  # noqa: E731
 
-        s_hidden = lambda p, tok: dense.hidden_states(p, scfg, tok)
+        def s_logits(p, tok):
+            h = s_hidden(p, tok)
+            return jnp.einsum("btd,vd->btv", h, p["lm_head"].astype(h.dtype), preferred_element_type=F32)
+
+        scorer_loss = make_lm_loss(s_logits, float(hp_s.get("answer_weight", 1.0)))
         s_eval_fn = make_lm_eval(s_hidden, ev_sets, ev_batch)
-        scorer_eval = lambda p: s_eval_fn(compute_params(p, cdtype))
-        res_s = run_phase("scorer", sparams, None, scorer_loss, Batches(data.train, hp_s["batch"], seed + 2), hp_s,
-                          work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
+        scorer_eval = lambda p: s_eval_fn(compute_params(p, cdtype))  # noqa: E731
+        hp_sc = cfg["train"].get("scorer_copy")
+        if hp_sc and hp_sc.get("steps"):
+            # PFlash ranks chunks by the scorer's attention from the prompt's last tokens: the chunk a question is
+            # about is found by a model that retrieves, i.e. one with the copy mechanism the target needs too
+            sparams, res_sc, s_retrieval["after_copy"] = copy_phase("scorer_copy", sparams, make_lm_loss(s_logits, 1.0),
+                                                                    s_hidden, hp_sc, seed + 7)
+        res_s = run_phase("scorer", sparams, None, scorer_loss, text_batches("scorer", hp_s, seed + 2, seed + 8),
+                          hp_s, work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
                           ckpt_every=cfg["ckpt_every"], eval_fn=scorer_eval, eval_every=cfg["eval"]["every"],
                           tokens_per_step=hp_s["batch"] * T, deadline=deadline, max_seconds=time_cap("scorer"))
         s_eval = scorer_eval(res_s.params)
         res_s.history["eval"].append({"step": res_s.steps, **s_eval})
         log("[scorer] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in s_eval.items()))
+        if data.retrieval_eval:
+            s_retrieval["after_scorer"] = (make_retrieval_eval(s_hidden, data.retrieval_eval, 4)(
+                compute_params(res_s.params, cdtype)) | make_induction_eval(s_hidden, ind_rows, ind_w, 4)(
+                compute_params(res_s.params, cdtype)))
+            log("[scorer] held-out retrieval: " + " ".join(
+                f"{k} {v:.3f}" for k, v in s_retrieval["after_scorer"].items()))
 
     # ---- export --------------------------------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -1335,7 +1358,9 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         "scorer": None if res_s is None else {
             "config": scfg.to_hf_dict(), "parameters": n_params(res_s.params), "held_out": s_eval,
             "train_loss": first_last(res_s.history), "timing": res_s.timing, "resumed_from": res_s.resumed_from,
-            "hparams": cfg["train"]["scorer"]},
+            "hparams": cfg["train"]["scorer"], "retrieval": s_retrieval,
+            "copy": None if res_sc is None else {"train_loss": first_last(res_sc.history), "timing": res_sc.timing,
+                                                 "hparams": cfg["train"]["scorer_copy"]}},
         "export": {"dir": out, "dtype": args.export_dtype, "check": check, "loss_curves_png": png,
                    "seconds": round(t_export, 2)},
         "timing": {"data_seconds": round(t_data, 2), "total_seconds": round(time.perf_counter() - t_all, 2)},
