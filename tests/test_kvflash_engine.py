@@ -44,7 +44,7 @@ def unbounded():
 
 @pytest.fixture(scope="module")
 def bounded():
-    eng = Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL))
+    eng = Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_scoring="keys"))
     eng.warmup()
     assert eng.kvflash_report()["host_memory_kind"] == "pinned_host"
     return eng

@@ -69,7 +69,7 @@ def test_kvflash_flags_are_accepted():
     assert ns.kvflash == 8192 and ns.kvflash_scoring == "lru"
     assert _resolve("--model", MODEL, "--kvflash", "auto").kvflash == "auto"
     ns = _resolve("--model", MODEL)
-    assert ns.kvflash is None and ns.kvflash_scoring == "keys"
+    assert ns.kvflash is None and ns.kvflash_scoring == "bounds"
 
 
 def test_kvflash_drafter_scoring_needs_ddtree_and_presets_are_checked(tmp_path):

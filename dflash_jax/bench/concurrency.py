@@ -150,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvflash", type=_kvflash_arg, default=None, metavar="N|auto",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests (auto: "
                         "80%% of free device memory)")
-    p.add_argument("--kvflash-scoring", choices=("keys", "bounds", "drafter", "lru"), default="keys",
+    p.add_argument("--kvflash-scoring", choices=("keys", "bounds", "drafter", "lru"), default="bounds",
                    help="drafter: ranks pages by the drafter's queries, so only ddtree cases can run it (--modes ddtree)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="KV page dtype of every case (default: the model dtype); fp8/int8 pages also page in/out "

@@ -211,9 +211,9 @@ class EngineOptions:
     # KVFlash bounded residency: None/"off" = every page resident; "auto" = a pool sized from free device memory;
     # an int = a resident pool of that many tokens shared by all running sequences (their histories live on host)
     kvflash: int | str | None = None
-    # "keys" | "bounds" (key min/max per page vs the target's latest queries) | "drafter" (needs the drafter and
-    # spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
-    kvflash_scoring: str = "keys"
+    # "bounds" (key min/max per page vs the target's latest queries) | "keys" (mean keys) | "drafter" (needs the
+    # drafter and spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
+    kvflash_scoring: str = "bounds"
     kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
     tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
@@ -1118,8 +1118,8 @@ class Engine:
         done = []
         if self.query_tail:
             for i, r in enumerate(rows):
-                self.pages.push_query(r.rid, out.query[i, self.query_tail - min(self.query_tail, int(nv[i])):],
-                                      self.query_tail, rescore=True)
+                n = out.query.shape[1]
+                self.pages.push_query(r.rid, out.query[i, n - min(n, int(nv[i])):], self.query_tail, rescore=True)
         for i, r in enumerate(rows):
             r.cursor += int(nv[i])
             r.stats.prefill_chunks += 1

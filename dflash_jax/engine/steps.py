@@ -24,8 +24,8 @@ from dflash_jax.state import DraftKV, EngineState, StepInput
 class StepOutput:
     """[B] next token per row and its log-probability (float32); [B, K] the K most likely alternatives.
 
-    query: with ``query_tail`` Q > 0, the rotated queries of each row's last Q real positions (oldest first; a row
-    with fewer than Q repeats its first one) over the target's attention layers, ``[B, Q, L, H, hd]`` float32
+    query: with ``query_tail`` Q > 0, the rotated queries of each row's last min(Q, T) real positions (oldest
+    first; a row with fewer repeats its first one) over the target's attention layers, ``[B, Q, L, H, hd]`` float32
     (KVFlash ``bounds`` scoring); else None."""
 
     tokens: jax.Array
@@ -57,6 +57,7 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
     query = None
     if query_tail:
         t = inp.tokens.shape[1]
+        query_tail = min(query_tail, t)  # a decode step (T = 1) returns its one position's queries
         at = jnp.clip(inp.n_valid[:, None] - query_tail + jnp.arange(query_tail)[None], 0, t - 1)  # [B, Q]
         query = jnp.stack([jnp.take_along_axis(q, at[:, :, None, None], axis=1) for q in qs], axis=2)
         query = query.astype(jnp.float32)  # [B, Q, L, H, hd]

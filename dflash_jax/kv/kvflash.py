@@ -16,8 +16,8 @@ Host side (``Residency``: pure Python + NumPy, no JAX) decides, between steps:
   (largest excess first), so no sequence is starved and every sequence with demand gets at least its share;
 * what stays resident inside a sequence's quota: pinned pages, then the recent window (newest first) and the
   sink pages, then the rest ranked by score (``scoring="bounds"``, ``"keys"`` or ``"drafter"``) or recency
-  (``"lru"``). A
-  ranking without a query or without every page's summary, and a scorer fault, fall back to LRU for that decision
+  (``"lru"``). A ranking without a query or without every page's summary, and a scorer fault, fall back to LRU for
+  that decision
   and are counted;
 * the transfers: page-out (resident dirty page -> a host slab) and page-in (host slab -> a free physical page).
 
@@ -67,7 +67,7 @@ class KVFlashOptions:
     """
 
     pool_tokens: int
-    scoring: str = "keys"
+    scoring: str = "bounds"
     sink_pages: int = 1
     window_pages: int = 4
     rescore_every: int = 16

@@ -62,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="off | auto | N: resident KV pool of N tokens shared by all sequences (auto: from free "
                          "device memory); the rest of each history lives in pinned host memory")
     ap.add_argument("--kvflash-scoring", choices=SCORINGS, default=None,
-                    help="what stays resident beyond the sink and recent pages: keys = query-aware score of each "
-                         "page's mean keys against the latest keys; bounds = Quest-style upper bound of the "
-                         "target's latest queries over each page's key min/max; drafter (needs --ddtree) = the "
+                    help="what stays resident beyond the sink and recent pages: bounds (default) = Quest-style "
+                         "upper bound of the target's latest queries over each page's key min/max; keys = each "
+                         "page's mean keys against the latest page's mean keys; drafter (needs --ddtree) = the "
                          "DFlash drafter's attention logits of its latest queries over each page's mean context keys "
                          "(LRU for a sequence before its first round or decoding AR); lru = least recently used "
                          "leaves first")
@@ -106,7 +106,7 @@ DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
             "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "prefill_compression": "off", "kvflash": "off",
-            "kvflash_scoring": "keys",
+            "kvflash_scoring": "bounds",
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
 
