@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_jax.kv.kvflash import (NOT_RESIDENT, KVFlashOptions, Residency, bound_scores, dot_scores,
-                                     resolve_pool_tokens)
+                                     neighbour_scores, resolve_pool_tokens)
 
 
 class Sim:
@@ -384,4 +384,31 @@ def test_bounds_scoring_ranks_by_pushed_queries_and_a_prefill_query_forces_a_res
     res.push_query(0, np.zeros((3, 1, 2, d), np.float32), keep=4)
     assert res._seqs[0].query.shape == (4, 1, 2, d)  # the window keeps the newest 4
     res.push_query(99, q, keep=4)  # an unknown sequence is ignored
+    sim.check()
+
+
+def test_bounds_scoring_keeps_the_neighbour_of_a_strong_page_over_a_weak_match():
+    """A line straddling a page boundary: the page after (or before) the one its query hits is kept with it."""
+    assert list(neighbour_scores(np.array([-1.0, -9.0, -3.0, -9.0]), [2, 3, 5, 6], 0.5)) == pytest.approx(
+        [-1.0, -1.0 + np.log(0.5), -3.0, -3.0 + np.log(0.5)])  # 3 is 2's neighbour; 5 is nobody's (4 is absent)
+    sim = Sim(pool_pages=6, page_size=4, scoring="bounds", sink_pages=1, window_pages=1, rescore_every=1000,
+              hysteresis=0.0)
+    res = sim.res
+    assert sim.admit(0, 100) and sim.admit(1, 100)
+    d = 8
+    vec = {}
+    for lp in range(8):  # page lp holds one key along axis lp among zeros
+        k = np.zeros((4, 1, 1, d), np.float32)
+        k[1, 0, 0, lp] = 1.0
+        vec[lp] = _bounds(k)
+    summaries = _grow_summarised(sim, vec)
+    q = np.zeros((1, 1, 1, d), np.float32)
+    q[0, 0, 0, 3] = 5.0  # the question hits page 3 hard ...
+    q[0, 0, 0, 6] = 1.0  # ... and page 6 a little: on their own scores page 6 would be kept next, not 2 or 4
+    res.push_query(0, q, keep=4, rescore=True)
+    summaries()
+    sim.step([(1, 0, 8)])
+    kept = set(res.resident_of(0))
+    assert res._seqs[0].ranks[0] == 3 and len(kept) == 4
+    assert {0, 3, 7} <= kept and kept & {2, 4} and 6 not in kept
     sim.check()

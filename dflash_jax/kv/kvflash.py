@@ -44,6 +44,9 @@ from dflash_jax.kv.pages import OutOfPages, RequestTooLarge
 
 NOT_RESIDENT = -1  # page-table entry of a logical page that is not resident (attention masks its keys)
 SCORINGS = ("keys", "bounds", "drafter", "lru")
+# bounds scoring: a page scores at least this share of an adjacent page's attention share, so a line of text that
+# straddles a page boundary (a needle's value split over two pages) is kept whole
+NEIGHBOUR_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,8 @@ class KVFlashOptions:
     anchor queries (``set_query``) over each page's mean drafter context keys, over the drafter's full-attention
     layers (a sequence without a query yet ranks by LRU, counted); ``"bounds"`` (Quest-style) keeps per page the
     elementwise min and max of its keys per attention layer and KV head and scores it with the target's own
-    rotated queries of the sequence's latest positions (``push_query``), see ``bound_scores``; ``"lru"`` ranks by
+    rotated queries of the sequence's latest positions (``push_query``), see ``bound_scores``, a page scoring at least
+    ``NEIGHBOUR_SHARE`` of an adjacent page's attention share (``neighbour_scores``); ``"lru"`` ranks by
     last use. sink_pages / window_pages: always-kept head and
     recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
     between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
@@ -472,6 +476,8 @@ class Residency:
             return lru
         self.counters["score_decisions"] += 1
         s.stats["score_decisions"] += 1
+        if self.opts.scoring == "bounds" and NEIGHBOUR_SHARE > 0 and len(sc) > 1:
+            sc = neighbour_scores(sc, rest, NEIGHBOUR_SHARE)
         if self.opts.hysteresis and len(sc) > 1:
             sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
                 [s.pages[lp].phys != NOT_RESIDENT for lp in rest])
@@ -619,6 +625,20 @@ def bound_scores(query: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     m = ub.max(axis=1, keepdims=True)
     share = ub - (m + np.log(np.exp(ub - m).sum(axis=1, keepdims=True)))
     return share.max(axis=(0, 2, 3))
+
+
+def neighbour_scores(scores: np.ndarray, pages: Sequence[int], share: float) -> np.ndarray:
+    """Log-share page scores ``[n]`` of logical ``pages`` -> each the max of its own and ``log(share)`` plus the
+    score of a logically adjacent page among ``pages`` (``share`` of its neighbour's attention share)."""
+    sc = np.asarray(scores, np.float64)
+    at = {lp: i for i, lp in enumerate(pages)}
+    out = sc.copy()
+    for i, lp in enumerate(pages):
+        for nb in (lp - 1, lp + 1):
+            j = at.get(nb)
+            if j is not None:
+                out[i] = max(out[i], sc[j] + np.log(share))
+    return out
 
 
 def resolve_pool_tokens(spec: str | int | None, *, free_bytes: int | None, bytes_per_token: int, page_size: int,
