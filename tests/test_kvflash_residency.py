@@ -358,18 +358,23 @@ def test_bound_scores_let_one_sharp_head_outrank_many_diffuse_ones():
     assert list(np.argsort(-sc))[1] == 5  # then the diffuse heads' order
 
 
-def test_bounds_scoring_ranks_by_pushed_queries_and_a_prefill_query_forces_a_rescore():
-    sim = Sim(pool_pages=5, page_size=4, scoring="bounds", sink_pages=1, window_pages=1, rescore_every=1000,
+def _axis_pages_sim(pool_pages: int, d: int = 8):
+    """Two sequences under bounds scoring; sequence 0 grows 8 pages, page lp holding one key along axis lp among
+    zeros (bounds [2, L=1, Hkv=1, D]). Returns (sim, residency, summaries())."""
+    sim = Sim(pool_pages=pool_pages, page_size=4, scoring="bounds", sink_pages=1, window_pages=1, rescore_every=1000,
               hysteresis=0.0)
-    res = sim.res
     assert sim.admit(0, 100) and sim.admit(1, 100)
-    d = 8
     vec = {}
-    for lp in range(8):  # page lp holds one key along axis lp among zeros: bounds [2, L=1, Hkv=1, D]
+    for lp in range(8):
         k = np.zeros((4, 1, 1, d), np.float32)
         k[1, 0, 0, lp] = 1.0
         vec[lp] = _bounds(k)
-    summaries = _grow_summarised(sim, vec)
+    return sim, sim.res, _grow_summarised(sim, vec)
+
+
+def test_bounds_scoring_ranks_by_pushed_queries_and_a_prefill_query_forces_a_rescore():
+    d = 8
+    sim, res, summaries = _axis_pages_sim(5, d)
     sim.step([(1, 0, 8)])  # no query yet: LRU, counted
     assert res.resident_of(0) == [0, 6, 7] and res.stats_of(0)["unscored_fallbacks"] >= 1
     q = np.zeros((2, 1, 2, d), np.float32)  # two positions, two query heads on the one KV head
@@ -391,17 +396,8 @@ def test_bounds_scoring_keeps_the_neighbour_of_a_strong_page_over_a_weak_match()
     """A line straddling a page boundary: the page after (or before) the one its query hits is kept with it."""
     assert list(neighbour_scores(np.array([-1.0, -9.0, -3.0, -9.0]), [2, 3, 5, 6], 0.5)) == pytest.approx(
         [-1.0, -1.0 + np.log(0.5), -3.0, -3.0 + np.log(0.5)])  # 3 is 2's neighbour; 5 is nobody's (4 is absent)
-    sim = Sim(pool_pages=6, page_size=4, scoring="bounds", sink_pages=1, window_pages=1, rescore_every=1000,
-              hysteresis=0.0)
-    res = sim.res
-    assert sim.admit(0, 100) and sim.admit(1, 100)
     d = 8
-    vec = {}
-    for lp in range(8):  # page lp holds one key along axis lp among zeros
-        k = np.zeros((4, 1, 1, d), np.float32)
-        k[1, 0, 0, lp] = 1.0
-        vec[lp] = _bounds(k)
-    summaries = _grow_summarised(sim, vec)
+    sim, res, summaries = _axis_pages_sim(6, d)
     q = np.zeros((1, 1, 1, d), np.float32)
     q[0, 0, 0, 3] = 5.0  # the question hits page 3 hard ...
     q[0, 0, 0, 6] = 1.0  # ... and page 6 a little: on their own scores page 6 would be kept next, not 2 or 4
