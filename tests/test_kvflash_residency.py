@@ -347,6 +347,20 @@ def test_bound_scores_find_the_page_with_one_aligned_key_that_mean_keys_miss():
             assert (k[:, 0, 0] @ q[0, 0, h] <= ub + 1e-6).all()
 
 
+@pytest.mark.parametrize("nq,layers,heads,kv_heads,d,n", [(1, 1, 2, 1, 4, 3), (3, 2, 4, 2, 8, 7), (16, 3, 6, 2, 16, 40)])
+def test_bound_scores_equal_the_definition(nq, layers, heads, kv_heads, d, n):
+    """Per (position, layer, query head): ub = sum_d max(q kmin, q kmax) / sqrt(D) over the KV head it reads, log
+    shares over pages, best share per page."""
+    rng = np.random.default_rng(n)
+    q = rng.normal(size=(nq, layers, heads, d)).astype(np.float32)
+    k = rng.normal(size=(n, 2, layers, kv_heads, d)).astype(np.float32)
+    b = np.stack([k.min(axis=1), k.max(axis=1)], axis=1)
+    kv = np.repeat(b, heads // kv_heads, axis=3)
+    ub = np.maximum(q[:, None] * kv[None, :, 0], q[:, None] * kv[None, :, 1]).sum(-1) / np.sqrt(d)  # [Q, n, L, H]
+    share = ub - np.log(np.exp(ub).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(bound_scores(q, b), share.max(axis=(0, 2, 3)), rtol=1e-5, atol=1e-5)
+
+
 def test_bound_scores_let_one_sharp_head_outrank_many_diffuse_ones():
     d, n = 4, 6
     q = np.ones((1, 2, 4, d), np.float32)  # 2 layers x 4 heads, 2 KV heads

@@ -619,9 +619,16 @@ def bound_scores(query: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """
     q = np.asarray(query, np.float32)
     b = np.asarray(bounds, np.float32)
-    h, hkv, d = q.shape[2], b.shape[3], q.shape[3]
-    kv = np.repeat(b, h // hkv, axis=3)  # [n, 2, L, H, D]: each query head's KV head
-    ub = np.maximum(q[:, None] * kv[None, :, 0], q[:, None] * kv[None, :, 1]).sum(-1) * d ** -0.5  # [Q, n, L, H]
+    nq, n_layers, h, d = q.shape
+    hkv = b.shape[3]
+    g = h // hkv  # query head h reads KV head h // g
+    # max(q kmin, q kmax) = max(q, 0) kmax + min(q, 0) kmin: two batched matmuls over (layer, KV head), no
+    # [Q, n, L, H, D] temporaries. qb [L*Hkv, Q*g, D] @ [L*Hkv, D, n] -> [L*Hkv, Q*g, n]
+    qb = q.reshape(nq, n_layers, hkv, g, d).transpose(1, 2, 0, 3, 4).reshape(n_layers * hkv, nq * g, d)
+    kmin, kmax = (b[:, i].reshape(len(b), n_layers * hkv, d).transpose(1, 2, 0) for i in (0, 1))
+    ub = np.matmul(np.maximum(qb, 0), kmax) + np.matmul(np.minimum(qb, 0), kmin)
+    ub = ub.reshape(n_layers, hkv, nq, g, len(b)).transpose(2, 4, 0, 1, 3).reshape(nq, len(b), n_layers, h)
+    ub = ub * d ** -0.5  # [Q, n, L, H]
     m = ub.max(axis=1, keepdims=True)
     share = ub - (m + np.log(np.exp(ub - m).sum(axis=1, keepdims=True)))
     return share.max(axis=(0, 2, 3))
