@@ -649,15 +649,17 @@ def run_phase(name: str, params: Any, frozen: Any, loss_fn: Callable, batches: B
         return params, opt_state, loss, _global_norm(grads), aux
 
     if hp.get("minutes") and resumed is None:
+        # the median of single blocked steps after two warm ones: a step that recompiles (the probe's copies
+        # may arrive with another placement than the step's outputs) must not set the phase's length
         p_, o_ = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
-        n_probe, t_probe, t_compile = 6, None, time.perf_counter()
-        for i in range(n_probe):
-            if i == 1:
-                t_probe = time.perf_counter()
-                t_compile = t_probe - t_compile
+        times = []
+        for i in range(8):
+            t = time.perf_counter()
             p_, o_, l_, *_ = train_step(p_, o_, frozen, _device_batch(batches(i)), jnp.int32(i), jnp.float32(0.0))
             jax.block_until_ready(l_)
-        step_s = (time.perf_counter() - t_probe) / (n_probe - 1)
+            times.append(time.perf_counter() - t)
+        t_compile = times[0]
+        step_s = float(np.median(times[2:]))
         del p_, o_
         budget = 60 * hp["minutes"] * 0.9
         capped = max_seconds is not None and max_seconds < budget
@@ -953,6 +955,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     ap.add_argument("--drafter-labels", default="target", choices=("target", "data"),
                     help="drafter labels: the target's teacher-forced argmax (default) or the text")
     ap.add_argument("--no-scorer", action="store_true", help="skip the dense scorer")
+    ap.add_argument("--init-target", default=None, metavar="DIR",
+                    help="take the target from this exported checkpoint (same preset, same tokenizer) instead of "
+                         "training it: only the drafter and the scorer are trained")
     ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                     help="allow non-deterministic GPU reductions (default: XLA_FLAGS --xla_gpu_deterministic_ops, "
                          "so a rerun with the same seed reproduces the weights)")
@@ -1060,7 +1065,8 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     seed = args.seed
     settings = {"preset": args.preset, "config": cfg, "seed": seed, "compute_dtype": cdt,
                 "export_dtype": args.export_dtype, "drafter_labels": args.drafter_labels,
-                "scorer": not args.no_scorer, "deterministic": args.deterministic}
+                "scorer": not args.no_scorer, "deterministic": args.deterministic,
+                "init_target": args.init_target and os.path.abspath(args.init_target)}
     run_cfg_path = os.path.join(work, "run_config.json")
     if args.resume and os.path.exists(run_cfg_path):
         with open(run_cfg_path) as fh:
@@ -1077,9 +1083,10 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     long_T = hp_l["seq_len"] if hp_l and hp_l.get("steps") else None
     data = prepare_data(cfg["data"], T, seed, work, long_T)
     hp_c = cfg["train"].get("target_copy")
-    copy_warmup = bool(hp_c and hp_c.get("steps"))
+    copy_warmup = bool(hp_c and hp_c.get("steps")) and not args.init_target
     scorer_copy = not args.no_scorer and bool((cfg["train"].get("scorer_copy") or {}).get("steps"))
-    order = (["target_copy"] if copy_warmup else []) + ["target"] + (["target_long"] if long_T else []) + \
+    trained_target = ["target"] + (["target_long"] if long_T else []) if not args.init_target else []
+    order = (["target_copy"] if copy_warmup else []) + trained_target + \
         ["drafter"] + (["scorer_copy"] if scorer_copy else []) + ([] if args.no_scorer else ["scorer"])
 
     def time_cap(name: str) -> float | None:
@@ -1164,46 +1171,57 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         return Batches(np.concatenate([data.train, c_rows]), hp["batch"], batch_seed,
                        np.concatenate([np.ones(data.train.shape, np.float32), c_w]))
 
-    retrieval, res_c = {}, None
-    if copy_warmup:
-        tp, res_c, retrieval["after_copy"] = copy_phase("target_copy", tp, make_target_loss(1.0), t_hidden, hp_c,
-                                                        seed + 6)
-    t_batches = text_batches("target", hp_t, seed, seed + 4)
-    res_t = run_phase("target", tp, None, target_loss, t_batches, hp_t, work=work,
-                      resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
-                      eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
-                      deadline=deadline, max_seconds=time_cap("target"))
-    tp = res_t.params
+    retrieval: dict[str, dict[str, float]] = {}
+    res_c = res_t = res_l = None
     r_eval_fn = None
     if data.retrieval_eval:
         needle_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4)
         induction_fn = make_induction_eval(t_hidden, ind_rows, ind_w, 4)
         r_eval_fn = lambda p: needle_fn(p) | induction_fn(p)  # noqa: E731
-    if r_eval_fn is not None:
-        t0 = time.perf_counter()
-        retrieval["after_target"] = r_eval_fn(compute_params(tp, cdtype))
-        log("[target] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval["after_target"].items())
-            + f" ({time.perf_counter() - t0:.1f}s)")
-    res_l = None
-    if long_T:
-        if data.train_long is None or not len(data.train_long):
-            raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
-        log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document")
-        res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0))),
-                          Batches(data.train_long, hp_l["batch"], seed + 3), hp_l, work=work, resume=args.resume,
-                          seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
-                          tokens_per_step=hp_l["batch"] * long_T, deadline=deadline,
-                          max_seconds=time_cap("target_long"))
-        tp = res_l.params
+    if args.init_target:
+        tp = load_trained_target(args.init_target, tcfg, data.tokenizer_dir)
+        log(f"[target] loaded from {args.init_target} (not trained)")
         if r_eval_fn is not None:
             t0 = time.perf_counter()
-            retrieval["after_target_long"] = r_eval_fn(compute_params(tp, cdtype))
-            log("[target_long] held-out retrieval: " + " ".join(
-                f"{k} {v:.3f}" for k, v in retrieval["after_target_long"].items()) +
-                f" ({time.perf_counter() - t0:.1f}s)")
+            retrieval["loaded"] = r_eval_fn(compute_params(tp, cdtype))
+            log("[target] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval["loaded"].items())
+                + f" ({time.perf_counter() - t0:.1f}s)")
+    else:
+        if copy_warmup:
+            tp, res_c, retrieval["after_copy"] = copy_phase("target_copy", tp, make_target_loss(1.0), t_hidden,
+                                                            hp_c, seed + 6)
+        t_batches = text_batches("target", hp_t, seed, seed + 4)
+        res_t = run_phase("target", tp, None, target_loss, t_batches, hp_t, work=work,
+                          resume=args.resume, seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
+                          eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
+                          deadline=deadline, max_seconds=time_cap("target"))
+        tp = res_t.params
+        if r_eval_fn is not None:
+            t0 = time.perf_counter()
+            retrieval["after_target"] = r_eval_fn(compute_params(tp, cdtype))
+            log("[target] held-out retrieval: " + " ".join(
+                f"{k} {v:.3f}" for k, v in retrieval["after_target"].items()) + f" ({time.perf_counter() - t0:.1f}s)")
+        res_l = None
+        if long_T:
+            if data.train_long is None or not len(data.train_long):
+                raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
+            log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document")
+            res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0))),
+                              Batches(data.train_long, hp_l["batch"], seed + 3), hp_l, work=work, resume=args.resume,
+                              seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
+                              tokens_per_step=hp_l["batch"] * long_T, deadline=deadline,
+                              max_seconds=time_cap("target_long"))
+            tp = res_l.params
+            if r_eval_fn is not None:
+                t0 = time.perf_counter()
+                retrieval["after_target_long"] = r_eval_fn(compute_params(tp, cdtype))
+                log("[target_long] held-out retrieval: " + " ".join(
+                    f"{k} {v:.3f}" for k, v in retrieval["after_target_long"].items()) +
+                    f" ({time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     t_eval = target_eval(tp)
-    (res_l or res_t).history["eval"].append({"step": (res_l or res_t).steps, **t_eval})
+    if res_l or res_t:
+        (res_l or res_t).history["eval"].append({"step": (res_l or res_t).steps, **t_eval})
     log(f"[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
         f" ({time.perf_counter() - t0:.1f}s)")
 
@@ -1311,8 +1329,8 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     log(f"[export] {out}: " + " ".join(f"{k} {v}" for k, v in check.items()))
 
     # ---- report --------------------------------------------------------------------------------------------------
-    curves = ({"target_copy": res_c.history} if res_c else {}) | {"target": res_t.history} | ({"target_long": res_l.history} if res_l else {}) | {
-        "drafter": res_d.history}
+    curves = ({"target_copy": res_c.history} if res_c else {}) | ({"target": res_t.history} if res_t else {}) | (
+        {"target_long": res_l.history} if res_l else {}) | {"drafter": res_d.history}
     if res_s is not None:
         curves["scorer"] = res_s.history
     try:
@@ -1342,9 +1360,10 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                          "tau_rows": int(len(tau_rows)), "tau_anchors_per_row": int(anchors.shape[1])},
             "work_dir": data.meta["dir"]},
         "target": {"config": tc.target_hf_dict_from_config(tcfg, args.export_dtype)["text_config"],
-                   "parameters": n_params(tp), "held_out": t_eval, "train_loss": first_last(res_t.history),
-                   "timing": res_t.timing, "resumed_from": res_t.resumed_from, "hparams": hp_t,
-                   "retrieval": retrieval,
+                   "parameters": n_params(tp), "held_out": t_eval, "retrieval": retrieval,
+                   "loaded_from": args.init_target,
+                   "train_loss": res_t and first_last(res_t.history), "timing": res_t and res_t.timing,
+                   "resumed_from": res_t and res_t.resumed_from, "hparams": res_t and hp_t,
                    "copy": None if res_c is None else {
                        "train_loss": first_last(res_c.history), "timing": res_c.timing,
                        "resumed_from": res_c.resumed_from, "hparams": hp_c},
@@ -1368,12 +1387,29 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     }
     with open(os.path.join(out, "train_report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
-    last_r = retrieval.get("after_target_long") or retrieval.get("after_target") or {}
+    last_r = retrieval.get("after_target_long") or retrieval.get("after_target") or retrieval.get("loaded") or {}
     log(f"[done] {report['timing']['total_seconds']:.1f}s; target ppl {t_eval['ppl']:.3f}" +
         "".join(f", {k} {v:.2f}" for k, v in last_r.items() if k.startswith("needle_acc")) + ", drafter tau "
         f"{d_eval['tau']:.3f} (init {tau_init['tau']:.3f})" +
         (f", scorer ppl {s_eval['ppl']:.3f}" if s_eval else "") + f"; report {out}/train_report.json")
     return report
+
+
+def load_trained_target(path: str, tcfg: TargetConfig, tokenizer_dir: str) -> Any:
+    """The float32 parameters of an exported target (``--init-target``), refused unless its config and tokenizer
+    are the ones this run would train with (the drafter and scorer learn from this run's token ids)."""
+    from dflash_jax import load_target
+
+    got = load_target(path, dtype="float32").config
+    if got != tcfg:
+        raise SystemExit(f"--init-target {path}: its config.json is not this preset's target config; train the "
+                         "target (drop --init-target) or pass the matching --preset / --set values")
+    with open(os.path.join(path, "tokenizer.json"), "rb") as fh, \
+            open(os.path.join(tokenizer_dir, "tokenizer.json"), "rb") as fh2:
+        if fh.read() != fh2.read():
+            raise SystemExit(f"--init-target {path}: its tokenizer.json differs from this run's ({tokenizer_dir}); "
+                             "the corpus or the tokenizer settings changed since it was trained")
+    return loader.load_params(path, tcfg, dtype=F32)
 
 
 def verify_export(out: str, tcfg: TargetConfig, tp: Any, dcfg: DrafterConfig, dp: Any, ids: np.ndarray,
