@@ -48,7 +48,8 @@ def test_needle_bench_shipped_set(tmp_path):
     assert rc == 0
     rec = _figures(tmp_path, "needle_")
     f = rec["figures"]
-    for k in ("needle.1024.accuracy", "needle.1024.pflash.accuracy", "needle.1024.random_chunks.accuracy"):
+    for k in ("needle.1024.accuracy", "needle.1024.pflash.accuracy", "needle.1024.pflash_scores_only.accuracy",
+              "needle.1024.random_chunks.accuracy"):
         assert 0 <= f[k] <= 1
     assert f["needle.1024.prompt_tokens"] <= 1024
     prompts = rec["extra"]["prompts"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -37,8 +38,11 @@ def selections(draw):
     scores = rng.random(t) if draw(st.booleans()) else rng.integers(0, 3, t).astype(float)  # with ties
     density = draw(st.sampled_from([0.0, 0.002, 0.05]))
     must = rng.random(t) < density if draw(st.booleans()) else None
+    n_chunks = -(-t // chunk)
+    anchors = rng.permutation(n_chunks)[:draw(st.integers(0, min(n_chunks, 12)))] if draw(st.booleans()) else None
     return dict(scores=scores, chunk=chunk, keep_ratio=draw(st.floats(0.01, 1.0)),
-                head_tokens=draw(st.integers(0, 100)), tail_tokens=draw(st.integers(0, 100)), must_keep=must)
+                head_tokens=draw(st.integers(0, 100)), tail_tokens=draw(st.integers(0, 100)), must_keep=must,
+                anchors=anchors)
 
 
 @settings(max_examples=150, deadline=None)
@@ -60,20 +64,72 @@ def test_select_chunks_properties(kw):
     assert best in chunks
     if kw["must_keep"] is not None:
         assert set(np.flatnonzero(kw["must_keep"]).tolist()) <= ks
+    # the first anchor always; the others in their order, before any chunk chosen by score
+    anc = [] if kw["anchors"] is None else kw["anchors"].tolist()
+    assert not anc or anc[0] in chunks
     # the keep ratio, within one chunk, whenever the forced chunks fit in it
     forced = pflash._forced_chunks(t, c, kw["head_tokens"], kw["tail_tokens"], kw["must_keep"])
     forced[best] = True
+    if anc:
+        forced[anc[0]] = True
+    missed = [a for a in anc if a not in chunks]
+    if missed:
+        later = anc[anc.index(missed[0]):]
+        assert all(forced[a] for a in later if a in chunks)  # past a skipped anchor only forced chunks
+        assert all(forced[ch] or ch in anc for ch in chunks)  # and nothing by score
     forced_tokens = int(pflash._chunk_sizes(t, c)[forced].sum())
     target = math.ceil(kw["keep_ratio"] * t)
     if forced_tokens <= target:
         assert target <= len(kept) < target + c
     else:
         assert len(kept) == forced_tokens
-    # every kept non-forced chunk scores at least as high as every dropped chunk
-    extra = [ch for ch in chunks if not forced[ch]]
+    # every kept chunk chosen by score scores at least as high as every dropped chunk
+    extra = [ch for ch in chunks if not forced[ch] and ch not in anc]
     dropped = sorted(set(range(len(means))) - chunks)
     if extra and dropped:
         assert min(means[extra]) >= max(means[dropped])
+
+
+def test_anchor_chunks_find_the_key_a_question_repeats():
+    """A key planted once early and repeated in the last tokens anchors its chunk, then its neighbours out to the
+    radius (the later side first); an n-gram seen more than max_hits times before, or only inside the window,
+    anchors nothing; a key several question n-grams share outranks a single chance match."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(100, 4000, 1000).astype(np.int32)
+    key = [7, 8, 9, 10]
+    ids[330:334] = key                       # chunk 10 (320..351)
+    for p in range(0, 640, 64):              # a frequent 4-gram: 10 earlier occurrences
+        ids[p + 40:p + 44] = [1, 2, 3, 4]
+    ids[-30:-26] = key                       # the question repeats the key
+    ids[-20:-16] = [1, 2, 3, 4]
+    got = pflash.anchor_chunks(ids, chunk=32, ngram=4, window=96, max_hits=8, radius=2)
+    assert got.tolist() == [10, 11, 9, 12, 8]
+    assert pflash.anchor_chunks(ids, chunk=32, radius=0).tolist() == [10]
+    assert pflash.anchor_chunks(ids, chunk=32, max_hits=10, radius=0).tolist() == [10] + [
+        (p + 40) // 32 for p in range(576, -1, -64)]  # allowed now: 1/10 each, later chunks first
+    ids3 = ids.copy()
+    ids3[600:604] = [21, 22, 23, 24]           # chunk 18: one chance match ...
+    ids3[-50:-46] = [21, 22, 23, 24]
+    ids3[200:207] = [31, 32, 33, 34, 35, 36, 37]  # ... and a key the question repeats whole (four 4-grams): chunk 6
+    ids3[-12:-5] = [31, 32, 33, 34, 35, 36, 37]
+    assert pflash.anchor_chunks(ids3, chunk=32, radius=0).tolist()[:3] == [6, 18, 10]  # 4, 1, 1 (a tie: later first)
+    assert pflash.anchor_chunks(ids[:90], chunk=32).size == 0  # everything inside the window
+    ids2 = ids.copy()
+    ids2[330:334] = [11, 12, 13, 14]
+    assert 10 not in pflash.anchor_chunks(ids2, chunk=32).tolist()
+
+
+def test_compress_keeps_the_anchored_needle_over_the_scores():
+    """A needle the scores miss (a scorer that favours the start) survives through its anchor at a 5 % keep."""
+    rng = np.random.default_rng(5)
+    ids = rng.integers(100, 4000, 4096).astype(np.int32)
+    ids[2500:2504] = [7, 8, 9, 10]
+    ids[-40:-36] = [7, 8, 9, 10]
+    early = lambda x, _o: np.linspace(1.0, 0.0, len(x))  # noqa: E731
+    o = PFlashOptions(mode="always", min_tokens=1, keep_ratio=0.05, head_tokens=32, tail_tokens=64)
+    assert set(range(2500, 2504)) <= set(pflash.compress(ids, early, o).kept_indices.tolist())
+    off = dataclasses.replace(o, anchor_ngram=0)
+    assert not set(range(2500, 2504)) & set(pflash.compress(ids, early, off).kept_indices.tolist())
 
 
 def test_select_chunks_errors():
@@ -91,6 +147,8 @@ def test_select_chunks_errors():
     ({"min_tokens": -1}, "min_tokens"), ({"chunk": 0}, "chunk"), ({"head_tokens": -1}, "head_tokens"),
     ({"tail_tokens": 1.5}, "tail_tokens"), ({"n_query": 0}, "n_query"), ({"pool_kernel": 4}, "pool_kernel"),
     ({"n_layers": 0}, "n_layers"), ({"nope": 1}, "nope"), ({"auto_max_ratio": 2}, "auto_max_ratio"),
+    ({"anchor_ngram": -1}, "anchor_ngram"), ({"anchor_window": 0}, "anchor_window"),
+    ({"anchor_max_hits": 0}, "anchor_max_hits"), ({"anchor_radius": 1.0}, "anchor_radius"),
 ])
 def test_options_validation_names_the_option(kw, name):
     with pytest.raises(PFlashError, match=f"'{name}'"):
@@ -118,7 +176,8 @@ def test_off_and_short_prompts_untouched(t, mode, min_tokens):
         np.testing.assert_array_equal(r.kept_indices, np.arange(t))
     else:
         r = pflash.compress(ids, _ramp, o)
-        assert r.compressed and r.effective_tokens <= max(math.ceil(0.1 * t) + 31, 32)
+        # at least the best chunk and the best anchor chunk (this periodic prompt repeats every 4-gram)
+        assert r.compressed and r.effective_tokens <= max(math.ceil(0.1 * t) + 31, 64)
         np.testing.assert_array_equal(r.effective_ids, ids[r.kept_indices])  # order preserved
         assert np.all(np.diff(r.kept_indices) > 0)
 

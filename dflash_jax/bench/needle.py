@@ -7,7 +7,9 @@ bench fills the haystack with the model set's held-out standard-library files, r
 turn (thinking off), decodes greedily and counts a hit when the answer appears in the reply. With ``--scorer`` each
 prompt is also compressed by the dense scorer (``prefill.pflash.compress``, mode always) and answered again:
 ``needle.<ctx>.accuracy`` vs ``needle.<ctx>.pflash.accuracy``, with the kept fraction; and, as the baseline, chunks
-chosen at random under the same rule (same head/tail/structure, same budget): ``needle.<ctx>.random_chunks.accuracy``.
+chosen at random under the same rule (same head/tail/structure, same budget, no anchors):
+``needle.<ctx>.random_chunks.accuracy``; and the scorer alone, without the anchor neighbourhoods
+(``pflash_scores_only``), to tell their shares apart.
 PFlash always keeps the chunks covering ``--head-tokens`` / ``--tail-tokens`` (defaults 256 / 768, sized for long
 prompts): at a few thousand tokens they alone exceed a 5 % keep, so lower them there (``kept_fraction`` says what was
 kept); ``.needle_kept`` = the share of compressed prompts that still hold the key.
@@ -24,6 +26,7 @@ Every prompt whose history exceeds the pool must show pages moved (its residency
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 from typing import Any, Sequence
@@ -309,26 +312,24 @@ def run(args: argparse.Namespace, command: str) -> int:
         if scorer is not None:
             from dflash_jax.prefill.pflash import compress, protected_mask
 
-            comp = [compress(np.asarray(ids), scorer, opts, must_keep=protected_mask(ids, tok)) for ids, _, _ in cases]
-            outs_c = eng.generate([c.effective_ids.tolist() for c in comp], sp)
-            hits_c = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs_c)]
-            figures[f"needle.{ctx}.pflash.accuracy"] = float(np.mean(hits_c))
-            figures[f"needle.{ctx}.pflash.kept_fraction"] = float(np.mean([c.ratio for c in comp]))
-            kept_c = [ans in tok.decode(c.effective_ids.tolist()) for c, (_, ans, _) in zip(comp, cases)]
-            figures[f"needle.{ctx}.pflash.needle_kept"] = float(np.mean(kept_c))
-            figures[f"needle.{ctx}.pflash.scoring_s"] = float(np.mean([c.scoring_s for c in comp]))
             rng = np.random.default_rng(args.seed)
-            rand = [compress(np.asarray(ids), lambda x, _: rng.random(len(x)), opts, must_keep=protected_mask(ids, tok))
-                    for ids, _, _ in cases]
-            outs_r = eng.generate([c.effective_ids.tolist() for c in rand], sp)
-            hits_r = [ans in (o.text or "") for (_, ans, _), o in zip(cases, outs_r)]
-            figures[f"needle.{ctx}.random_chunks.accuracy"] = float(np.mean(hits_r))
-            figures[f"needle.{ctx}.random_chunks.kept_fraction"] = float(np.mean([c.ratio for c in rand]))
-            kept_r = [ans in tok.decode(c.effective_ids.tolist()) for c, (_, ans, _) in zip(rand, cases)]
-            figures[f"needle.{ctx}.random_chunks.needle_kept"] = float(np.mean(kept_r))
-            for r, o, orr, h, hr, kc, kr in zip(rec, outs_c, outs_r, hits_c, hits_r, kept_c, kept_r):
-                r.update(pflash_reply=o.text, pflash_hit=h, pflash_needle_kept=kc, random_chunks_reply=orr.text,
-                         random_chunks_hit=hr, random_chunks_needle_kept=kr)
+            no_anchors = dataclasses.replace(opts, anchor_ngram=0)
+            arms = (("pflash", scorer, opts),                     # what the server runs: scores + anchors
+                    ("pflash_scores_only", scorer, no_anchors),   # the scorer's share of it
+                    ("random_chunks", lambda x, _: rng.random(len(x)), no_anchors))  # the baseline
+            for name, score_fn, o in arms:
+                comp = [compress(np.asarray(ids), score_fn, o, must_keep=protected_mask(ids, tok))
+                        for ids, _, _ in cases]
+                outs_a = eng.generate([c.effective_ids.tolist() for c in comp], sp)
+                hits_a = [ans in (x.text or "") for (_, ans, _), x in zip(cases, outs_a)]
+                kept_a = [ans in tok.decode(c.effective_ids.tolist()) for c, (_, ans, _) in zip(comp, cases)]
+                figures[f"needle.{ctx}.{name}.accuracy"] = float(np.mean(hits_a))
+                figures[f"needle.{ctx}.{name}.kept_fraction"] = float(np.mean([c.ratio for c in comp]))
+                figures[f"needle.{ctx}.{name}.needle_kept"] = float(np.mean(kept_a))
+                if score_fn is scorer:
+                    figures[f"needle.{ctx}.{name}.scoring_s"] = float(np.mean([c.scoring_s for c in comp]))
+                for r, x, h, k in zip(rec, outs_a, hits_a, kept_a):
+                    r.update({f"{name}_reply": x.text, f"{name}_hit": h, f"{name}_needle_kept": k})
         if args.kvflash_fraction is not None:
             kv_fig, kv_rec, kv_fail = kvflash_arm(target, tok, cases, ctx, max_len, args.kvflash_fraction,
                                                   args.kvflash_scoring, sp, [o.text for o in outs])

@@ -9,9 +9,11 @@ Pipeline (``compress``):
    layers, and reduces their attention ``[L, H, nq, T]`` by max over (layer, head), mean over queries, then an
    average-pool smoothing of ``pool_kernel`` tokens (``score_tokens`` is the same reduction on a materialised
    tensor).
-2. ``select_chunks``: split into ``chunk``-token chunks scored by their mean; always keep the best chunk, the head
-   and tail chunks and every chunk holding a ``must_keep`` token (chat structure, tool calls/responses, the system
-   turn: see ``protected_mask``), then add chunks by score until ``ceil(keep_ratio * T)`` tokens are kept.
+2. ``select_chunks``: split into ``chunk``-token chunks scored by their mean; always keep the best chunk, the best
+   anchor chunk, the head and tail chunks and every chunk holding a ``must_keep`` token (chat structure, tool
+   calls/responses, the system turn: see ``protected_mask``), then add the other anchor chunks (``anchor_chunks``:
+   the neighbourhoods of earlier occurrences of n-grams of the prompt's last tokens) and chunks by score until
+   ``ceil(keep_ratio * T)`` tokens are kept.
 3. The kept token ids, in their original order, are the effective prompt the target prefills (contiguously
    re-numbered, as lucebox does; ``kept_indices`` gives the original positions for a SpecPrefill-style variant).
 
@@ -62,6 +64,9 @@ class PFlashOptions:
     kept (lucebox: 8 and 24 chunks of 32). n_query: tail queries scored. n_layers: the scorer's last layers used
     (None: all). pool_kernel: odd smoothing window (1: none). nope: score with pre-RoPE q/k (lucebox default).
     auto_max_ratio: in auto mode, skip prompts whose forced chunks alone keep more than this fraction.
+    anchor_*: anchor neighbourhoods (lucebox): every ``anchor_ngram``-gram of the last ``anchor_window`` tokens that
+    also occurs earlier, at most ``anchor_max_hits`` times, marks the chunks within ``anchor_radius`` chunks of each
+    earlier occurrence (a question repeats the key it asks about); ``anchor_ngram`` 0 turns them off.
     """
 
     mode: str = "off"
@@ -75,6 +80,10 @@ class PFlashOptions:
     pool_kernel: int = 13
     nope: bool = True
     auto_max_ratio: float = 0.5
+    anchor_ngram: int = 4
+    anchor_window: int = 96
+    anchor_max_hits: int = 8
+    anchor_radius: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,6 +102,10 @@ class PFlashOptions:
             _int_opt("n_layers", self.n_layers, 1)
         if not isinstance(self.nope, bool):
             raise PFlashError(f"pflash option 'nope' must be a bool, got {self.nope!r}")
+        _int_opt("anchor_ngram", self.anchor_ngram, 0)
+        _int_opt("anchor_window", self.anchor_window, 1)
+        _int_opt("anchor_max_hits", self.anchor_max_hits, 1)
+        _int_opt("anchor_radius", self.anchor_radius, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,14 +190,51 @@ def _check_must_keep(must_keep: Any, t: int) -> np.ndarray | None:
     return m
 
 
+def anchor_chunks(ids: Any, *, chunk: int, ngram: int = 4, window: int = 96, max_hits: int = 8,
+                  radius: int = 2) -> np.ndarray:
+    """Anchor neighbourhoods (reference §5.3), as chunk indices in priority order (no repeats).
+
+    Every ``ngram``-gram starting in the last ``window`` tokens that also occurs before them, 1 to ``max_hits``
+    times, is an anchor (a question repeats the key it asks about; frequent n-grams say nothing). Each earlier
+    occurrence lends ``1 / hits`` to the chunks it touches and ``1 / (hits (d + 1))`` to the chunks ``d`` <=
+    ``radius`` chunks away, so a key that several n-grams of the question share outranks a chance match. Chunks
+    with weight, heaviest first; ties: the later chunk first (what follows a key is what a question asks for)."""
+    a = np.asarray(ids).reshape(-1)
+    t = a.shape[0]
+    w0 = max(0, t - window)
+    n_early = max(0, w0 - ngram + 1)                              # n-grams wholly before the window
+    if ngram < 1 or t < ngram or n_early < 1:
+        return np.zeros(0, np.int64)
+    grams = np.lib.stride_tricks.sliding_window_view(a, ngram)   # [t - ngram + 1, ngram]
+    _, gid = np.unique(grams, axis=0, return_inverse=True)
+    gid = gid.reshape(-1)
+    early = gid[:n_early]
+    hits_of = np.bincount(early, minlength=int(gid.max()) + 1)
+    anchors = {int(g) for g in gid[w0:] if 1 <= hits_of[g] <= max_hits}
+    n_chunks = -(-t // chunk)
+    weight = np.zeros(n_chunks, np.float64)
+    for p in np.flatnonzero(np.isin(early, list(anchors))).tolist():
+        w = 1.0 / hits_of[early[p]]
+        lo, hi = p // chunk, (p + ngram - 1) // chunk
+        weight[lo:hi + 1] += w
+        for d in range(1, radius + 1):
+            for c in (lo - d, hi + d):
+                if 0 <= c < n_chunks:
+                    weight[c] += w / (d + 1)
+    cand = np.flatnonzero(weight > 0)
+    return cand[np.lexsort((-cand, -weight[cand]))].astype(np.int64)
+
+
 def select_chunks(scores: Any, *, chunk: int = 32, keep_ratio: float, head_tokens: int = 0, tail_tokens: int = 0,
-                  must_keep: Any = None) -> np.ndarray:
+                  must_keep: Any = None, anchors: Any = None) -> np.ndarray:
     """Token indices to keep (sorted, original order), chunk by chunk.
 
-    Kept: the chunk with the highest mean score (ties: the earliest), the chunks covering the first ``head_tokens``
-    and last ``tail_tokens`` tokens, every chunk holding a ``must_keep`` token, then further chunks by descending
-    mean score while fewer than ``ceil(keep_ratio * T)`` tokens are kept. So when those forced chunks fit the budget,
-    ``ceil(keep_ratio * T) <= kept < ceil(keep_ratio * T) + chunk``; otherwise exactly the forced chunks are kept.
+    Kept: the chunk with the highest mean score (ties: the earliest), the first of ``anchors`` (chunk indices in
+    priority order, ``anchor_chunks``), the chunks covering the first ``head_tokens`` and last ``tail_tokens``
+    tokens, every chunk holding a ``must_keep`` token; then the other anchor chunks in their order and further chunks
+    by descending mean score while fewer than ``ceil(keep_ratio * T)`` tokens are kept. So when those forced chunks
+    fit the budget, ``ceil(keep_ratio * T) <= kept < ceil(keep_ratio * T) + chunk``; otherwise exactly the forced
+    chunks are kept.
     """
     s = np.asarray(scores, np.float64)
     if s.ndim != 1 or s.shape[0] == 0:
@@ -202,9 +252,14 @@ def select_chunks(scores: Any, *, chunk: int = 32, keep_ratio: float, head_token
     order = np.argsort(-means, kind="stable")
     keep = _forced_chunks(t, chunk, head_tokens, tail_tokens, mk)
     keep[order[0]] = True
+    anc = np.zeros(0, np.int64) if anchors is None else np.asarray(anchors, np.int64).reshape(-1)
+    if anc.size and (anc.min() < 0 or anc.max() >= len(means)):
+        raise PFlashError(f"anchors must be chunk indices in [0, {len(means)}), got {anc.min()}..{anc.max()}")
+    if anc.size:
+        keep[anc[0]] = True
     target = math.ceil(keep_ratio * t)
     kept = int(sizes[keep].sum())
-    for c in order:
+    for c in np.concatenate([anc, order]):
         if kept >= target:
             break
         if not keep[c]:
@@ -377,7 +432,9 @@ def compress(prompt_ids: Any, scorer: Scorer, options: PFlashOptions, *, must_ke
     scoring_s = time.perf_counter() - t0
     if scores.shape != (t,):
         raise PFlashError(f"the scorer returned shape {scores.shape}, expected ({t},)")
+    anchors = anchor_chunks(ids, chunk=o.chunk, ngram=o.anchor_ngram, window=o.anchor_window,
+                            max_hits=o.anchor_max_hits, radius=o.anchor_radius) if o.anchor_ngram else None
     kept = select_chunks(scores, chunk=o.chunk, keep_ratio=o.keep_ratio, head_tokens=o.head_tokens,
-                         tail_tokens=o.tail_tokens, must_keep=mk)
+                         tail_tokens=o.tail_tokens, must_keep=mk, anchors=anchors)
     eff = ids[kept]
     return CompressionResult(eff, kept, t, int(eff.shape[0]), eff.shape[0] / t, scoring_s, True, "compressed")
