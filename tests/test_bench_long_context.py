@@ -42,6 +42,26 @@ def test_pflash_ttft_bench_random_scorer(tmp_path):
     assert rec["extra"]["scorer_attention"] == "xla" and rec["extra"]["scorer_attention_why"]
 
 
+def test_shipped_scorer_keeps_the_needle_at_4k():
+    """PFlash with the shipped scorer at a 5 % keep: the needle line of each 4K bench prompt survives compression
+    whole (the key's anchor neighbourhood; the kept set stays within the budget)."""
+    import numpy as np
+
+    from dflash_jax.bench.acceptance import held_out_files
+    from dflash_jax.bench.needle import bench_prompts
+    from dflash_jax.models.tokenizer import Tokenizer
+    from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions, compress, protected_mask
+
+    target = os.path.join(SHIPPED, "target")
+    tok = Tokenizer.from_dir(target)
+    scorer = DenseScorer.from_pretrained(os.path.join(SHIPPED, "scorer"), dtype="float32")
+    o = PFlashOptions(mode="always", keep_ratio=0.05, min_tokens=1, head_tokens=32, tail_tokens=64)
+    for ids, answer, _ in bench_prompts(tok, held_out_files(target), 4096, 3, 0):
+        r = compress(np.asarray(ids), scorer, o, must_keep=protected_mask(ids, tok))
+        assert r.effective_tokens < 0.05 * len(ids) + 32 + 96  # the budget, one chunk, the forced tail / head
+        assert answer in tok.decode(r.effective_ids.tolist())
+
+
 def test_needle_bench_shipped_set(tmp_path):
     rc = main(["needle", "--model", os.path.join(SHIPPED, "target"), "--scorer", os.path.join(SHIPPED, "scorer"),
                "--context", "1024", "--n", "3", "--keep-ratio", "0.3", "--out-dir", str(tmp_path)])
