@@ -2,6 +2,7 @@
 
 import json
 import os
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import FIXTURES, nano_drafter_config
 from dflash_jax.bench.__main__ import main
-from dflash_jax.bench.concurrency import map_preset, prove, prove_pflash
+from dflash_jax.bench.concurrency import account, map_preset, prove, prove_pflash, run_batch
 
 pytestmark = pytest.mark.xdist_group("bench_concurrency")
 
@@ -158,6 +159,60 @@ def test_kvflash_proof_fails_closed():
     assert prove_kvflash({**st, "kv_pages_out": 2}, pressured=True) is None
     assert "telemetry" in prove_kvflash({**st, "kv_wait_s": None}, pressured=False)
     assert "lack kvflash" in prove_kvflash({}, pressured=False)
+
+
+class _FakeEngine:
+    """Engine.submit / step / has_work: a request finishes ``steps`` steps after its submission."""
+
+    def __init__(self, steps: int, n_tokens: int):
+        self.steps, self.n_tokens, self.counters = steps, n_tokens, {"cohort_yield": 0}
+        self.live: dict[int, tuple[list[int], int]] = {}
+        self.next_id, self.max_live = 0, 0
+
+    def submit(self, prompt, sp):
+        self.next_id += 1
+        self.live[self.next_id] = (list(prompt), self.steps)
+        self.max_live = max(self.max_live, len(self.live))
+        return self.next_id
+
+    def has_work(self):
+        return bool(self.live)
+
+    def step(self):
+        outs = []
+        for rid, (p, left) in list(self.live.items()):
+            fin = left == 1
+            outs.append(types.SimpleNamespace(request_id=rid, token_ids=[7] * self.n_tokens, prompt_token_ids=p,
+                                              finish_reason="length" if fin else None, stats={}))
+            if fin:
+                del self.live[rid]
+            else:
+                self.live[rid] = (p, left - 1)
+        return outs
+
+
+@pytest.mark.parametrize("c", [1, 2, 5])
+def test_run_batch_keeps_at_most_c_requests_in_flight(c):
+    eng = _FakeEngine(steps=3, n_tokens=4)
+    prompts = [[i] * (i + 1) for i in range(5)]
+    b = run_batch(eng, prompts, 4, 0, max_in_flight=c)
+    assert eng.max_live == c and eng.next_id == 5
+    assert [r["index"] for r in b["requests"]] == list(range(5))
+    assert [r["prompt_len"] for r in b["requests"]] == [1, 2, 3, 4, 5]
+    assert account(b["requests"], 5, 4) == []
+
+
+def test_requests_flag_serves_the_same_prompts_at_every_concurrency(tmp_path, capsys):
+    rc = main(_args(tmp_path, "--modes", "ar", "--requests", "3", "--repeats", "1"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rec = _result(tmp_path)
+    figs = rec["figures"]
+    assert figs["c1.ar.output_tokens"] == figs["c2.ar.output_tokens"] == 3 * 8
+    assert figs["reproducible"] == 1  # request i: the same greedy tokens at C1 and C2
+    assert "| c1.ar | 3 |" in out
+    assert main(_args(tmp_path, "--requests", "1")) == 2
+    assert "fewer than the largest --concurrency" in capsys.readouterr().out
 
 
 def test_modes_flag_runs_only_the_chosen_modes(tmp_path, capsys):

@@ -12,8 +12,10 @@ Method (the engine API, not the HTTP server):
   tokenizer, so a trained pair shows its real acceptance (printed and recorded).
 * Every case gets a fresh ``Engine`` (all buckets compiled ahead by ``Engine.warmup``), then one warm-up batch of C
   requests of 8 tokens (other prompts, same length distribution), then ``--repeats`` measured batches that reuse
-  that engine's executables. A batch: C requests submitted at once, temperature 0, seed ``--seed``, EOS ignored,
-  exactly ``--output-len`` completion tokens each; the loop calls ``Engine.step`` until all finish.
+  that engine's executables. A batch: C requests submitted at once (or, with ``--requests N``, the same N prompts at
+  every C, at most C in flight, the next submitted as one finishes: C1 then measures N prompts one after another, not
+  only the first), temperature 0, seed ``--seed``, EOS ignored, exactly ``--output-len`` completion tokens each; the
+  loop calls ``Engine.step`` until all finish.
 * Figures are medians over the repeats: ``tok_s`` = output tokens of the batch / (last finish - first first
   token) (output-window throughput, host clock after the step that produced them); ``req_decode_tok_s`` = median
   over requests of 1 / ``tpot_s``; TTFT p50/p99 over the batch's requests (``numpy.percentile``, linear; from
@@ -116,6 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-files", nargs="+", default=None, metavar="FILE",
                    help="text files for --prompts held-out (default: the model set's held-out files)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="requests per batch at every concurrency (request i = prompt i; at most C in flight, the next "
+                        "submitted as one finishes); default C, all at once")
     p.add_argument("--seed", type=int, default=1, help="prompt RNG and sampling seed")
     p.add_argument("--budget", type=int, default=22, help="DDTree node budget")
     p.add_argument("--max-verify-tokens", type=int, default=None,
@@ -440,25 +445,32 @@ def pflash_prep(scorer, options: PFlashOptions) -> Prep:
 
 
 def run_batch(eng: Engine, prompts: list[list[int]], output_len: int, seed: int, prep: Prep | None = None,
-              progress: Progress | None = None, phase: str = "") -> dict:
-    """Submit all prompts at once (each through ``prep`` first, if given), step to completion; per-request outputs
-    in prompt order plus the window."""
+              progress: Progress | None = None, phase: str = "", max_in_flight: int | None = None) -> dict:
+    """Submit the prompts (each through ``prep`` first, if given): all at once, or ``max_in_flight`` at first and the
+    next as one finishes (a closed-loop client); step to completion; per-request outputs in prompt order plus the
+    window."""
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, seed=seed, ignore_eos=True)
     yields0 = eng.counters["cohort_yield"]
-    ids, preps = [], []
-    for p in prompts:
-        if prep is None:
-            ids.append(eng.submit(p, sp))
-            continue
-        eff, tel = prep(p)
-        preps.append(tel)
-        ids.append(eng.submit(eff, sp))
-    index = {rid: i for i, rid in enumerate(ids)}
+    ids: list[int] = []
+    preps: list[dict] = []
+    index: dict[int, int] = {}
+
+    def submit_next() -> None:
+        i = len(ids)
+        p = prompts[i]
+        if prep is not None:
+            p, tel = prep(p)
+            preps.append(tel)
+        ids.append(eng.submit(p, sp))
+        index[ids[-1]] = i
+
+    for _ in range(min(len(prompts), max_in_flight or len(prompts))):
+        submit_next()
     n_done: dict[int, int] = {}
-    want = output_len * len(ids)
+    want = output_len * len(prompts)
     first_seen: dict[int, float] = {}
     done: dict[int, tuple[float, object]] = {}
-    while len(done) < len(ids):
+    while len(done) < len(prompts):
         outs = eng.step()
         now = time.perf_counter()
         for o in outs:
@@ -469,9 +481,11 @@ def run_batch(eng: Engine, prompts: list[list[int]], output_len: int, seed: int,
                 first_seen[o.request_id] = now
             if o.finish_reason is not None:
                 done[o.request_id] = (now, o)
+                if len(ids) < len(prompts):
+                    submit_next()
         if progress is not None:
             progress.update(phase, sum(n_done.values()), want)
-        if not eng.has_work() and len(done) < len(ids):
+        if not eng.has_work() and len(done) < len(prompts):
             raise RuntimeError("engine went idle with requests unfinished")
     if progress is not None:
         progress.update(phase, sum(n_done.values()), want, force=True)
@@ -578,8 +592,9 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     compiles0, lazy0 = compile_count(), eng.counters["lazy_compiles"]
     seconds0, counters0 = collections.Counter(eng.step_seconds), collections.Counter(eng.counters)
     for rep in range(args.repeats):
-        b = run_batch(eng, prompts, args.output_len, args.seed, prep, progress, f"repeat {rep + 1}/{args.repeats}")
-        case["accounting"] += [f"repeat {rep}: {m}" for m in account(b["requests"], c, args.output_len)]
+        b = run_batch(eng, prompts, args.output_len, args.seed, prep, progress, f"repeat {rep + 1}/{args.repeats}",
+                      max_in_flight=c)
+        case["accounting"] += [f"repeat {rep}: {m}" for m in account(b["requests"], len(prompts), args.output_len)]
         for r in b["requests"]:
             why = prove(mode, r["stats"])
             if why:
@@ -613,7 +628,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     case["figures"]["output_tokens"] = case["batches"][0]["figures"]["output_tokens"]  # every repeat: accounted
     ev = case["figures"]["cohort_yield_events"]
     case["figures"]["cohort_yield_events"] = int(ev) if ev is not None and float(ev).is_integer() else ev
-    case["n_requests"] = c * args.repeats
+    case["n_requests"] = len(prompts) * args.repeats
     case["figures"].update(step_time_figures(eng.step_seconds - seconds0, eng.counters - counters0, args.repeats))
     if eng.kvf is not None:
         rep_ = eng.kvflash_report()
@@ -686,7 +701,7 @@ def feature_matrix(plan: list[tuple[int, str]], cases: dict, unavailable: dict[s
                 f = cs["figures"]
                 cells.append(f"{ok}, raw {int(f['prompt_tokens_billed'])} -> effective "
                              f"{int(f['prompt_tokens_effective'])} tokens per repeat, "
-                             f"{int(f['pflash_compressed'])}/{c} compressed")
+                             f"{int(f['pflash_compressed'])}/{len(cs['batches'][0]['requests'])} compressed")
             else:
                 cells.append("off")
             acc = f"FAILED ({len(cs['accounting'])})" if cs["accounting"] else "passed"
@@ -773,6 +788,12 @@ def _check_args(args) -> str | None:
         return "--prompt-files applies to --prompts held-out"
     if args.repeats < 1 or min(args.concurrency) < 1:
         return "--repeats and every --concurrency must be >= 1"
+    if args.requests is not None and args.requests < max(args.concurrency):
+        return (f"--requests {args.requests}: fewer than the largest --concurrency ({max(args.concurrency)}), whose "
+                "batch would never fill")
+    if args.requests is not None and args.kvflash is not None:
+        return ("--requests with --kvflash: the residency proof reads a batch's histories as concurrent; run KVFlash "
+                "cases with C requests each (drop --requests)")
     if isinstance(args.kvflash, int) and args.kvflash < args.page_size:
         return f"--kvflash {args.kvflash}: the resident pool must hold at least one page ({args.page_size} tokens)"
     if args.kvflash_compare and args.kvflash is None:
@@ -846,14 +867,16 @@ def run(args: argparse.Namespace, command: str) -> int:
     max_len = args.max_model_len or args.prompt_len_max + args.output_len
     if args.prompts == "held-out":
         text, names = prompt_text_ids(args.model, args.prompt_files)
-        prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed)
+        prompts = text_prompt_set(text, args.requests or max(conc), args.prompt_len_min, args.prompt_len_max,
+                                  args.seed)
         warm_prompts = text_prompt_set(text, max(conc), args.prompt_len_min, args.prompt_len_max, args.seed + 1)
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], windows at "
                 f"uniform offsets of {len(text)} tokens of held-out text ({len(names)} files: {', '.join(names)}), "
                 f"request i from numpy default_rng([{args.seed}, i]); "
                 f"warm-up prompts: default_rng([{args.seed + 1}, i])")
     else:
-        prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed)
+        prompts = prompt_set(args.requests or max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size,
+                             args.seed)
         warm_prompts = prompt_set(max(conc), args.prompt_len_min, args.prompt_len_max, cfg.vocab_size, args.seed + 1)
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], token ids ~ "
                 f"uniform in [0, {cfg.vocab_size}), request i from numpy default_rng([{args.seed}, i]); "
@@ -893,6 +916,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     truth: dict[int, dict[tuple[int, ...], list[int]]] = {}  # C -> engine prompt -> ar greedy tokens
 
     cases: dict[tuple[int, str], dict] = {}
+    n_req = lambda c: args.requests or c  # noqa: E731  (requests per batch of concurrency c)
     for c, mode in plan:
         t0 = time.perf_counter()
         progress.case(f"c{c}.{mode}")
@@ -900,11 +924,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         if keep is not None and mode == "ddtree":
             oracle = make_oracle(truth.get(c, {}), keep, drafter[0].block_size - 1, cfg.vocab_size, args.seed)
         try:
-            if oracle is not None and len(truth.get(c, {})) < c:
+            if oracle is not None and len(truth.get(c, {})) < n_req(c):
                 raise RuntimeError(f"--oracle-tau: the c{c}.ar case recorded no greedy continuation for "
-                                   f"{c - len(truth.get(c, {}))} of the {c} prompts")
-            cs = run_case(target, drafter, mode, c, prompts[:c], warm_prompts[:c], args, max_len, prep, progress,
-                          oracle)
+                                   f"{n_req(c) - len(truth.get(c, {}))} of the {n_req(c)} prompts")
+            cs = run_case(target, drafter, mode, c, prompts[:n_req(c)], warm_prompts[:c], args, max_len, prep,
+                          progress, oracle)
             progress.end(f"done in {time.perf_counter() - t0:.1f}s")
         except Exception as e:  # recorded; the run fails closed at the end
             progress.end("ERROR")
@@ -920,7 +944,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         acc = "" if mode == "ar" or fg.get("accept_per_step") is None else f", accept/step {fg['accept_per_step']:.2f}"
         n = lambda k, p: "-" if fg.get(k) is None else f"{fg[k]:.{p}f}"
         print(f"c{c} {mode}: {n('tok_s', 1)} tok/s, TTFT p50 {n('ttft_p50_s', 3)}s, TPOT {n('tpot_ms', 2)} ms{acc}, "
-              f"{int(fg['output_tokens'])}/{c * args.output_len} tokens, proof {status} "
+              f"{int(fg['output_tokens'])}/{n_req(c) * args.output_len} tokens, proof {status} "
               f"(compile {cs['compile_s']:.1f}s, case {time.perf_counter() - t0:.1f}s)", flush=True)
 
     figures: dict[str, float | None] = {"load_s": load_s}
