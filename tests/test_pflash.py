@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import types
@@ -117,6 +118,38 @@ def test_anchor_chunks_find_the_key_a_question_repeats():
     ids2 = ids.copy()
     ids2[330:334] = [11, 12, 13, 14]
     assert 10 not in pflash.anchor_chunks(ids2, chunk=32).tolist()
+
+
+def _anchor_reference(ids, chunk, ngram, window, max_hits, radius):
+    """anchor_chunks by its definition, with dicts."""
+    t = len(ids)
+    w0 = max(0, t - window)
+    grams = [tuple(ids[i:i + ngram]) for i in range(t - ngram + 1)]
+    early = grams[:max(0, w0 - ngram + 1)]
+    hits = {g: early.count(g) for g in set(grams[w0:])}
+    weight = collections.defaultdict(float)
+    for p, g in enumerate(early):
+        if 1 <= hits.get(g, 0) <= max_hits:
+            lo, hi = p // chunk, (p + ngram - 1) // chunk
+            for c in range(lo, hi + 1):
+                weight[c] += 1 / hits[g]
+            for d in range(1, radius + 1):
+                for c in (lo - d, hi + d):
+                    if 0 <= c < -(-t // chunk):
+                        weight[c] += 1 / hits[g] / (d + 1)
+    return {c: round(w, 9) for c, w in weight.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.integers(2, 6), st.integers(1, 5), st.sampled_from([4, 8, 32]),
+       st.integers(1, 4), st.integers(1, 120), st.integers(1, 9), st.integers(0, 2))
+def test_anchor_chunks_match_their_definition(t, vocab, seed, chunk, ngram, window, max_hits, radius):
+    ids = np.random.default_rng(seed).integers(0, vocab, t).astype(np.int32)  # small vocabularies: many repeats
+    got = pflash.anchor_chunks(ids, chunk=chunk, ngram=ngram, window=window, max_hits=max_hits, radius=radius)
+    weight = _anchor_reference(ids.tolist(), chunk, ngram, window, max_hits, radius)
+    assert sorted(got.tolist()) == sorted(weight)
+    keys = [(-weight[c], -c) for c in got.tolist()]  # heaviest first, the later chunk first on ties
+    assert keys == sorted(keys)
 
 
 def test_compress_keeps_the_anchored_needle_over_the_scores():
