@@ -1178,14 +1178,20 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         needle_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4)
         induction_fn = make_induction_eval(t_hidden, ind_rows, ind_w, 4)
         r_eval_fn = lambda p: needle_fn(p) | induction_fn(p)  # noqa: E731
+
+    def eval_retrieval(stage: str, tag: str) -> None:
+        """``retrieval[stage]`` = the needle / induction eval of the target as it is now, logged under ``tag``."""
+        if r_eval_fn is None:
+            return
+        t0 = time.perf_counter()
+        retrieval[stage] = r_eval_fn(compute_params(tp, cdtype))
+        log(f"[{tag}] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval[stage].items()) +
+            f" ({time.perf_counter() - t0:.1f}s)")
+
     if args.init_target:
         tp = load_trained_target(args.init_target, tcfg, data.tokenizer_dir)
         log(f"[target] loaded from {args.init_target} (not trained)")
-        if r_eval_fn is not None:
-            t0 = time.perf_counter()
-            retrieval["loaded"] = r_eval_fn(compute_params(tp, cdtype))
-            log("[target] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval["loaded"].items())
-                + f" ({time.perf_counter() - t0:.1f}s)")
+        eval_retrieval("loaded", "target")
     else:
         if copy_warmup:
             tp, res_c, retrieval["after_copy"] = copy_phase("target_copy", tp, make_target_loss(1.0), t_hidden,
@@ -1196,12 +1202,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                           eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
                           deadline=deadline, max_seconds=time_cap("target"))
         tp = res_t.params
-        if r_eval_fn is not None:
-            t0 = time.perf_counter()
-            retrieval["after_target"] = r_eval_fn(compute_params(tp, cdtype))
-            log("[target] held-out retrieval: " + " ".join(
-                f"{k} {v:.3f}" for k, v in retrieval["after_target"].items()) + f" ({time.perf_counter() - t0:.1f}s)")
-        res_l = None
+        eval_retrieval("after_target", "target")
         if long_T:
             if data.train_long is None or not len(data.train_long):
                 raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
@@ -1212,12 +1213,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                               tokens_per_step=hp_l["batch"] * long_T, deadline=deadline,
                               max_seconds=time_cap("target_long"))
             tp = res_l.params
-            if r_eval_fn is not None:
-                t0 = time.perf_counter()
-                retrieval["after_target_long"] = r_eval_fn(compute_params(tp, cdtype))
-                log("[target_long] held-out retrieval: " + " ".join(
-                    f"{k} {v:.3f}" for k, v in retrieval["after_target_long"].items()) +
-                    f" ({time.perf_counter() - t0:.1f}s)")
+            eval_retrieval("after_target_long", "target_long")
     t0 = time.perf_counter()
     t_eval = target_eval(tp)
     if res_l or res_t:

@@ -199,6 +199,7 @@ def anchor_chunks(ids: Any, *, chunk: int, ngram: int = 4, window: int = 96, max
     occurrence lends ``1 / hits`` to the chunks it touches and ``1 / (hits (d + 1))`` to the chunks ``d`` <=
     ``radius`` chunks away, so a key that several n-grams of the question share outranks a chance match. Chunks
     with weight, heaviest first; ties: the later chunk first (what follows a key is what a question asks for)."""
+    _int_opt("chunk", chunk, 1)
     a = np.asarray(ids).reshape(-1)
     t = a.shape[0]
     w0 = max(0, t - window)
@@ -206,7 +207,7 @@ def anchor_chunks(ids: Any, *, chunk: int, ngram: int = 4, window: int = 96, max
     if ngram < 1 or t < ngram or n_early < 1:
         return np.zeros(0, np.int64)
     grams = np.lib.stride_tricks.sliding_window_view(a, ngram)   # [t - ngram + 1, ngram]
-    # a 64-bit hash per n-gram narrows the earlier positions to candidates (O(T), ~1 ms at 128K), then exact rows
+    # a 64-bit hash per n-gram narrows the earlier positions to candidates in O(T), exact rows confirm them
     mult = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5] * (
         -(-ngram // 4)), np.uint64)[:ngram]
     with np.errstate(over="ignore"):
@@ -214,8 +215,9 @@ def anchor_chunks(ids: Any, *, chunk: int, ngram: int = 4, window: int = 96, max
     win = np.unique(grams[w0:], axis=0)                          # the window's distinct n-grams
     cand = np.flatnonzero(np.isin(h[:n_early], h[w0:]))
     gid_c = np.full(cand.shape, -1, np.int64)                    # candidate -> index into win (exact match)
+    cand_rows = grams[cand]
     for g, row in enumerate(win):
-        gid_c[np.all(grams[cand] == row, axis=1)] = g
+        gid_c[np.all(cand_rows == row, axis=1)] = g
     cand, gid_c = cand[gid_c >= 0], gid_c[gid_c >= 0]
     hits_of = np.bincount(gid_c, minlength=len(win))
     n_chunks = -(-t // chunk)
