@@ -42,6 +42,16 @@ def pytest_collection_modifyitems(config, items):
             item._id = NodeId.parse(item.nodeid + tag)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the crash-safe scheduler (tests/xdist_scheduling.py): one worker dying in XLA must
+    fail its test, not hang the run."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist_scheduling import CrashSafeLoadGroupScheduling
+
+    return CrashSafeLoadGroupScheduling(config, log)
+
+
 def nano_drafter_config(tmp_path, block_size: int = 8) -> str:
     """A 2-layer DFlash drafter config (sliding + full layer) over the tiny fixtures' 256-token vocabulary, written
     under ``tmp_path``, for the benchmarks' ``--random-drafter``; returns its path."""

@@ -1,0 +1,53 @@
+"""``--dist loadgroup`` that survives a crashed worker.
+
+pytest-xdist 3.8's group scheduler deadlocks the whole session when a worker dies mid-run (pytest-xdist issues 1323,
+1327, 1378; the fixes are not released): ``remove_node`` puts the dead worker's *entire* workload back on the queue,
+completed groups included, so a replacement worker can be sent an empty batch it never reports on; and a
+replacement sent a single one-test group waits forever for a second item. A CI run that should have ended with one
+failed test then hung until the job's time limit. This scheduler requeues only what did not run, counts the test the
+worker died on as done (xdist has already reported it failed: rerunning it would just crash the replacement too),
+and never leaves a worker holding fewer than two pending items without telling it to shut down.
+"""
+
+from __future__ import annotations
+
+from xdist.scheduler.loadgroup import LoadGroupScheduling
+from xdist.workermanage import WorkerController
+
+
+class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
+    def remove_node(self, node: WorkerController) -> str | None:
+        workload = self.assigned_work.pop(node)
+        pending = [(scope, nodeid) for scope, unit in workload.items() for nodeid, done in unit.items() if not done]
+        if not pending:
+            return None
+        crash_scope, crashitem = pending[0]
+        workload[crash_scope][crashitem] = True
+        # unfinished groups go first, so the replacement resumes where the dead worker stopped
+        for scope, unit in reversed(list(workload.items())):
+            if not all(unit.values()):
+                self.workqueue[scope] = unit
+                self.workqueue.move_to_end(scope, last=False)
+        for other in self.assigned_work:
+            self._reschedule(other)
+        return crashitem
+
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        while self.workqueue:
+            scope, unit = self.workqueue.popitem(last=False)
+            indexes = [self.registered_collections[node].index(nodeid) for nodeid, done in unit.items() if not done]
+            if indexes:
+                self.assigned_work.setdefault(node, {})[scope] = unit
+                node.send_runtest_some(indexes)
+                return
+
+    def _reschedule(self, node: WorkerController) -> None:
+        if node.shutting_down:
+            return
+        if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+            self._assign_work_unit(node)
+            # a worker runs an item only once it holds the next one (or has been told to shut down)
+            while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+                self._assign_work_unit(node)
+        if not self.workqueue:
+            node.shutdown()
