@@ -65,14 +65,14 @@ def test_select_chunks_properties(kw):
     assert best in chunks
     if kw["must_keep"] is not None:
         assert set(np.flatnonzero(kw["must_keep"]).tolist()) <= ks
-    # the first anchor always; the others in their order, before any chunk chosen by score
+    # the first anchor and the chunk after it always; the others in their order, before any chunk chosen by score
     anc = [] if kw["anchors"] is None else kw["anchors"].tolist()
-    assert not anc or anc[0] in chunks
+    assert not anc or {anc[0], min(anc[0] + 1, len(pflash.chunk_means(s, c)) - 1)} <= chunks
     # the keep ratio, within one chunk, whenever the forced chunks fit in it
     forced = pflash._forced_chunks(t, c, kw["head_tokens"], kw["tail_tokens"], kw["must_keep"])
     forced[best] = True
     if anc:
-        forced[anc[0]] = True
+        forced[anc[0]:anc[0] + 2] = True
     missed = [a for a in anc if a not in chunks]
     if missed:
         later = anc[anc.index(missed[0]):]
@@ -165,6 +165,20 @@ def test_compress_keeps_the_anchored_needle_over_the_scores():
     assert not set(range(2500, 2504)) & set(pflash.compress(ids, early, off).kept_indices.tolist())
 
 
+def test_what_follows_the_key_is_kept_when_the_budget_holds_one_anchor_chunk():
+    """At 1K tokens a 5 % keep is under the forced head and tail, so only forced chunks are kept: the key ends its
+    chunk and the value the question asks for lies in the next one, which is kept with it."""
+    rng = np.random.default_rng(8)
+    ids = rng.integers(100, 4000, 1024).astype(np.int32)
+    ids[412:416] = [7, 8, 9, 10]              # the key ends chunk 12 (384..415); its value is 416..423, in chunk 13
+    ids[-40:-36] = [7, 8, 9, 10]
+    early = lambda x, _o: np.linspace(1.0, 0.0, len(x))  # noqa: E731
+    o = PFlashOptions(mode="always", min_tokens=1, keep_ratio=0.05, head_tokens=32, tail_tokens=64)
+    kept = pflash.compress(ids, early, o).kept_indices
+    assert set(range(412, 424)) <= set(kept.tolist())
+    assert len(kept) == 32 + 64 + 2 * 32  # head, tail, the anchor chunk and its successor: nothing by score
+
+
 def test_select_chunks_errors():
     with pytest.raises(PFlashError, match="keep_ratio"):
         pflash.select_chunks(np.ones(10), keep_ratio=0.0)
@@ -209,8 +223,8 @@ def test_off_and_short_prompts_untouched(t, mode, min_tokens):
         np.testing.assert_array_equal(r.kept_indices, np.arange(t))
     else:
         r = pflash.compress(ids, _ramp, o)
-        # at least the best chunk and the best anchor chunk (this periodic prompt repeats every 4-gram)
-        assert r.compressed and r.effective_tokens <= max(math.ceil(0.1 * t) + 31, 64)
+        # at least the best chunk, the best anchor chunk and its successor (this periodic prompt repeats every 4-gram)
+        assert r.compressed and r.effective_tokens <= max(math.ceil(0.1 * t) + 31, 96)
         np.testing.assert_array_equal(r.effective_ids, ids[r.kept_indices])  # order preserved
         assert np.all(np.diff(r.kept_indices) > 0)
 
