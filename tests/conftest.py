@@ -43,13 +43,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` with the crash-safe scheduler (tests/xdist_scheduling.py): one worker dying in XLA must
-    fail its test, not hang the run."""
+    """``--dist loadgroup`` with the crash-safe scheduler (tests/xdist_scheduling.py): a worker dying in XLA reruns
+    its test once on a fresh worker, and a second crash fails it; neither hangs the run."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist_scheduling import CrashSafeLoadGroupScheduling
 
     return CrashSafeLoadGroupScheduling(config, log)
+
+
+def pytest_handlecrashitem(crashitem, report, sched):
+    from xdist_scheduling import rerun_crashed
+
+    rerun_crashed(crashitem, report, sched)
+
+
+def pytest_report_teststatus(report, config):
+    from xdist_scheduling import rerun_status
+
+    return rerun_status(report)
 
 
 def nano_drafter_config(tmp_path, block_size: int = 8) -> str:

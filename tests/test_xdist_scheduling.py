@@ -1,4 +1,5 @@
-"""The suite's ``--dist loadgroup`` scheduler: a worker that dies fails its test and the run goes on to the end."""
+"""The suite's ``--dist loadgroup`` scheduler: a test whose worker dies runs once more on a fresh worker; a second
+crash fails it; the run always goes on to the end."""
 
 import os
 import subprocess
@@ -26,13 +27,21 @@ SUITE = textwrap.dedent("""
     def test_after_crash(): pass
     @pytest.mark.xdist_group("single")
     def test_single(): pass
+    @pytest.mark.xdist_group("flaky")
+    def test_crashes_once(tmp_path_factory):
+        mark = tmp_path_factory.getbasetemp().parent / "crashed_once"
+        if not mark.exists():
+            mark.write_text("")
+            os.abort()
+    @pytest.mark.xdist_group("flaky")
+    def test_after_the_flaky_one(): pass
     def test_plain_1(): time.sleep(0.3)
     def test_plain_2(): pass
 """)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_crashed_worker_fails_one_test_and_the_rest_still_run(tmp_path, workers):
+def test_a_crashed_test_runs_again_and_fails_only_on_a_second_crash(tmp_path, workers):
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import importlib.util, sys
         sys.path.insert(0, {HERE!r})
@@ -40,6 +49,8 @@ def test_a_crashed_worker_fails_one_test_and_the_rest_still_run(tmp_path, worker
         suite_conftest = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(suite_conftest)
         pytest_xdist_make_scheduler = suite_conftest.pytest_xdist_make_scheduler
+        pytest_handlecrashitem = suite_conftest.pytest_handlecrashitem
+        pytest_report_teststatus = suite_conftest.pytest_report_teststatus
     """))
     (tmp_path / "test_suite.py").write_text(SUITE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
@@ -48,5 +59,6 @@ def test_a_crashed_worker_fails_one_test_and_the_rest_still_run(tmp_path, worker
          "-o", "addopts=", "-o", "timeout=0", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     summary = run.stdout.strip().splitlines()[-1]
-    assert "1 failed, 7 passed" in summary, run.stdout[-3000:]
-    assert "crashed while running 'test_suite.py::test_crash" in run.stdout
+    assert "1 failed, 9 passed, 2 rerun" in summary, run.stdout[-3000:]
+    assert "FAILED test_suite.py::test_crash" in run.stdout
+    assert run.stdout.count("node down") == 3  # test_crash twice, test_crashes_once once
