@@ -94,7 +94,8 @@ def test_select_chunks_properties(kw):
 def test_anchor_chunks_find_the_key_a_question_repeats():
     """A key planted once early and repeated in the last tokens anchors its chunk, then its neighbours out to the
     radius (the later side first); an n-gram seen more than max_hits times before, or only inside the window,
-    anchors nothing; a key several question n-grams share outranks a single chance match."""
+    anchors nothing; a key several question n-grams share outranks a single chance match, and a match later in the
+    window outranks an earlier one."""
     rng = np.random.default_rng(3)
     ids = rng.integers(100, 4000, 1000).astype(np.int32)
     key = [7, 8, 9, 10]
@@ -107,13 +108,15 @@ def test_anchor_chunks_find_the_key_a_question_repeats():
     assert got.tolist() == [10, 11, 9, 12, 8]
     assert pflash.anchor_chunks(ids, chunk=32, radius=0).tolist() == [10]
     assert pflash.anchor_chunks(ids, chunk=32, max_hits=10, radius=0).tolist() == [10] + [
-        (p + 40) // 32 for p in range(576, -1, -64)]  # allowed now: 1/10 each, later chunks first
+        (p + 40) // 32 for p in range(576, -1, -64)]  # allowed now: r/10 each, later chunks first
     ids3 = ids.copy()
     ids3[600:604] = [21, 22, 23, 24]           # chunk 18: one chance match ...
     ids3[-50:-46] = [21, 22, 23, 24]
     ids3[200:207] = [31, 32, 33, 34, 35, 36, 37]  # ... and a key the question repeats whole (four 4-grams): chunk 6
     ids3[-12:-5] = [31, 32, 33, 34, 35, 36, 37]
-    assert pflash.anchor_chunks(ids3, chunk=32, radius=0).tolist()[:3] == [6, 18, 10]  # 4, 1, 1 (a tie: later first)
+    # four n-grams at the window's end (r ~0.93 each), then one at r = 67/93, then one at r = 47/93: the later an
+    # n-gram stands in the window, the more it counts
+    assert pflash.anchor_chunks(ids3, chunk=32, radius=0).tolist()[:3] == [6, 10, 18]
     assert pflash.anchor_chunks(ids[:90], chunk=32).size == 0  # everything inside the window
     ids2 = ids.copy()
     ids2[330:334] = [11, 12, 13, 14]
@@ -127,16 +130,19 @@ def _anchor_reference(ids, chunk, ngram, window, max_hits, radius):
     grams = [tuple(ids[i:i + ngram]) for i in range(t - ngram + 1)]
     early = grams[:max(0, w0 - ngram + 1)]
     hits = {g: early.count(g) for g in set(grams[w0:])}
+    starts = grams[w0:]
+    recency = {g: (max(i for i, x in enumerate(starts) if x == g) + 1) / len(starts) for g in hits}
     weight = collections.defaultdict(float)
     for p, g in enumerate(early):
         if 1 <= hits.get(g, 0) <= max_hits:
+            w = recency[g] / hits[g]
             lo, hi = p // chunk, (p + ngram - 1) // chunk
             for c in range(lo, hi + 1):
-                weight[c] += 1 / hits[g]
+                weight[c] += w
             for d in range(1, radius + 1):
                 for c in (lo - d, hi + d):
                     if 0 <= c < -(-t // chunk):
-                        weight[c] += 1 / hits[g] / (d + 1)
+                        weight[c] += w / (d + 1)
     return {c: round(w, 9) for c, w in weight.items()}
 
 
