@@ -223,12 +223,13 @@ def test_off_and_short_prompts_untouched(t, mode, min_tokens):
     o = PFlashOptions(mode=mode, min_tokens=min_tokens, keep_ratio=0.1, head_tokens=0, tail_tokens=0)
     if mode == "off" or t < min_tokens:
         r = pflash.compress(ids, _never, o)
-        assert not r.compressed and r.reason == ("off" if mode == "off" else "short")
+        assert not r.compressed and r.reason == ("off" if mode == "off" else "short") == pflash.skip_reason(t, o)
         assert r.effective_tokens == r.raw_tokens == t and r.ratio == 1.0 and r.scoring_s == 0.0
         np.testing.assert_array_equal(r.effective_ids, ids)
         np.testing.assert_array_equal(r.kept_indices, np.arange(t))
     else:
         r = pflash.compress(ids, _ramp, o)
+        assert pflash.skip_reason(t, o) is None
         # at least the best chunk, the best anchor chunk and its successor (this periodic prompt repeats every 4-gram)
         assert r.compressed and r.effective_tokens <= max(math.ceil(0.1 * t) + 31, 96)
         np.testing.assert_array_equal(r.effective_ids, ids[r.kept_indices])  # order preserved
@@ -246,6 +247,8 @@ def test_tool_requests_are_never_compressed_and_auto_skips_no_gain_prompts():
     mk = np.zeros(4096, bool)
     mk[::20] = True  # protected tokens everywhere: nothing to gain
     assert pflash.compress(ids, _never, auto, must_keep=mk).reason == "no_gain"
+    assert pflash.skip_reason(4096, auto, must_keep=mk) == "no_gain" and pflash.skip_reason(4096, auto) is None
+    assert pflash.skip_reason(4096, always, tool_request=True) == "tools"
     r = pflash.compress(ids, _ramp, always, must_keep=mk)
     assert r.compressed and r.effective_tokens == 4096  # every chunk holds a protected token
     r = pflash.compress(ids, _ramp, auto)

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 import dflash_jax as dj
 from conftest import FIXTURES
 from dflash_jax.engine.loop import Engine, EngineOptions
+from dflash_jax.prefill.pflash import PFlashOptions
 from dflash_jax.serve.app import Server, build_app
 
 pytestmark = pytest.mark.xdist_group("serve_faults")
@@ -101,3 +104,39 @@ def test_an_engine_step_that_raises_fails_the_requests_in_flight_and_the_server_
     assert any(line.startswith("dflash_engine_faults_total") and float(line.split()[-1]) >= 1
                for line in metrics.splitlines()), metrics
     assert eng.counters.get("lazy_compiles", 0) == 0
+
+
+def test_a_short_request_runs_start_to_finish_while_another_prompt_is_being_compressed(app, monkeypatch):
+    """PFlash compression runs once per request before admission on its own thread: while the scorer is busy (held
+    here until the other request has finished), the event loop still admits requests, a prompt under
+    --prefill-min-tokens does not queue behind the scorer, and the engine thread serves it to the end."""
+    srv, client = app
+    entered, other_done = threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def held_scorer(ids, options):
+        entered.set()
+        seen["steps_before"] = srv.runner.steps
+        seen["released"] = other_done.wait(60)
+        seen["steps_after"] = srv.runner.steps
+        return np.linspace(1.0, 0.0, len(ids))
+
+    opts = PFlashOptions(mode="always", min_tokens=30, keep_ratio=0.5, head_tokens=0, tail_tokens=0, chunk=4,
+                         anchor_ngram=0)
+    monkeypatch.setattr(srv, "pflash", (opts, held_scorer))
+    compressed_prompt = list(range(5, 45))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = pool.submit(lambda: client.post("/v1/completions", json={
+            "model": "tiny", "prompt": compressed_prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}))
+        assert entered.wait(60), "the scorer was never called"
+        other = _complete(client, 12)  # through the same app, while the scorer holds
+        other_done.set()
+        held_r = held.result(timeout=60)
+    assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 12
+    assert other.json()["choices"][0]["telemetry"]["pflash"] == "short"
+    assert seen["released"] and seen["steps_after"] >= seen["steps_before"] + 12  # the engine stepped meanwhile
+    assert held_r.status_code == 200, held_r.text
+    tel = held_r.json()["choices"][0]["telemetry"]
+    assert tel["pflash"] == "compressed" and tel["raw_prompt_tokens"] == 40 == held_r.json()["usage"]["prompt_tokens"]
+    assert tel["effective_prompt_tokens"] == 20
+    _assert_idle(srv)

@@ -422,6 +422,25 @@ def _untouched(ids: np.ndarray, reason: str) -> CompressionResult:
     return CompressionResult(ids, np.arange(t, dtype=np.int64), t, t, 1.0, 0.0, False, reason)
 
 
+def skip_reason(n_tokens: int, options: PFlashOptions, *, must_keep: Any = None,
+                tool_request: bool = False) -> str | None:
+    """Why ``compress`` would return a prompt of ``n_tokens`` untouched without running the scorer ("off", "tools",
+    "short", "no_gain"), or None when it would score it. Cheap (no scorer): a server decides with it which prompts
+    wait for the scorer's thread, so a short request never queues behind another prompt's scoring pass."""
+    o = options
+    if o.mode == "off":
+        return "off"
+    if tool_request:
+        return "tools"
+    if n_tokens < o.min_tokens:
+        return "short"
+    if o.mode == "auto":
+        forced = _forced_chunks(n_tokens, o.chunk, o.head_tokens, o.tail_tokens, _check_must_keep(must_keep, n_tokens))
+        if _chunk_sizes(n_tokens, o.chunk)[forced].sum() > o.auto_max_ratio * n_tokens:
+            return "no_gain"
+    return None
+
+
 def compress(prompt_ids: Any, scorer: Scorer, options: PFlashOptions, *, must_keep: Any = None,
              tool_request: bool = False) -> CompressionResult:
     """Compress a prompt with ``scorer`` under ``options`` (see the module docstring for the modes).
@@ -438,16 +457,9 @@ def compress(prompt_ids: Any, scorer: Scorer, options: PFlashOptions, *, must_ke
     t = int(ids.shape[0])
     mk = _check_must_keep(must_keep, t)
     o = options
-    if o.mode == "off":
-        return _untouched(ids, "off")
-    if tool_request:
-        return _untouched(ids, "tools")
-    if t < o.min_tokens:
-        return _untouched(ids, "short")
-    if o.mode == "auto":
-        forced = _forced_chunks(t, o.chunk, o.head_tokens, o.tail_tokens, mk)
-        if _chunk_sizes(t, o.chunk)[forced].sum() > o.auto_max_ratio * t:
-            return _untouched(ids, "no_gain")
+    skip = skip_reason(t, o, must_keep=mk, tool_request=tool_request)
+    if skip is not None:
+        return _untouched(ids, skip)
     t0 = time.perf_counter()
     scores = np.asarray(scorer(ids, o), np.float64)
     scoring_s = time.perf_counter() - t0

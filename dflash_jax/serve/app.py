@@ -106,17 +106,21 @@ class Server:
 
     async def _prepare(self, prompt: list[int], tools: bool) -> tuple[list[int], dict[str, Any]]:
         """Prompt compression, once per request before admission, off the event loop and the engine thread.
-        Returns the effective prompt and its telemetry; billing stays on the raw prompt."""
+        Returns the effective prompt and its telemetry; billing stays on the raw prompt. Only prompts the scorer
+        must read wait for its thread (one at a time); the others are answered here at once."""
         if self.pflash is None:
             return prompt, {"raw_prompt_tokens": len(prompt), "pflash": "off"}
-        from dflash_jax.prefill.pflash import compress, protected_mask
+        from dflash_jax.prefill.pflash import compress, protected_mask, skip_reason
 
         opts, scorer = self.pflash
         tok = self.engine.tokenizer
         must_keep = protected_mask(prompt, tok) if tok is not None else None
-        loop = asyncio.get_running_loop()
-        res = await loop.run_in_executor(
-            self._prep_pool, lambda: compress(prompt, scorer, opts, must_keep=must_keep, tool_request=tools))
+        if skip_reason(len(prompt), opts, must_keep=must_keep, tool_request=tools) is not None:
+            res = compress(prompt, scorer, opts, must_keep=must_keep, tool_request=tools)  # returns it untouched
+        else:
+            loop = asyncio.get_running_loop()
+            res = await loop.run_in_executor(
+                self._prep_pool, lambda: compress(prompt, scorer, opts, must_keep=must_keep, tool_request=tools))
         self.metrics.effective_prompt_tokens.inc(res.effective_tokens)
         return [int(t) for t in res.effective_ids], res.telemetry()
 
