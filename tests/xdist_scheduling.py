@@ -4,15 +4,16 @@ pytest-xdist 3.8's group scheduler deadlocks the whole session when a worker die
 1327, 1378; the fixes are not released): ``remove_node`` puts the dead worker's *entire* workload back on the queue,
 completed groups included, so a replacement worker can be sent an empty batch it never reports on; and a
 replacement sent a single one-test group waits forever for a second item. A CI run that should have ended with one
-failed test then hung until the job's time limit. This scheduler requeues only what did not run, counts the test the
-worker died on as done (xdist has already reported it failed: rerunning it would just crash the replacement too),
-and never leaves a worker holding fewer than two pending items without telling it to shut down.
+failed test then hung until the job's time limit. This scheduler requeues only what did not run (unfinished groups
+first), never sends an empty batch, and never leaves a worker holding fewer than two pending items without telling
+it to shut down.
 
-A test whose worker died is run once more, on a fresh worker (``max_reruns``), and only its second crash counts as a
-failure: XLA:CPU's compiler has crashed the process a few times in CI (a segfault or abort inside
-``backend_compile_and_load``, in tests that pass alone and on rerun), and a native crash in a dependency should not
-fail the run when the same test then passes. The first crash is reported as ``RERUN`` with the worker's message, so
-it stays visible in the log and the summary line.
+A test whose worker died is run once more, on a fresh worker (``max_reruns``); after its second crash it counts as
+done and failed (stock xdist would requeue it until the worker restarts run out). Why one rerun: XLA:CPU's
+compiler has crashed the process a few times in CI (a segfault or abort inside ``backend_compile_and_load``, in
+tests that pass alone and on rerun), and a native crash in a dependency should not fail the run when the same test
+then passes. The first crash is reported as ``RERUN`` with the worker's message, so it stays visible in the log and
+the summary line.
 """
 
 from __future__ import annotations
