@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -115,12 +116,11 @@ class Server:
         opts, scorer = self.pflash
         tok = self.engine.tokenizer
         must_keep = protected_mask(prompt, tok) if tok is not None else None
+        run = functools.partial(compress, prompt, scorer, opts, must_keep=must_keep, tool_request=tools)
         if skip_reason(len(prompt), opts, must_keep=must_keep, tool_request=tools) is not None:
-            res = compress(prompt, scorer, opts, must_keep=must_keep, tool_request=tools)  # returns it untouched
+            res = run()  # returned untouched: the scorer does not run
         else:
-            loop = asyncio.get_running_loop()
-            res = await loop.run_in_executor(
-                self._prep_pool, lambda: compress(prompt, scorer, opts, must_keep=must_keep, tool_request=tools))
+            res = await asyncio.get_running_loop().run_in_executor(self._prep_pool, run)
         self.metrics.effective_prompt_tokens.inc(res.effective_tokens)
         return [int(t) for t in res.effective_ids], res.telemetry()
 
