@@ -8,6 +8,7 @@ import pytest
 
 from conftest import FIXTURES
 from dflash_jax.bench.__main__ import main
+from dflash_jax.bench.pflash import stall_figures
 from dflash_jax.serve.__main__ import SHIPPED
 
 pytestmark = pytest.mark.xdist_group("bench_long_context")
@@ -18,12 +19,17 @@ def _figures(tmp_path, prefix):
     return json.loads(res.read_text())
 
 
-def test_pflash_ttft_bench_random_scorer(tmp_path):
+def _random_scorer(tmp_path):
     scorer = tmp_path / "scorer.json"
     scorer.write_text(json.dumps({
         "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
         "rope_theta": 1e6, "tie_word_embeddings": True, "max_position_embeddings": 4096}))
+    return scorer
+
+
+def test_pflash_ttft_bench_random_scorer(tmp_path):
+    scorer = _random_scorer(tmp_path)
     rc = main(["pflash", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-scorer", str(scorer),
                "--dtype", "float32", "--context", "512", "--keep-ratio", "0.1", "--head-tokens", "32", "--tail-tokens", "64", "--prefill-chunk", "128",
                "--scorer-chunk", "128", "--page-size", "16", "--repeats", "1", "--out-dir", str(tmp_path)])
@@ -41,6 +47,40 @@ def test_pflash_ttft_bench_random_scorer(tmp_path):
     assert f["pflash.512.compiles_timed"] == 0
     assert rec["extra"]["scorer_attention"] == "xla" and rec["extra"]["scorer_attention_why"]
 
+
+
+def test_stall_figures_from_step_end_times():
+    # 4 steps alone of 10 ms, scoring over [0.045, 0.080]: the steps ending at 0.065 (25 ms) and 0.075 overlap it
+    ends = [0.0, 0.01, 0.02, 0.03, 0.04, 0.065, 0.075, 0.085, 0.095]
+    f = stall_figures(ends, 4, 0.045, 0.080)
+    assert f["step_ms"] == pytest.approx(10.0) and f["max_step_ms"] == pytest.approx(25.0)
+    assert f["steps"] == 3 and f["stall_steps"] == pytest.approx(1.5)  # (25 - 10) / 10
+    assert f["median_step_ms"] == pytest.approx(10.0)
+    with pytest.raises(RuntimeError, match="stall-max-tokens"):
+        stall_figures(ends, 4, 0.2, 0.3)
+
+
+def test_pflash_stall_bench_sliced_paced_and_unpaced(tmp_path):
+    """Running decode steps are timed while another thread scores a prompt (sliced by heads), paced and unpaced."""
+    scorer = _random_scorer(tmp_path)
+    rc = main(["pflash", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-scorer", str(scorer),
+               "--dtype", "float32", "--context", "512", "--keep-ratio", "0.1", "--head-tokens", "32",
+               "--tail-tokens", "64", "--scorer-chunk", "128", "--page-size", "16", "--no-ttft",
+               "--scorer-dispatch-flops", str(2 * 512 * 512 * 16), "--stall-concurrency", "1", "2",
+               "--stall-compare-unpaced", "--stall-base-steps", "4", "--stall-prompt-len", "16",
+               "--stall-max-tokens", "400", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    rec = _figures(tmp_path, "pflash_")
+    f = rec["figures"]
+    assert not any(k.endswith("ttft_s") for k in f)
+    for c in (1, 2):
+        k = f"pflash.512.stall.c{c}"
+        assert f[f"{k}.stall_steps"] == f[f"{k}.paced.stall_steps"]
+        for mode in ("paced", "unpaced"):
+            m = f"{k}.{mode}"
+            assert f[f"{m}.step_ms"] > 0 and f[f"{m}.max_step_ms"] >= f[f"{m}.median_step_ms"] > 0
+            assert f[f"{m}.steps"] >= 1 and f[f"{m}.scoring_s"] > 0 and f[f"{m}.compiles"] == 0
+    assert rec["extra"]["scorer_dispatch_flops"] == 2 * 512 * 512 * 16
 
 def test_shipped_scorer_keeps_the_needle_at_4k():
     """PFlash with the shipped scorer at a 5 % keep: the needle line of each 4K bench prompt survives compression

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from dflash_jax.config import ConfigError
@@ -207,6 +209,63 @@ def test_tail_max_attention_equals_max_of_tail_attention(params, ids):
     with pytest.raises(ValueError, match="resolve"):
         dense_scoring.tail_max_attention(params, CFG, ids, attention="auto")
 
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_sliced_layers_equal_one_dispatch_per_layer(params, ids, heads):
+    """Slicing a layer into q/k/v, per-head-group attention and output dispatches changes nothing but the count."""
+    tp = dense.capacity_for(T, 16)
+    budget = dense_scoring.attention_flops(tp, CFG.head_dim, heads)
+    assert dense_scoring.dispatch_heads(CFG, tp, budget) == heads
+    whole, sliced = [], []
+    ref, _ = dense_scoring.tail_max_attention(params, CFG, ids, n_layers=2, block=16, max_dispatch_flops=None,
+                                              step_times=whole)
+    run, _ = dense_scoring.tail_max_attention(params, CFG, ids, n_layers=2, block=16, max_dispatch_flops=budget,
+                                              step_times=sliced)
+    np.testing.assert_allclose(run, ref, rtol=1e-5, atol=1e-7)
+    assert len(whole) == 1 + CFG.num_layers
+    # embedding, (q/k/v + H / heads attention dispatches + output) per layer but the last, the last layer whole
+    assert len(sliced) == 1 + (CFG.num_layers - 1) * (2 + CFG.num_heads // heads) + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(hkv=st.sampled_from([1, 2, 4, 8]), group=st.sampled_from([1, 2, 3, 4, 8]), hd=st.sampled_from([32, 128]),
+       rows=st.sampled_from([512, 8192, 32768, 131072]), log_budget=st.floats(8.0, 14.0))
+def test_dispatch_heads_is_the_most_heads_within_the_budget(hkv, group, hd, rows, log_budget):
+    cfg = dense.DenseConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=hkv * group,
+                            num_kv_heads=hkv, head_dim=hd, rope_theta=1e4)
+    budget = 10.0 ** log_budget
+    d = dense_scoring.dispatch_heads(cfg, rows, budget)
+    h = cfg.num_heads
+    assert h % d == 0 and (d % group == 0 or group % d == 0)  # whole KV heads per dispatch
+    fits = dense_scoring.attention_flops(rows, hd, d) <= budget
+    assert fits or d == 1
+    bigger = [e for e in range(d + 1, h + 1) if h % e == 0 and (e % group == 0 or group % e == 0)]
+    assert all(dense_scoring.attention_flops(rows, hd, e) > budget for e in bigger)
+    assert dense_scoring.dispatch_heads(cfg, rows, None) == h
+    with pytest.raises(ValueError, match="positive"):
+        dense_scoring.dispatch_heads(cfg, rows, 0.0)
+
+
+@pytest.mark.parametrize("pace", [True, False])
+def test_a_paced_scorer_waits_for_every_dispatch_before_the_next(monkeypatch, params, ids, pace):
+    """Pacing keeps at most one scorer dispatch ahead of whatever else the device runs (a decode step)."""
+    waited, calls = [], []
+    real_wait = dense_scoring._wait
+
+    def wait(x):
+        waited.append(len(calls))
+        return real_wait(x)
+
+    for name in ("_start", "_layer", "_layer_qkv", "_layer_heads", "_layer_out"):
+        f = getattr(dense_scoring, name)
+        monkeypatch.setattr(dense_scoring, name, lambda *a, _f=f, **kw: (calls.append(1), _f(*a, **kw))[1])
+    monkeypatch.setattr(dense_scoring, "_wait", wait)
+    budget = dense_scoring.attention_flops(dense.capacity_for(T, 16), CFG.head_dim, 1)
+    dense_scoring.tail_max_attention(params, CFG, ids, block=16, max_dispatch_flops=budget, pace=pace)
+    assert len(calls) == 1 + (CFG.num_layers - 1) * (2 + CFG.num_heads) + 1
+    # paced: a wait right after each dispatch, before the next one is issued; unpaced: none
+    assert waited == (list(range(1, len(calls) + 1)) if pace else [])
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cfg", [CFG, TIED], ids=["untied", "tied"])

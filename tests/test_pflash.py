@@ -345,6 +345,10 @@ def test_dense_scorer_attention_option():
     assert sc.resolve() == "xla" and "cpu" in sc.attention_why  # no cuDNN off GPU
     with pytest.raises(ValueError, match="cudnn"):
         dense_scoring.resolve_attention("cudnn", SCFG, jnp.bfloat16)
+    for bad in (0, -1.0, "1e12", True):
+        with pytest.raises(PFlashError, match="max_dispatch_flops"):
+            pflash.DenseScorer({}, SCFG, max_dispatch_flops=bad)
+    assert pflash.DenseScorer({}, SCFG, max_dispatch_flops=None, pace=False).pace is False
 
 
 def test_compress_end_to_end_2k(scorer):

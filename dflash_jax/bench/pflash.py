@@ -14,6 +14,16 @@ is the most a decode step can wait behind scoring). ``compiles_timed`` counts XL
 runs (0 when warm-up covered every shape). The scorer's attention implementation (``--scorer-attention``) and why it
 was chosen are in the JSON's ``extra``.
 
+Decode stall (``--stall-concurrency C ...``, PFlash item 3: scoring must not stall running sequences' decode steps
+for more than about one step's time per scorer dispatch): C requests decode on their own engine (short random
+prompts, greedy, no EOS); after ``--stall-base-steps`` steps timed alone, another thread compresses the context's
+prompt while the host keeps stepping. Per context, C and scorer mode (``paced``, the default scorer; with
+``--stall-compare-unpaced`` also ``unpaced``: every dispatch queued at once, the scorer as it was):
+``pflash.<ctx>.stall.c<C>.<mode>.step_ms`` (median step alone), ``.max_step_ms`` / ``.median_step_ms`` (steps that
+overlapped scoring), ``.stall_steps`` = (max_step - step) / step (the longest extra wait in decode steps; item 3's
+bound is 1), ``.scoring_s`` (the compress call under load) and ``.steps``; ``pflash.<ctx>.stall.c<C>.stall_steps``
+repeats the paced one. ``--no-ttft`` skips the TTFT comparison.
+
 Each path runs once untimed first (compiles), then ``--repeats`` times; medians are reported. With random weights
 (``--random-weights`` / ``--random-scorer``) the prompt is random tokens: the timing does not depend on the text.
 Context labels: ``32k`` = 32768 tokens.
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -32,7 +43,8 @@ from dflash_jax.bench.sources import (add_scorer_arguments, add_target_arguments
                                       load_target_source)
 from dflash_jax.engine.compile import CompileWatch
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
-from dflash_jax.prefill.pflash import PFlashOptions, compress
+from dflash_jax.models import dense_scoring
+from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions, compress
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,8 +60,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "attention block")
     p.add_argument("--scorer-attention", default="auto", choices=("auto", "cudnn", "xla"),
                    help="the scorer's causal attention (auto: cuDNN flash attention on a GPU when it runs, else XLA)")
+    p.add_argument("--scorer-dispatch-flops", type=float, default=dense_scoring.DISPATCH_FLOPS,
+                   help="largest attention work of one scorer dispatch: longer prompts' layers are sliced by heads "
+                        "(0: one dispatch per layer)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-ttft", action="store_true", help="skip the TTFT comparison (e.g. with --stall-concurrency)")
+    p.add_argument("--stall-concurrency", type=int, nargs="*", default=[],
+                   help="measure running decode steps while a prompt of each context is scored, at these C")
+    p.add_argument("--stall-compare-unpaced", action="store_true",
+                   help="also measure an unpaced scorer (every dispatch queued at once)")
+    p.add_argument("--stall-base-steps", type=int, default=24, help="decode steps timed before scoring starts")
+    p.add_argument("--stall-prompt-len", type=int, default=64)
+    p.add_argument("--stall-max-tokens", type=int, default=8192,
+                   help="decode budget of each running request (must outlast the scoring)")
 
 
 def label(ctx: int) -> str:
@@ -66,18 +90,37 @@ def run(args: argparse.Namespace, command: str) -> int:
     target = load_target_source(args)
     scorer = load_scorer_source(args, target.config.vocab_size, prefill_chunk=args.scorer_chunk,
                                 attention=args.scorer_attention)
+    scorer.max_dispatch_flops = args.scorer_dispatch_flops or None
     opts = PFlashOptions(mode="always", keep_ratio=args.keep_ratio, min_tokens=1, head_tokens=args.head_tokens,
                          tail_tokens=args.tail_tokens)
+    scorer.resolve()
+    print(f"scorer attention: {scorer.attention_impl} ({scorer.attention_why})", flush=True)
+    rng = np.random.default_rng(0)
+    prompts = {ctx: rng.integers(0, min(target.config.vocab_size, scorer.cfg.vocab_size), ctx).astype(np.int32)
+               for ctx in args.context}
+    figures: dict[str, float] = {"keep_ratio": args.keep_ratio}
+    if not args.no_ttft:
+        _ttft_cases(args, target, scorer, opts, prompts, figures)
+    if args.stall_concurrency:
+        _stall_cases(args, target, scorer, opts, prompts, figures)
+    results.print_table(figures)
+    if not args.no_write:
+        extra = {"target": args.model or args.random_weights, "scorer": args.scorer or args.random_scorer,
+                 "weights": "checkpoint" if args.model else "random", "dtype": args.dtype,
+                 "repeats": args.repeats, "prefill_chunk": args.prefill_chunk, "scorer_chunk": args.scorer_chunk,
+                 "scorer_attention": scorer.attention_impl, "scorer_attention_why": scorer.attention_why,
+                 "scorer_dispatch_flops": scorer.max_dispatch_flops}
+        print("wrote", results.write_result("pflash", figures, command, extra, out_dir=args.out_dir))
+    return 0
+
+
+def _ttft_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PFlashOptions,
+                prompts: dict[int, np.ndarray], figures: dict[str, float]) -> None:
     max_len = -(-(max(args.context) + 64) // args.prefill_chunk) * args.prefill_chunk
     eng = Engine(target, None, EngineOptions(max_batch=1, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1))
     eng.warmup()
-    scorer.resolve()
-    print(f"scorer attention: {scorer.attention_impl} ({scorer.attention_why})", flush=True)
-    rng = np.random.default_rng(0)
-    figures: dict[str, float] = {"keep_ratio": args.keep_ratio}
-    for ctx in args.context:
-        ids = rng.integers(0, min(target.config.vocab_size, scorer.cfg.vocab_size), ctx).astype(np.int32)
+    for ctx, ids in prompts.items():
 
         def pflash_once() -> tuple[float, float, float, int]:
             """(scoring s, effective-prompt TTFT s, kept fraction, effective tokens)"""
@@ -105,11 +148,77 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"{label(ctx)}: full {f_med:.3f} s, PFlash {p_med:.3f} s (ratio {p_med / f_med:.3f}, kept "
               f"{runs[0][2]:.3f}; scoring {figures[f'{k}.scoring_s']:.3f} s in {len(steps)} dispatches of <= "
               f"{max(steps):.3f} s, effective prefill {figures[f'{k}.effective_ttft_s']:.3f} s)", flush=True)
-    results.print_table(figures)
-    if not args.no_write:
-        extra = {"target": args.model or args.random_weights, "scorer": args.scorer or args.random_scorer,
-                 "weights": "checkpoint" if args.model else "random", "dtype": args.dtype,
-                 "repeats": args.repeats, "prefill_chunk": args.prefill_chunk, "scorer_chunk": args.scorer_chunk,
-                 "scorer_attention": scorer.attention_impl, "scorer_attention_why": scorer.attention_why}
-        print("wrote", results.write_result("pflash", figures, command, extra, out_dir=args.out_dir))
-    return 0
+    del eng
+
+
+def stall_figures(ends: list[float], n_base: int, t0: float, t1: float) -> dict[str, float]:
+    """Step-time figures from the host times ``ends`` at which consecutive ``step()`` calls returned: the first
+    ``n_base`` + 1 bound steps taken alone; a step overlapped scoring (wall [t0, t1]) when it ended after t0 and
+    began before t1."""
+    dur = np.diff(np.asarray(ends, np.float64))
+    begin = np.asarray(ends[:-1])
+    base = float(np.median(dur[:n_base])) * 1e3
+    during = dur[(np.asarray(ends[1:]) > t0) & (begin < t1)] * 1e3
+    if during.size == 0:
+        raise RuntimeError("no decode step overlapped the scoring: raise --stall-max-tokens")
+    mx = float(during.max())
+    return {"step_ms": base, "max_step_ms": mx, "median_step_ms": float(np.median(during)),
+            "stall_steps": (mx - base) / base, "steps": float(during.size)}
+
+
+def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PFlashOptions,
+                 prompts: dict[int, np.ndarray], figures: dict[str, float]) -> None:
+    cs = sorted(set(args.stall_concurrency))
+    plen = args.stall_prompt_len
+    eng = Engine(target, None, EngineOptions(max_batch=cs[-1], batch_buckets=tuple(cs), page_size=args.page_size,
+                                             max_model_len=plen + args.stall_max_tokens + 1, prefill_chunk=plen,
+                                             prefill_batch=cs[-1]))
+    eng.warmup()
+    modes = ("paced", "unpaced") if args.stall_compare_unpaced else ("paced",)
+    rng = np.random.default_rng(1)
+    for ctx, ids in prompts.items():
+        scorer.pace = True
+        compress(ids, scorer, opts)  # the scorer's shapes for this context compile here, not under the timer
+        for c in cs:
+            for mode in modes:
+                scorer.pace = mode == "paced"
+                rids = [eng.submit(rng.integers(0, target.config.vocab_size, plen).tolist(),
+                                   SamplingParams(max_tokens=args.stall_max_tokens, temperature=0.0,
+                                                  ignore_eos=True)) for _ in range(c)]
+                for _ in range(4):  # prefill and the first decode steps
+                    eng.step()
+                done: dict[str, float] = {}
+
+                def score() -> None:
+                    done["t0"] = time.perf_counter()
+                    compress(ids, scorer, opts)
+                    done["t1"] = time.perf_counter()
+
+                ends = [time.perf_counter()]
+                with CompileWatch() as w:
+                    for _ in range(args.stall_base_steps):
+                        eng.step()
+                        ends.append(time.perf_counter())
+                    th = threading.Thread(target=score, daemon=True)
+                    th.start()
+                    while th.is_alive() or len(ends) < 3:
+                        eng.step()
+                        ends.append(time.perf_counter())
+                    th.join()
+                    eng.step()
+                    ends.append(time.perf_counter())
+                for r in rids:
+                    eng.abort(r)
+                while eng.has_work():
+                    eng.step()
+                f = stall_figures(ends, args.stall_base_steps, done["t0"], done["t1"])
+                f["scoring_s"] = done["t1"] - done["t0"]
+                f["compiles"] = float(w.count)
+                k = f"pflash.{label(ctx)}.stall.c{c}"
+                figures.update({f"{k}.{mode}.{n}": v for n, v in f.items()})
+                if mode == "paced":
+                    figures[f"{k}.stall_steps"] = f["stall_steps"]
+                print(f"{label(ctx)} stall C{c} {mode}: step {f['step_ms']:.2f} ms alone, max {f['max_step_ms']:.2f} "
+                      f"/ median {f['median_step_ms']:.2f} ms over {int(f['steps'])} steps while scoring "
+                      f"({f['scoring_s']:.3f} s): stall {f['stall_steps']:.2f} steps", flush=True)
+    scorer.pace = True

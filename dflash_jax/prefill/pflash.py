@@ -356,22 +356,34 @@ class DenseScorer:
     (``dense_scoring.resolve_attention``, resolved on first use; ``attention_impl`` / ``attention_why`` then say
     what runs). The token ids must be in the scorer's vocabulary (a scorer from another tokenizer family needs the
     detokenise/retokenise path of reference §5.2).
+
+    Sharing the device with running decode steps: ``pace`` (default on) waits for each scorer dispatch before the
+    next, and ``max_dispatch_flops`` (default ``dense_scoring.DISPATCH_FLOPS``; None = one dispatch per layer) slices
+    long prompts' layers by attention heads, so a decode step queued behind scoring waits for at most one bounded
+    dispatch (``dense_scoring`` explains both).
     """
 
     def __init__(self, params: dense.Params, cfg: dense.DenseConfig, *, prefill_chunk: int = 512,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", max_dispatch_flops: float | None = dense_scoring.DISPATCH_FLOPS,
+                 pace: bool = True) -> None:
         _int_opt("prefill_chunk", prefill_chunk, 1)
         if attention not in dense_scoring.ATTENTION:
             raise PFlashError(f"scorer attention must be one of {dense_scoring.ATTENTION}, got {attention!r}")
+        if max_dispatch_flops is not None and (isinstance(max_dispatch_flops, bool) or not (
+                isinstance(max_dispatch_flops, (int, float)) and max_dispatch_flops > 0)):
+            raise PFlashError(f"max_dispatch_flops must be a positive number or None, got {max_dispatch_flops!r}")
         self.params, self.cfg, self.prefill_chunk, self.attention = params, cfg, prefill_chunk, attention
+        self.max_dispatch_flops, self.pace = max_dispatch_flops, bool(pace)
         self.attention_impl: str | None = None
         self.attention_why = ""
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=jnp.bfloat16, prefill_chunk: int = 512,
-                        attention: str = "auto") -> "DenseScorer":
+    def from_pretrained(cls, path: str, dtype=jnp.bfloat16, prefill_chunk: int = 512, attention: str = "auto",
+                        max_dispatch_flops: float | None = dense_scoring.DISPATCH_FLOPS,
+                        pace: bool = True) -> "DenseScorer":
         cfg, params = dense.load_dense(path, dtype)
-        return cls(params, cfg, prefill_chunk=prefill_chunk, attention=attention)
+        return cls(params, cfg, prefill_chunk=prefill_chunk, attention=attention,
+                   max_dispatch_flops=max_dispatch_flops, pace=pace)
 
     def resolve(self) -> str:
         """The attention implementation this scorer runs (probing cuDNN once for "auto" / "cudnn")."""
@@ -387,6 +399,7 @@ class DenseScorer:
         run, t = dense_scoring.tail_max_attention(self.params, self.cfg, ids, n_query=options.n_query,
                                                   n_layers=options.n_layers, nope=options.nope,
                                                   attention=self.resolve(), block=self.prefill_chunk,
+                                                  max_dispatch_flops=self.max_dispatch_flops, pace=self.pace,
                                                   step_times=step_times)
         s = _finish(run, np.int32(t), options.pool_kernel)
         return np.asarray(jax.block_until_ready(s))[:t]
