@@ -37,13 +37,13 @@ def pages(state, dkv, p):
     return [np.asarray(a[p]) for a in state.kv.k + state.kv.v + dkv.k + dkv.v]
 
 
-@pytest.mark.parametrize("kind", ["pinned_host", "numpy"])
-def test_pages_round_trip_through_host_slabs(kind):
+@pytest.mark.parametrize("kind,transport", [("pinned_host", "fused"), ("pinned_host", "put"), ("numpy", "fused")])
+def test_pages_round_trip_through_host_slabs(kind, transport):
     state, dkv = random_state()
     if kind != "numpy":
         assert host_memory_kind(jax.devices()[0]) == kind  # the CPU jaxlib offers pinned host memory
-    dev = KVFlashDevice(state, dkv, host_pages=8, host_kind=kind)
-    assert dev.host_kind == kind
+    dev = KVFlashDevice(state, dkv, host_pages=8, host_kind=kind, transport=transport)
+    assert dev.host_kind == kind and dev.transport == transport
     dev.warmup(state, dkv)
     want2, want3 = pages(state, dkv, 2), pages(state, dkv, 3)
     with CompileWatch() as w:
@@ -60,6 +60,12 @@ def test_pages_round_trip_through_host_slabs(kind):
     np.testing.assert_array_equal(pages(state, dkv, 2)[0], want2[0])  # the source is untouched
     assert dev.slab_bytes == sum(a.size for a in want2) * 4
 
+
+
+def test_unknown_page_in_transport_is_rejected():
+    state, dkv = random_state()
+    with pytest.raises(ValueError, match="transport"):
+        KVFlashDevice(state, dkv, host_pages=8, transport="dma")
 
 def test_many_pages_span_buckets_and_summaries_are_mean_keys():
     state, dkv = random_state(n_pages=40)
