@@ -60,14 +60,15 @@ def test_stall_figures_from_step_end_times():
         stall_figures(ends, 4, 0.2, 0.3)
 
 
-def test_pflash_stall_bench_sliced_paced_and_unpaced(tmp_path):
-    """Running decode steps are timed while another thread scores a prompt (sliced by heads), paced and unpaced."""
+def test_pflash_stall_bench_sliced_turns_paced_and_unpaced(tmp_path):
+    """Running decode steps are timed while another thread scores a prompt (sliced by heads): taking turns with the
+    engine, paced alone and unpaced."""
     scorer = _random_scorer(tmp_path)
     rc = main(["pflash", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-scorer", str(scorer),
                "--dtype", "float32", "--context", "512", "--keep-ratio", "0.1", "--head-tokens", "32",
                "--tail-tokens", "64", "--scorer-chunk", "128", "--page-size", "16", "--no-ttft",
                "--scorer-dispatch-flops", str(2 * 512 * 512 * 16), "--stall-concurrency", "1", "2",
-               "--stall-compare-unpaced", "--stall-base-steps", "4", "--stall-prompt-len", "16",
+               "--stall-compare", "--stall-base-steps", "4", "--stall-prompt-len", "16",
                "--stall-max-tokens", "400", "--out-dir", str(tmp_path)])
     assert rc == 0
     rec = _figures(tmp_path, "pflash_")
@@ -75,12 +76,13 @@ def test_pflash_stall_bench_sliced_paced_and_unpaced(tmp_path):
     assert not any(k.endswith("ttft_s") for k in f)
     for c in (1, 2):
         k = f"pflash.512.stall.c{c}"
-        assert f[f"{k}.stall_steps"] == f[f"{k}.paced.stall_steps"]
-        for mode in ("paced", "unpaced"):
+        assert f[f"{k}.stall_steps"] == f[f"{k}.turns.stall_steps"]
+        for mode in ("turns", "paced", "unpaced"):
             m = f"{k}.{mode}"
             assert f[f"{m}.step_ms"] > 0 and f[f"{m}.max_step_ms"] >= f[f"{m}.median_step_ms"] > 0
             assert f[f"{m}.steps"] >= 1 and f[f"{m}.scoring_s"] > 0 and f[f"{m}.compiles"] == 0
     assert rec["extra"]["scorer_dispatch_flops"] == 2 * 512 * 512 * 16
+    assert f["stall.turns.turns"] > 0 and f["stall.turns.waits"] > 0  # the scorer waited for engine steps
 
 def test_shipped_scorer_keeps_the_needle_at_4k():
     """PFlash with the shipped scorer at a 5 % keep: the needle line of each 4K bench prompt survives compression

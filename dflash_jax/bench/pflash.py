@@ -17,12 +17,13 @@ was chosen are in the JSON's ``extra``.
 Decode stall (``--stall-concurrency C ...``, PFlash item 3: scoring must not stall running sequences' decode steps
 for more than about one step's time per scorer dispatch): C requests decode on their own engine (short random
 prompts, greedy, no EOS); after ``--stall-base-steps`` steps timed alone, another thread compresses the context's
-prompt while the host keeps stepping. Per context, C and scorer mode (``paced``, the default scorer; with
-``--stall-compare-unpaced`` also ``unpaced``: every dispatch queued at once, the scorer as it was):
+prompt while the host keeps stepping. Per context, C and scorer mode (``turns``, as the server runs it: paced
+dispatches that alternate with the engine's steps through ``engine.turns.DeviceTurns``; with ``--stall-compare``
+also ``paced``, paced without turns, and ``unpaced``, every dispatch queued at once):
 ``pflash.<ctx>.stall.c<C>.<mode>.step_ms`` (median step alone), ``.max_step_ms`` / ``.median_step_ms`` (steps that
 overlapped scoring), ``.stall_steps`` = (max_step - step) / step (the longest extra wait in decode steps; item 3's
 bound is 1), ``.scoring_s`` (the compress call under load) and ``.steps``; ``pflash.<ctx>.stall.c<C>.stall_steps``
-repeats the paced one. ``--no-ttft`` skips the TTFT comparison.
+repeats the ``turns`` one. ``--no-ttft`` skips the TTFT comparison.
 
 Each path runs once untimed first (compiles), then ``--repeats`` times; medians are reported. With random weights
 (``--random-weights`` / ``--random-scorer``) the prompt is random tokens: the timing does not depend on the text.
@@ -43,6 +44,7 @@ from dflash_jax.bench.sources import (add_scorer_arguments, add_target_arguments
                                       load_target_source)
 from dflash_jax.engine.compile import CompileWatch
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.models import dense_scoring
 from dflash_jax.prefill.pflash import DenseScorer, PFlashOptions, compress
 
@@ -68,8 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ttft", action="store_true", help="skip the TTFT comparison (e.g. with --stall-concurrency)")
     p.add_argument("--stall-concurrency", type=int, nargs="*", default=[],
                    help="measure running decode steps while a prompt of each context is scored, at these C")
-    p.add_argument("--stall-compare-unpaced", action="store_true",
-                   help="also measure an unpaced scorer (every dispatch queued at once)")
+    p.add_argument("--stall-compare", action="store_true",
+                   help="also measure the scorer paced without turns, and unpaced (every dispatch queued at once)")
     p.add_argument("--stall-base-steps", type=int, default=24, help="decode steps timed before scoring starts")
     p.add_argument("--stall-prompt-len", type=int, default=64)
     p.add_argument("--stall-max-tokens", type=int, default=8192,
@@ -174,14 +176,16 @@ def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PF
                                              max_model_len=plen + args.stall_max_tokens + 1, prefill_chunk=plen,
                                              prefill_batch=cs[-1]))
     eng.warmup()
-    modes = ("paced", "unpaced") if args.stall_compare_unpaced else ("paced",)
+    modes = ("turns", "paced", "unpaced") if args.stall_compare else ("turns",)
+    turns = DeviceTurns()
     rng = np.random.default_rng(1)
     for ctx, ids in prompts.items():
         scorer.pace = True
         compress(ids, scorer, opts)  # the scorer's shapes for this context compile here, not under the timer
         for c in cs:
             for mode in modes:
-                scorer.pace = mode == "paced"
+                scorer.pace = mode != "unpaced"
+                eng.turns = scorer.turns = turns if mode == "turns" else None
                 rids = [eng.submit(rng.integers(0, target.config.vocab_size, plen).tolist(),
                                    SamplingParams(max_tokens=args.stall_max_tokens, temperature=0.0,
                                                   ignore_eos=True)) for _ in range(c)]
@@ -216,9 +220,10 @@ def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PF
                 f["compiles"] = float(w.count)
                 k = f"pflash.{label(ctx)}.stall.c{c}"
                 figures.update({f"{k}.{mode}.{n}": v for n, v in f.items()})
-                if mode == "paced":
+                if mode == "turns":
                     figures[f"{k}.stall_steps"] = f["stall_steps"]
                 print(f"{label(ctx)} stall C{c} {mode}: step {f['step_ms']:.2f} ms alone, max {f['max_step_ms']:.2f} "
                       f"/ median {f['median_step_ms']:.2f} ms over {int(f['steps'])} steps while scoring "
                       f"({f['scoring_s']:.3f} s): stall {f['stall_steps']:.2f} steps", flush=True)
-    scorer.pace = True
+    scorer.pace, scorer.turns = True, None
+    figures.update({f"stall.turns.{k}": float(v) for k, v in turns.stats().items()})

@@ -29,6 +29,7 @@ from dflash_jax.engine.hostpack import Packing
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step
+from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.kv.kvflash import KVFlashOptions, Plan, Residency, resolve_pool_tokens
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
@@ -368,6 +369,8 @@ class Engine:
         self._packings: dict[tuple[str, int], Packing] = {}  # (kind, bucket) -> layout of its host inputs
         self._exec: dict[tuple[str, int], Callable] = {}
         self._inflight: _InFlight | None = None  # overlap: the decode / speculative step not yet applied
+        # shared with a background device user (the PFlash scorer) so that they take turns (engine/turns.py)
+        self.turns: DeviceTurns | None = None
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: dict[int, _Request] = {}  # admitted, in prefill or decode
         self._ids = itertools.count()
@@ -768,10 +771,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit, prefill one chunk, decode one token; returns the requests that changed."""
         t0 = time.perf_counter()
+        if self.turns is not None:
+            self.turns.engine_busy(True)
         try:
             return self._step()
         finally:
             self.step_seconds["step"] += time.perf_counter() - t0
+            if self.turns is not None:
+                self.turns.engine_busy(self.has_work())
 
     def _step(self) -> list[RequestOutput]:
         self._admit()
@@ -926,6 +933,8 @@ class Engine:
         t0 = time.perf_counter()
         self.state, self.dkv, out = fn(self.target.params, self.dparams, self.state, self.dkv, buf)
         self.counters[f"{kind}_steps"] += 1
+        if self.turns is not None:
+            self.turns.engine_dispatched()
         return _InFlight(kind, b, list(rows), out, start, step, t0, take)
 
     def _fetch(self, inf: "_InFlight"):

@@ -24,7 +24,9 @@ step dispatched while scoring runs waits for all scorer work queued before it. T
 
 * **pacing** (``pace=True``, the default): each dispatch is waited for before the next is issued, so at most one
   scorer dispatch is ever ahead of a decode step (unpaced, all of a prompt's dispatches are queued at once: at 128K
-  on the 27B set that was seconds of device work in front of the next decode step);
+  on the 27B set that was seconds of device work in front of the next decode step); with ``between`` =
+  ``engine.turns.DeviceTurns.background_turn`` the next dispatch also waits for the engine's next step, so no two
+  scorer dispatches run between two decode steps;
 * **slicing** (``max_dispatch_flops``): when one layer's causal attention over ``Tp`` rows would exceed the budget,
   the layer runs as three kinds of dispatch: q/k/v (+ the tail scores of a scored layer), the attention of
   ``dispatch_heads`` query heads at a time (written into one ``[Tp, H, hd]`` buffer), then the output projection and
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +193,7 @@ def _wait(x):
 def tail_max_attention(params: dense.Params, cfg: dense.DenseConfig, ids: Any, *, n_query: int = 8,
                        n_layers: int | None = None, nope: bool = False, attention: str = "xla", block: int = 512,
                        max_dispatch_flops: float | None = DISPATCH_FLOPS, pace: bool = True,
+                       between: Callable[[], None] | None = None,
                        step_times: list[float] | None = None) -> tuple[jax.Array, int]:
     """Max over the last ``n_layers`` layers and all heads of the attention probabilities of the last ``n_query``
     prompt tokens: ``(run [nq, Tp] float32, T)`` with ``nq = min(n_query, T)`` and ``Tp = capacity_for(T, block)``.
@@ -198,8 +201,9 @@ def tail_max_attention(params: dense.Params, cfg: dense.DenseConfig, ids: Any, *
     ``run[i, j]`` for ``j < T`` equals ``dense.tail_attention(...)[:, :, i, j].max()`` over layers and heads (zero for
     keys after query i, and for the padding rows ``j >= T``). ``attention`` is "cudnn" or "xla" (see
     ``resolve_attention``). ``max_dispatch_flops`` slices layers whose attention exceeds it (None: one dispatch per
-    layer); ``pace`` waits for each dispatch before the next (see the module docstring). With ``step_times`` a list,
-    every dispatch is waited for and its seconds appended.
+    layer); ``pace`` waits for each dispatch before the next (see the module docstring) and then calls ``between()``
+    (e.g. ``DeviceTurns.background_turn``: wait for the engine's next step). With ``step_times`` a list, every
+    dispatch is waited for and its seconds appended.
     """
     dense._check_chunk(block)
     if isinstance(n_query, bool) or not isinstance(n_query, int) or n_query <= 0:
@@ -225,6 +229,8 @@ def tail_max_attention(params: dense.Params, cfg: dense.DenseConfig, ids: Any, *
             out = _wait(out)
             if step_times is not None:
                 step_times.append(time.perf_counter() - t0)
+            if pace and between is not None:
+                between()
         return out
 
     h, run = dispatch(_start, params["embed"], padded, nq)

@@ -360,7 +360,8 @@ class DenseScorer:
     Sharing the device with running decode steps: ``pace`` (default on) waits for each scorer dispatch before the
     next, and ``max_dispatch_flops`` (default ``dense_scoring.DISPATCH_FLOPS``; None = one dispatch per layer) slices
     long prompts' layers by attention heads, so a decode step queued behind scoring waits for at most one bounded
-    dispatch (``dense_scoring`` explains both).
+    dispatch (``dense_scoring`` explains both). ``turns``: set to the engine's ``DeviceTurns`` (``Engine.turns``)
+    and the scorer's dispatches alternate with the engine's steps while the engine has work.
     """
 
     def __init__(self, params: dense.Params, cfg: dense.DenseConfig, *, prefill_chunk: int = 512,
@@ -374,6 +375,7 @@ class DenseScorer:
             raise PFlashError(f"max_dispatch_flops must be a positive number or None, got {max_dispatch_flops!r}")
         self.params, self.cfg, self.prefill_chunk, self.attention = params, cfg, prefill_chunk, attention
         self.max_dispatch_flops, self.pace = max_dispatch_flops, bool(pace)
+        self.turns = None  # an engine.turns.DeviceTurns shared with the engine: the scorer then takes turns with it
         self.attention_impl: str | None = None
         self.attention_why = ""
 
@@ -400,7 +402,8 @@ class DenseScorer:
                                                   n_layers=options.n_layers, nope=options.nope,
                                                   attention=self.resolve(), block=self.prefill_chunk,
                                                   max_dispatch_flops=self.max_dispatch_flops, pace=self.pace,
-                                                  step_times=step_times)
+                                                  between=None if self.turns is None else
+                                                  self.turns.background_turn, step_times=step_times)
         s = _finish(run, np.int32(t), options.pool_kernel)
         return np.asarray(jax.block_until_ready(s))[:t]
 

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dflash_jax.engine.loop import Engine, RequestError, RequestOutput, SamplingParams
+from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.kv.pages import RequestTooLarge
 from dflash_jax.serve.metrics import Metrics
 from dflash_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
@@ -85,6 +86,9 @@ class Server:
         """``pflash``: ``(PFlashOptions, scorer)`` to compress prompts once before admission."""
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.pflash = pflash
+        if pflash is not None and getattr(pflash[1], "pace", False):
+            # the scorer's dispatches alternate with the engine's steps (a decode step waits for one at most)
+            engine.turns = pflash[1].turns = DeviceTurns()
         self._prep_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-pflash")
         self.default_thinking = default_thinking
         self.runner = EngineRunner(engine)
