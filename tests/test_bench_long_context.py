@@ -81,6 +81,7 @@ def test_pflash_stall_bench_sliced_turns_paced_and_unpaced(tmp_path):
             m = f"{k}.{mode}"
             assert f[f"{m}.step_ms"] > 0 and f[f"{m}.max_step_ms"] >= f[f"{m}.median_step_ms"] > 0
             assert f[f"{m}.steps"] >= 1 and f[f"{m}.scoring_s"] > 0 and f[f"{m}.compiles"] == 0
+            assert f[f"{m}.gc_passes"] >= 0 and f[f"{m}.gc_max_ms"] >= 0
     assert rec["extra"]["scorer_dispatch_flops"] == 2 * 512 * 512 * 16
     assert f["stall.turns.turns"] > 0 and f["stall.turns.waits"] > 0  # the scorer waited for engine steps
 

@@ -22,7 +22,8 @@ dispatches that alternate with the engine's steps through ``engine.turns.DeviceT
 also ``paced``, paced without turns, and ``unpaced``, every dispatch queued at once):
 ``pflash.<ctx>.stall.c<C>.<mode>.step_ms`` (median step alone), ``.max_step_ms`` / ``.median_step_ms`` (steps that
 overlapped scoring), ``.stall_steps`` = (max_step - step) / step (the longest extra wait in decode steps; item 3's
-bound is 1), ``.scoring_s`` (the compress call under load) and ``.steps``; ``pflash.<ctx>.stall.c<C>.stall_steps``
+bound is 1), ``.scoring_s`` (the compress call under load), ``.steps``, and the cyclic GC's passes in the window
+(``.gc_passes``, ``.gc_max_ms``; start-up's objects are frozen first, as the server does); ``pflash.<ctx>.stall.c<C>.stall_steps``
 repeats the ``turns`` one. ``--no-ttft`` skips the TTFT comparison.
 
 Each path runs once untimed first (compiles), then ``--repeats`` times; medians are reported. With random weights
@@ -33,6 +34,7 @@ Context labels: ``32k`` = 32768 tokens.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import threading
 import time
@@ -176,6 +178,15 @@ def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PF
                                              max_model_len=plen + args.stall_max_tokens + 1, prefill_chunk=plen,
                                              prefill_batch=cs[-1]))
     eng.warmup()
+    gc.collect()
+    gc.freeze()  # as the server does after start-up
+    pauses: list[float] = []  # seconds of each cyclic-GC pass in the measured window
+
+    def on_gc(phase: str, info: dict, t=[0.0]) -> None:
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - t[0])
     modes = ("turns", "paced", "unpaced") if args.stall_compare else ("turns",)
     turns = DeviceTurns()
     rng = np.random.default_rng(1)
@@ -199,6 +210,8 @@ def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PF
                     done["t1"] = time.perf_counter()
 
                 ends = [time.perf_counter()]
+                pauses.clear()
+                gc.callbacks.append(on_gc)
                 with CompileWatch() as w:
                     for _ in range(args.stall_base_steps):
                         eng.step()
@@ -211,6 +224,7 @@ def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PF
                     th.join()
                     eng.step()
                     ends.append(time.perf_counter())
+                gc.callbacks.remove(on_gc)
                 for r in rids:
                     eng.abort(r)
                 while eng.has_work():
@@ -218,6 +232,7 @@ def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PF
                 f = stall_figures(ends, args.stall_base_steps, done["t0"], done["t1"])
                 f["scoring_s"] = done["t1"] - done["t0"]
                 f["compiles"] = float(w.count)
+                f["gc_passes"], f["gc_max_ms"] = float(len(pauses)), 1e3 * max(pauses, default=0.0)
                 k = f"pflash.{label(ctx)}.stall.c{c}"
                 figures.update({f"{k}.{mode}.{n}": v for n, v in f.items()})
                 if mode == "turns":

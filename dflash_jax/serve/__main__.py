@@ -15,6 +15,7 @@ rejected at start-up with a message naming the flags, never silently ignored.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -351,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
             raise StartupError(f"--prefill-drafter vocabulary ({scorer.cfg.vocab_size}) does not cover the target's "
                                f"({target.config.vocab_size}); a scorer of another tokenizer family is not supported")
         pflash = (opts, scorer)
+    # start-up's objects (traced programs, weights' pytrees, tokenizer) out of the cyclic collector's reach: a full
+    # collection over them is a pause of the engine thread between two steps
+    gc.collect()
+    gc.freeze()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     server = Server(eng, name, api_key=args.api_key or os.environ.get("DFLASH_API_KEY"),
                     default_thinking=args.enable_thinking, pflash=pflash)
