@@ -107,6 +107,15 @@ def test_a_server_with_a_paced_scorer_shares_its_turns_with_the_engine():
     scorer = DenseScorer(dense.init_params(cfg, jax.random.key(0), jnp.float32), cfg)
     srv = Server(Engine(tgt, None, opts), "tiny", pflash=(PFlashOptions(mode="always"), scorer))
     assert isinstance(srv.engine.turns, DeviceTurns) and scorer.turns is srv.engine.turns
+    srv.engine.turns.engine_busy(True)
+    srv.engine.turns.background_turn()
+    srv.engine.turns.timeout_s = 0.01
+    srv.engine.turns.background_turn()  # waits (busy, no step since the last turn) until the timeout
+    srv.refresh_gauges()
+    from prometheus_client import generate_latest
+
+    text = generate_latest(srv.metrics.registry).decode()
+    assert "dflash_pflash_scorer_turn_waits_total 1.0" in text and "dflash_pflash_scorer_turn_wait_seconds_total" in text
     unpaced = DenseScorer(scorer.params, cfg, pace=False)
     srv = Server(Engine(tgt, None, opts), "tiny", pflash=(PFlashOptions(mode="always"), unpaced))
     assert srv.engine.turns is None and unpaced.turns is None

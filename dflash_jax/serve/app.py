@@ -461,6 +461,10 @@ class Server:
         m.sync(m.engine_faults, self.runner.faults)
         m.sync(m.cohort_yield, eng.counters["cohort_yield"])
         m.sync(m.cohort_reprobes, eng.counters["cohort_reprobe"])
+        if eng.turns is not None:
+            st = eng.turns.stats()
+            m.sync(m.scorer_turn_waits, st["waits"])
+            m.sync(m.scorer_turn_wait_seconds, st["wait_s"])
 
 
 def build_app(server: Server) -> FastAPI:

@@ -36,6 +36,10 @@ class Metrics:
         self.total_pages = Gauge("dflash_kv_total_pages", "Usable KV pages in the pool", registry=r)
         self.free_slots = Gauge("dflash_free_slots", "Free recurrent-state slots", registry=r)
         self.engine_faults = Counter("dflash_engine_faults", "Engine steps that raised", registry=r)
+        self.scorer_turn_waits = Counter("dflash_pflash_scorer_turn_waits",
+                                         "PFlash scorer dispatches that waited for an engine step", registry=r)
+        self.scorer_turn_wait_seconds = Counter("dflash_pflash_scorer_turn_wait_seconds",
+                                                "Seconds the PFlash scorer waited for engine steps", registry=r)
         self._seen: dict[int, float] = {}
 
     def sync(self, counter: Counter, total: float) -> None:
