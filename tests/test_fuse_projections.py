@@ -56,7 +56,9 @@ def test_forward_prefill_decode_and_tree_equal_with_fused_params():
         logits, _ = _verify(params, cfg, _tree_input([7, 8, 9, 10], [-1, 0, 0, 1], 22), kv, rec)
         outs.append([np.asarray(x) for x in (h1, h2, logits, *rec.ssm)])
     for a, b in zip(*outs):
-        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
+        # one matmul instead of several sums the same products in another order: float32 rounding, ~1e-5 of the
+        # output's scale after 8 layers (a wrong split or order of the fused rows differs at the scale itself)
+        np.testing.assert_allclose(b, a, atol=5e-5 * max(1.0, float(np.abs(a).max())), rtol=1e-5)
 
 
 def test_quantized_parts_join_only_their_own_kind():
