@@ -431,6 +431,7 @@ class Engine:
         t0 = time.perf_counter()
         res: Residency = self.pages
         need = res.summaries_needed()
+        sec = self.step_seconds  # host time by KVFlash phase: kv_summaries, kv_plan, kv_transfer (kv_query: _apply)
         if need:
             try:
                 phys = [p for _, _, p in need]
@@ -440,11 +441,17 @@ class Engine:
                 res.set_summaries([(sid, lp) for sid, lp, _ in need], sums)
             except Exception:  # noqa: BLE001 - without summaries the ranking falls back to LRU (counted)
                 self.counters["kvflash_summary_failures"] += 1
+        t1 = time.perf_counter()
         before = collections.Counter(res.counters)
         plan = res.prepare([(r.rid, lo, hi) for r, (lo, hi) in zip(rows, ranges)])
         self._plan = plan
+        t2 = time.perf_counter()
         lost = self._transfer(plan)
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        sec["kv_summaries"] += t1 - t0
+        sec["kv_plan"] += t2 - t1
+        sec["kv_transfer"] += t3 - t2
+        dt = t3 - t0
         by_id = dict(self.running)
         for sid in sorted(lost):
             r = by_id.get(sid)
@@ -1063,8 +1070,10 @@ class Engine:
                 for _, r in rows:
                     self.pages.set_query(r.rid, None)
             if self.query_tail:
+                t0 = time.perf_counter()
                 for i, r in rows:
                     self.pages.push_query(r.rid, out.query[i, -1:], self.query_tail)
+                self.step_seconds["kv_query"] += time.perf_counter() - t0
             for i, r in rows:
                 r.stats.decode_steps += 1
                 self._accept(r, out, i)
@@ -1126,9 +1135,11 @@ class Engine:
         out = self._fetch(self._run("prefill", rows, toks, nv, start))
         done = []
         if self.query_tail:
+            t0 = time.perf_counter()
             for i, r in enumerate(rows):
                 n = out.query.shape[1]
                 self.pages.push_query(r.rid, out.query[i, n - min(n, int(nv[i])):], self.query_tail, rescore=True)
+            self.step_seconds["kv_query"] += time.perf_counter() - t0
         for i, r in enumerate(rows):
             r.cursor += int(nv[i])
             r.stats.prefill_chunks += 1
