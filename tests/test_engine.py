@@ -4,6 +4,7 @@ no recompiles, page/slot accounting, admission under pressure, the decode contra
 Engines are built (and their buckets compiled) once per module and reused: requests come and go.
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -184,6 +185,20 @@ def test_greedy_equals_transformers_alone_and_together(name, fixture, request):
     assert [o.prompt_token_ids for o in outs] == ps  # outputs in input order
     assert steps_together < steps_alone  # the decodes really were batched
 
+
+
+def test_a_one_token_last_chunk_runs_on_the_decode_executable(eng):
+    """A prompt one token longer than a prefill chunk: its second chunk is that token alone, run on the T=1 decode
+    executable (no prefill-width step for one token), and the output is the reference's; no compile."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 200, OPTS.prefill_chunk + 1)]
+    c0 = collections.Counter(eng.counters)
+    with CompileWatch() as w:
+        out = alone(eng, prompt, SamplingParams(max_tokens=6))
+    assert out.token_ids == reference(A, prompt, 6)
+    d = collections.Counter(eng.counters)
+    d.subtract(c0)
+    assert d["prefill_steps"] == 1 and d["decode_steps"] == 6  # the last prompt token + 5 generated tokens
+    assert out.stats["prefill_chunks"] == 2 and w.count == 0
 
 # ---- 2. batch independence while requests join and leave ----------------------------------------
 def test_requests_joining_and_leaving_do_not_affect_each_other(eng):

@@ -1121,6 +1121,9 @@ class Engine:
         return end
 
     def _prefill(self, rows: list[_Request]) -> list[_Request]:
+        """One prefill chunk of every row. When no row has more than one token left in its chunk (a prompt's last
+        token under bounds scoring, or a remainder of one), it runs on the decode executable (T = 1, the same step
+        function) instead of the prefill one, whose ``prefill_chunk`` positions would all be computed for one."""
         c = self.options.prefill_chunk
         rows = self._reside(rows, [(r.cursor, self._chunk_end(r)) for r in rows])
         if not rows:
@@ -1132,7 +1135,9 @@ class Engine:
             part = r.prompt[r.cursor: self._chunk_end(r)]
             toks[i, : len(part)] = part
             nv[i] = len(part)
-        out = self._fetch(self._run("prefill", rows, toks, nv, start))
+        one = int(nv.max()) == 1
+        out = self._fetch(self._run("decode", rows, toks[:, :1], nv, start) if one else
+                          self._run("prefill", rows, toks, nv, start))
         done = []
         if self.query_tail:
             t0 = time.perf_counter()
