@@ -83,7 +83,7 @@ def test_pflash_stall_bench_sliced_turns_paced_and_unpaced(tmp_path):
             assert f[f"{m}.steps"] >= 1 and f[f"{m}.scoring_s"] > 0 and f[f"{m}.compiles"] == 0
             assert f[f"{m}.gc_passes"] >= 0 and f[f"{m}.gc_max_ms"] >= 0
     assert rec["extra"]["scorer_dispatch_flops"] == 2 * 512 * 512 * 16
-    assert f["stall.turns.turns"] > 0 and f["stall.turns.waits"] > 0  # the scorer waited for engine steps
+    assert f["stall.turns.turns"] > 0  # the scorer took turns with the engine (their order: tests/test_turns.py)
 
 def test_shipped_scorer_keeps_the_needle_at_4k():
     """PFlash with the shipped scorer at a 5 % keep: the needle line of each 4K bench prompt survives compression
