@@ -134,37 +134,41 @@ def _start(embed: jax.Array, ids: jax.Array, n_query: int) -> tuple[jax.Array, j
     return jnp.take(embed, ids, axis=0), jnp.zeros((n_query, ids.shape[0]), acc_dtype(embed.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "block", "score", "last", "nope"),
-                   donate_argnames=("h", "run"))
-def _layer(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, run: jax.Array, q_start: jax.Array, *,
-           impl: str, block: int, score: bool, last: bool, nope: bool) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer over the whole padded prompt h [Tp, D]; a scored layer folds the max over heads of its tail
-    queries' probabilities into run [nq, Tp]; the ``last`` layer returns h unchanged (nothing reads it)."""
-    t = h.shape[0]
-    pos = jnp.arange(t, dtype=jnp.int32)
-    eps = cfg.rms_norm_eps
-    q, k, v = dense._qkv(p["attn"], cfg, rms_norm(h, p["input_norm"], eps), pos)
-    if score:
-        qt = lax.dynamic_slice_in_dim(q, q_start, run.shape[0], 0)
-        run = jnp.maximum(run, dense.tail_probs(qt, k, q_start, cfg.rope_theta, nope).max(axis=0))
-    if last:
-        return h, run
-    o = causal_attention(q, k, v, impl, block)
-    h = h + linear(o.reshape(t, -1), p["attn"]["o"])
-    h = h + mlp(p["mlp"], rms_norm(h, p["post_norm"], eps))
-    return h, run
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "score", "nope"), donate_argnames=("run",))
-def _layer_qkv(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, run: jax.Array, q_start: jax.Array, *,
-               score: bool, nope: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A sliced layer's first dispatch: h [Tp, D] -> q [Tp, H, hd], k, v [Tp, Hkv, hd] and, scored, run updated."""
+def _qkv_scored(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, run: jax.Array, q_start: jax.Array,
+                score: bool, nope: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A layer's q [Tp, H, hd], k, v [Tp, Hkv, hd] from h [Tp, D]; a scored layer folds the max over heads of its
+    tail queries' probabilities into run [nq, Tp]."""
     pos = jnp.arange(h.shape[0], dtype=jnp.int32)
     q, k, v = dense._qkv(p["attn"], cfg, rms_norm(h, p["input_norm"], cfg.rms_norm_eps), pos)
     if score:
         qt = lax.dynamic_slice_in_dim(q, q_start, run.shape[0], 0)
         run = jnp.maximum(run, dense.tail_probs(qt, k, q_start, cfg.rope_theta, nope).max(axis=0))
     return q, k, v, run
+
+
+def _out_mlp(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, o: jax.Array) -> jax.Array:
+    """The output projection of the attention o [Tp, H, hd] and the MLP, added to h [Tp, D]."""
+    h = h + linear(o.reshape(h.shape[0], -1), p["attn"]["o"])
+    return h + mlp(p["mlp"], rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "block", "score", "last", "nope"),
+                   donate_argnames=("h", "run"))
+def _layer(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, run: jax.Array, q_start: jax.Array, *,
+           impl: str, block: int, score: bool, last: bool, nope: bool) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer over the whole padded prompt h [Tp, D] in one dispatch (``_qkv_scored``, attention,
+    ``_out_mlp``); the ``last`` layer returns h unchanged (nothing reads it)."""
+    q, k, v, run = _qkv_scored(p, cfg, h, run, q_start, score, nope)
+    if last:
+        return h, run
+    return _out_mlp(p, cfg, h, causal_attention(q, k, v, impl, block)), run
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "score", "nope"), donate_argnames=("run",))
+def _layer_qkv(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, run: jax.Array, q_start: jax.Array, *,
+               score: bool, nope: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A sliced layer's first dispatch (``_qkv_scored``)."""
+    return _qkv_scored(p, cfg, h, run, q_start, score, nope)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "group", "impl", "block"), donate_argnames=("o",))
@@ -180,9 +184,8 @@ def _layer_heads(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, h0: jax
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("h",))
 def _layer_out(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, o: jax.Array) -> jax.Array:
-    """A sliced layer's last dispatch: the output projection of o [Tp, H, hd] and the MLP, added to h [Tp, D]."""
-    h = h + linear(o.reshape(h.shape[0], -1), p["attn"]["o"])
-    return h + mlp(p["mlp"], rms_norm(h, p["post_norm"], cfg.rms_norm_eps))
+    """A sliced layer's last dispatch (``_out_mlp``)."""
+    return _out_mlp(p, cfg, h, o)
 
 
 def _wait(x):
