@@ -14,9 +14,10 @@ one dtype the slab is bytes.
   from fragmenting).
 * Page-out: one jitted gather of up to a bucket of physical pages whose outputs are placed in host memory
   (``out_shardings`` with the host memory kind): XLA issues the device->host copies; the call returns at once.
-* Page-in (``transport``): ``"fused"`` (default), one jitted call that moves a bucket of host slabs to the device
-  (``device_put`` inside the jit) and scatters them into the donated pools; ``"put"``, one batched
-  ``jax.device_put`` of the bucket's slabs, then a jitted stack + scatter of the device copies. Page-outs are dispatched before page-ins and before the step (they read pages the others reuse); all
+* Page-in: one jitted call that moves a bucket of host slabs to the device (``device_put`` inside the jit) and
+  scatters them into the donated pools (a batched ``device_put`` before a jitted scatter measured 0.72-0.77 of a
+  plain host-to-device copy on the H200, this 0.84-0.87: ``experiments/page_in_sweep.py``). Page-outs are
+  dispatched before page-ins and before the step (they read pages the others reuse); all
   are asynchronous and ordered by buffer dependencies, so the host waits only when the step's outputs are read.
 * Summaries: per page, the mean key of each layer and KV head over the page's tokens, float32, over dequantized keys
   (``kv_quant.take``) when the pages are quantized: of the target's attention layers ``[L*Hkv*D]`` (keys scoring,
@@ -44,7 +45,6 @@ from dflash_jax.kv.scatter import set_rows_where
 from dflash_jax.state import DraftKV, EngineState, KVPages
 
 BUCKETS = (1, 4, 16, 64)
-TRANSPORTS = ("fused", "put")
 
 
 def host_memory_kind(device: jax.Device) -> str:
@@ -131,15 +131,12 @@ class KVFlashDevice:
 
     def __init__(self, state: EngineState, dkv: DraftKV | None, host_pages: int, device: jax.Device | None = None,
                  host_kind: str | None = None, draft_summary_layers: Sequence[int] = (),
-                 target_summaries: bool = True, target_bounds: bool = False, transport: str = "fused") -> None:
+                 target_summaries: bool = True, target_bounds: bool = False) -> None:
         """draft_summary_layers: the drafter layers whose context keys ``draft_summaries`` averages (its
         full-attention layers, for drafter scoring; empty: no drafter summaries are compiled);
         target_summaries: whether ``warmup`` compiles the target-key summaries (``keys`` scoring uses them; with
         ``drafter`` or ``lru`` scoring they would only cost start-up time); target_bounds: likewise for the key
-        bounds (``bounds`` scoring); transport: how page-ins reach the device (``TRANSPORTS``, module docstring)."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"KVFlash page-in transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.transport = transport
+        bounds (``bounds`` scoring)."""
         leaves = jax.tree_util.tree_leaves(_tensors(state.kv, dkv))
         self.device = device or next(iter(leaves[0].devices()))
         self.host_kind = host_kind or host_memory_kind(self.device)
@@ -188,9 +185,6 @@ class KVFlashDevice:
         if b not in self._in:
             if self._host is None:
                 fn = jax.jit(_scatter, donate_argnums=(0,))
-            elif self.transport == "put":
-                fn = jax.jit(lambda tensors, parts, idx: _scatter(tensors, jnp.stack(parts), idx),
-                             donate_argnums=(0,))
             else:
                 dev = self._dev
 
@@ -221,8 +215,7 @@ class KVFlashDevice:
                 packed = jax.ShapeDtypeStruct((b, self.slab_elems), self.dtype)
                 self._in[b] = self._in_fn(b).lower(ts, packed, idx).compile()
             else:
-                slab = jax.ShapeDtypeStruct((self.slab_elems,), self.dtype,
-                                            sharding=self._dev if self.transport == "put" else self._host)
+                slab = jax.ShapeDtypeStruct((self.slab_elems,), self.dtype, sharding=self._host)
                 self._in[b] = self._in_fn(b).lower(ts, tuple([slab] * b), idx).compile()
             if self.target_summaries:
                 self._sum[("target", b)] = self._sum_fn(b).lower(jax.tree_util.tree_map(spec, tuple(state.kv.k)),
@@ -272,8 +265,6 @@ class KVFlashDevice:
                 if any(s is None for s in slabs):
                     raise RuntimeError("KVFlash page-in of a host slab that was never written")
                 slabs += [self._zero()] * (b - len(part))
-                if self.transport == "put":
-                    slabs = jax.device_put(slabs, self._dev)
                 tensors = self._in_fn(b)(tensors, tuple(slabs), idx)
         kv, d = _split(tensors, self.n_k, self.has_draft, self.n_dk)
         return EngineState(kv=kv, rec=state.rec), d
