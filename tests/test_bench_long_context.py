@@ -49,6 +49,18 @@ def test_pflash_ttft_bench_random_scorer(tmp_path):
 
 
 
+def test_pflash_bench_rejects_stall_arguments_it_cannot_use(tmp_path):
+    base = ["pflash", "--model", os.path.join(FIXTURES, "qwen36_tiny_a"), "--random-scorer",
+            str(_random_scorer(tmp_path)), "--context", "512", "--out-dir", str(tmp_path)]
+    for extra, needle in ((["--stall-concurrency", "0"], "--stall-concurrency 0"),
+                          (["--stall-concurrency", "1", "--stall-base-steps", "0"], "--stall-base-steps 0"),
+                          (["--scorer-dispatch-flops", "-1"], "--scorer-dispatch-flops -1.0"),
+                          (["--no-ttft"], "nothing to measure")):
+        with pytest.raises(SystemExit, match=needle):
+            main(base + extra)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("pflash_")]  # nothing written
+
+
 def test_stall_figures_from_step_end_times():
     # 4 steps alone of 10 ms, scoring over [0.045, 0.080]: the steps ending at 0.065 (25 ms) and 0.075 overlap it
     ends = [0.0, 0.01, 0.02, 0.03, 0.04, 0.065, 0.075, 0.085, 0.095]

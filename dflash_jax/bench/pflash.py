@@ -91,6 +91,15 @@ def _ttft(eng: Engine, ids: list[int]) -> float:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    bad = [f"{n} {v}" for n, v in (("--stall-base-steps", args.stall_base_steps),
+                                    ("--stall-prompt-len", args.stall_prompt_len),
+                                    ("--stall-max-tokens", args.stall_max_tokens),
+                                    *(("--stall-concurrency", c) for c in args.stall_concurrency)) if v < 1]
+    if bad or args.scorer_dispatch_flops < 0:
+        raise SystemExit(f"bench pflash: {', '.join(bad) or f'--scorer-dispatch-flops {args.scorer_dispatch_flops}'}: "
+                         "must be positive (--scorer-dispatch-flops 0: one dispatch per layer)")
+    if args.no_ttft and not args.stall_concurrency:
+        raise SystemExit("bench pflash: --no-ttft leaves nothing to measure without --stall-concurrency")
     target = load_target_source(args)
     scorer = load_scorer_source(args, target.config.vocab_size, prefill_chunk=args.scorer_chunk,
                                 attention=args.scorer_attention)
@@ -181,12 +190,14 @@ def _stall_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PF
     gc.collect()
     gc.freeze()  # as the server does after start-up
     pauses: list[float] = []  # seconds of each cyclic-GC pass in the measured window
+    gc_start = [0.0]
 
-    def on_gc(phase: str, info: dict, t=[0.0]) -> None:
+    def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
-            t[0] = time.perf_counter()
+            gc_start[0] = time.perf_counter()
         else:
-            pauses.append(time.perf_counter() - t[0])
+            pauses.append(time.perf_counter() - gc_start[0])
+
     modes = ("turns", "paced", "unpaced") if args.stall_compare else ("turns",)
     turns = DeviceTurns()
     rng = np.random.default_rng(1)
