@@ -4,6 +4,7 @@
     python experiments/train_tiny.py --out /tmp/tiny --smoke                       # CPU, about a minute
     python experiments/train_tiny.py --out OUT --resume                            # continue from the checkpoints
     python experiments/train_tiny.py --out OUT --max-minutes 9 [--resume]          # stop in time (exit 3), resume
+    python experiments/train_tiny.py --out OUT --init-target T --init-drafter D     # continue a shipped drafter
 
 Fixed seeds everywhere (init, batch order, anchors, corpus, eval anchors); on GPU ``--xla_gpu_deterministic_ops`` is
 set unless ``--no-deterministic``, and a resumed run gives the same weights as an uninterrupted one.
@@ -31,6 +32,9 @@ latest checkpoint of a phase, a finished phase is not re-run):
    anchors, blocks of ``block_size``, decayed CE (gamma 7); labels are the target's teacher-forced argmax
    (``--drafter-labels target``, default) or the text (``data``). Held-out chain acceptance length tau: the
    drafter's argmax block at fixed anchors against the target's exact greedy continuation from the anchor.
+   ``--init-drafter DIR`` (with ``--init-target``) starts from an exported drafter instead of a fresh init (its
+   config must be the preset's): the phase continues it, with its own batch order and anchors
+   (``CONTINUE_SEED_OFFSET``), under the schedule of ``train.drafter``.
 4. scorer: a tiny plain Qwen3 dense LM (``tiny_configs.dense_*``) with the same recipe as the target.
 5. export (HF layout) to ``--out/{target,drafter,scorer}`` + ``train_report.json`` (+ ``loss_curves.png`` when
    matplotlib is installed); a target over ``--max-file-bytes`` (15 MiB) is written as index + shards, and any
@@ -478,6 +482,9 @@ def n_params(tree: Any) -> int:
 
 #: Seconds --time-budget keeps per remaining phase for its compile, probe, evals (and the export at the end).
 PHASE_RESERVE_S = 30.0
+#: A drafter continued from ``--init-drafter`` draws its batch order and anchors from seed + this offset: the base
+#: seed's streams would repeat, step for step, the rows and anchors the exported drafter was trained on.
+CONTINUE_SEED_OFFSET = 1000
 #: Largest exported file (bytes): bigger checkpoints are written as shards + ``model.safetensors.index.json``.
 MAX_FILE_BYTES = 15 * 2 ** 20
 
@@ -958,6 +965,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     ap.add_argument("--init-target", default=None, metavar="DIR",
                     help="take the target from this exported checkpoint (same preset, same tokenizer) instead of "
                          "training it: only the drafter and the scorer are trained")
+    ap.add_argument("--init-drafter", default=None, metavar="DIR",
+                    help="start the drafter from this exported drafter (config.json + safetensors, e.g. "
+                         "dflash_jax/assets/tiny/drafter; its config must be this preset's) instead of a fresh init "
+                         "and continue training it; needs --init-target (the target it was trained on)")
     ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                     help="allow non-deterministic GPU reductions (default: XLA_FLAGS --xla_gpu_deterministic_ops, "
                          "so a rerun with the same seed reproduces the weights)")
@@ -974,6 +985,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override any preset value, e.g. --set target.hidden_size=512 --set data.n_chat=5000")
     args = ap.parse_args(argv)
+    if args.init_drafter and not args.init_target:
+        ap.error("--init-drafter needs --init-target: a drafter continues on the target it was trained against")
     if args.smoke:
         args.preset = "smoke"
     cfg = tc.preset(args.preset)
@@ -1066,7 +1079,8 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     settings = {"preset": args.preset, "config": cfg, "seed": seed, "compute_dtype": cdt,
                 "export_dtype": args.export_dtype, "drafter_labels": args.drafter_labels,
                 "scorer": not args.no_scorer, "deterministic": args.deterministic,
-                "init_target": args.init_target and os.path.abspath(args.init_target)}
+                "init_target": args.init_target and os.path.abspath(args.init_target),
+                "init_drafter": args.init_drafter and os.path.abspath(args.init_drafter)}
     run_cfg_path = os.path.join(work, "run_config.json")
     if args.resume and os.path.exists(run_cfg_path):
         with open(run_cfg_path) as fh:
@@ -1188,9 +1202,14 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         log(f"[{tag}] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval[stage].items()) +
             f" ({time.perf_counter() - t0:.1f}s)")
 
+    dcfg = tc.drafter_config(cfg["drafter"], tcfg, sp["<|mask|>"])
+    dp_init = None
     if args.init_target:
         tp = load_trained_target(args.init_target, tcfg, data.tokenizer_dir)
         log(f"[target] loaded from {args.init_target} (not trained)")
+        if args.init_drafter:  # before any evaluation: a mismatched drafter is refused at once
+            dp_init = load_trained_drafter(args.init_drafter, dcfg)
+            log(f"[drafter] loaded from {args.init_drafter} (training continues from it)")
         eval_retrieval("loaded", "target")
     else:
         if copy_warmup:
@@ -1222,8 +1241,9 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         f" ({time.perf_counter() - t0:.1f}s)")
 
     # ---- drafter -------------------------------------------------------------------------------------------------
-    dcfg = tc.drafter_config(cfg["drafter"], tcfg, sp["<|mask|>"])
-    dp = dflash.init_params(dcfg, jax.random.fold_in(jax.random.key(seed), 1), F32)
+    dp = dp_init if dp_init is not None else dflash.init_params(dcfg, jax.random.fold_in(jax.random.key(seed), 1),
+                                                                 F32)
+    d_seed = seed + CONTINUE_SEED_OFFSET if dp_init is not None else seed
     hp_d = cfg["train"]["drafter"]
     frozen_t = compute_params(tp, cdtype)
     layers = tuple(dcfg.target_layer_ids)
@@ -1257,8 +1277,8 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     tau_init = drafter_eval(dp)
     log(f"[drafter] tau at init {tau_init['tau']:.3f} ({len(tau_rows)}x{anchors.shape[1]} anchors; greedy "
         f"labels {t_labels:.1f}s)")
-    res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(data.train, hp_d["batch"], seed + 1), hp_d,
-                      work=work, resume=args.resume, seed=seed, log_every=cfg["log_every"],
+    res_d = run_phase("drafter", dp, frozen_t, drafter_loss, Batches(data.train, hp_d["batch"], d_seed + 1), hp_d,
+                      work=work, resume=args.resume, seed=d_seed, log_every=cfg["log_every"],
                       ckpt_every=cfg["ckpt_every"], eval_fn=drafter_eval, eval_every=cfg["eval"]["every"],
                       tokens_per_step=hp_d["batch"] * T, deadline=deadline, max_seconds=time_cap("drafter"))
     dp = res_d.params
@@ -1343,8 +1363,11 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     report = {
         "command": "python experiments/train_tiny.py " + " ".join(argv_list),
         "argv": argv_list, "settings": settings,
-        "seeds": {"base": seed, "target_init": f"key({seed})", "drafter_init": f"fold_in(key({seed}), 1)",
-                  "scorer_init": f"fold_in(key({seed}), 2)", "batch_order": {"target": seed, "drafter": seed + 1,
+        "seeds": {"base": seed, "target_init": f"key({seed})",
+                  "drafter_init": (f"loaded from {args.init_drafter}" if dp_init is not None
+                                   else f"fold_in(key({seed}), 1)"),
+                  "drafter_anchors": f"fold_in(key({d_seed}), sha1('drafter')) per step",
+                  "scorer_init": f"fold_in(key({seed}), 2)", "batch_order": {"target": seed, "drafter": d_seed + 1,
                                                                               "scorer": seed + 2},
                   "corpus": seed, "eval_anchors": [seed, 7]},
         "environment": {"python": platform.python_version(), "jax": jax.__version__, "optax": optax.__version__,
@@ -1369,7 +1392,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
         "drafter": {"config": dcfg.to_hf_dict(), "parameters": n_params(dp), "held_out": d_eval,
                     "held_out_at_init": tau_init, "train_loss": first_last(res_d.history), "timing": res_d.timing,
                     "resumed_from": res_d.resumed_from, "hparams": hp_d,
-                    "greedy_label_seconds": round(t_labels, 2)},
+                    "greedy_label_seconds": round(t_labels, 2), "loaded_from": args.init_drafter},
         "scorer": None if res_s is None else {
             "config": scfg.to_hf_dict(), "parameters": n_params(res_s.params), "held_out": s_eval,
             "train_loss": first_last(res_s.history), "timing": res_s.timing, "resumed_from": res_s.resumed_from,
@@ -1406,6 +1429,19 @@ def load_trained_target(path: str, tcfg: TargetConfig, tokenizer_dir: str) -> An
             raise SystemExit(f"--init-target {path}: its tokenizer.json differs from this run's ({tokenizer_dir}); "
                              "the corpus or the tokenizer settings changed since it was trained")
     return loader.load_params(path, tcfg, dtype=F32)
+
+
+def load_trained_drafter(path: str, dcfg: DrafterConfig) -> Any:
+    """The float32 parameters of an exported drafter (``--init-drafter``, read with ``load_drafter``), refused
+    unless its config.json is the drafter config this run would train (same preset, same target, same mask id)."""
+    got, params = load_drafter(path, dtype=F32)
+    if got != dcfg:
+        diff = {k: (v, getattr(dcfg, k)) for k, v in dataclasses.asdict(got).items()
+                if v != getattr(dcfg, k, None)} if dataclasses.is_dataclass(got) else {}
+        raise SystemExit(f"--init-drafter {path}: its config.json is not this preset's drafter config"
+                         + (f" (checkpoint vs preset: {diff})" if diff else "") +
+                         "; pass the matching --preset / --set drafter.* values, or drop --init-drafter")
+    return params
 
 
 def verify_export(out: str, tcfg: TargetConfig, tp: Any, dcfg: DrafterConfig, dp: Any, ids: np.ndarray,

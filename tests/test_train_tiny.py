@@ -6,6 +6,7 @@ import math
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,3 +111,46 @@ def test_exported_set_loads_and_generates(smoke_run):
     assert res.finish_reason == "length" and len(res.token_ids) == 4
     assert isinstance(res.text, str) and res.prompt_token_ids == ids
     assert res.token_ids == target.greedy(ids, 4)  # the engine's greedy decode equals the reference
+
+
+def _work_with_data(src, dst):
+    """A fresh work dir holding the smoke run's cached data (no corpus / tokenizer rebuild)."""
+    import shutil
+
+    dst.mkdir()
+    for d in src.iterdir():
+        if d.name.startswith("data-"):
+            shutil.copytree(d, dst / d.name)
+    return dst
+
+
+def test_init_drafter_continues_from_the_exported_drafter(smoke_run, tmp_path):
+    out, work, report = smoke_run
+    new = tmp_path / "cont"
+    rep = train_tiny.main(["--smoke", "--out", str(new), "--work-dir", str(_work_with_data(work, tmp_path / "w")),
+                           "--init-target", str(out / "target"), "--init-drafter", str(out / "drafter"),
+                           "--no-scorer", "--set", "train.drafter.steps=0"])
+    assert rep["settings"]["init_drafter"] == os.path.abspath(out / "drafter")
+    assert rep["drafter"]["loaded_from"] == str(out / "drafter")
+    assert rep["seeds"]["batch_order"]["drafter"] == train_tiny.CONTINUE_SEED_OFFSET + 1
+    # the phase starts from the loaded parameters: its tau at init is the exported drafter's final tau, and with
+    # zero steps the export is the input (float32 export in --smoke: bit for bit)
+    assert rep["drafter"]["held_out_at_init"] == report["drafter"]["held_out"]
+    assert rep["drafter"]["timing"]["steps_run"] == 0
+    cfg_a, pa = load_drafter(out / "drafter", dtype=jnp.float32)
+    cfg_b, pb = load_drafter(new / "drafter", dtype=jnp.float32)
+    assert cfg_a == cfg_b
+    la, lb = jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)
+    assert len(la) == len(lb) and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(la, lb))
+
+
+def test_init_drafter_refuses_a_mismatched_config_and_needs_init_target(smoke_run, tmp_path, capsys):
+    out, work, _ = smoke_run
+    with pytest.raises(SystemExit, match="not this preset's drafter config"):
+        train_tiny.main(["--smoke", "--out", str(tmp_path / "o"), "--work-dir",
+                         str(_work_with_data(work, tmp_path / "w")), "--init-target", str(out / "target"),
+                         "--init-drafter", str(out / "drafter"), "--no-scorer", "--set", "drafter.num_layers=3"])
+    assert not (tmp_path / "o").exists(), "nothing exported"
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--smoke", "--out", str(tmp_path / "o"), "--init-drafter", str(out / "drafter")])
+    assert "--init-drafter needs --init-target" in capsys.readouterr().err
