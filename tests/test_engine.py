@@ -200,6 +200,30 @@ def test_a_one_token_last_chunk_runs_on_the_decode_executable(eng):
     assert d["prefill_steps"] == 1 and d["decode_steps"] == 6  # the last prompt token + 5 generated tokens
     assert out.stats["prefill_chunks"] == 2 and w.count == 0
 
+
+def test_a_prompts_last_token_joins_the_running_decode_step(eng):
+    """While A decodes, B's one-token last chunk rides in A's decode call (no prefill call of its own); both
+    outputs are the reference's; no compile."""
+    rng = np.random.default_rng(6)
+    pa = [int(t) for t in rng.integers(1, 200, 10)]
+    pb = [int(t) for t in rng.integers(1, 200, OPTS.prefill_chunk + 1)]
+    d = Driver(eng)
+    d.submit("A", pa, SamplingParams(max_tokens=8))
+    d.step()
+    assert len(d.tokens("A")) == 1  # A decodes from the next step
+    c0 = collections.Counter(eng.counters)
+    with CompileWatch() as w:
+        d.submit("B", pb, SamplingParams(max_tokens=4))
+        d.step()  # B's first chunk (prefill call) + A's decode
+        d.step()  # B's last token and A's next token in one decode call
+        c = collections.Counter(eng.counters)
+        c.subtract(c0)
+        assert c["prefill_steps"] == 1 and c["decode_steps"] == 2 and len(d.tokens("B")) == 1
+        d.run()
+    assert w.count == 0
+    assert d.final["A"].token_ids == reference(A, pa, 8) and d.final["B"].token_ids == reference(A, pb, 4)
+    assert d.final["B"].stats["prefill_chunks"] == 2 and d.final["B"].stats["decode_steps"] == 3
+
 # ---- 2. batch independence while requests join and leave ----------------------------------------
 def test_requests_joining_and_leaving_do_not_affect_each_other(eng):
     ps = prompts(A)

@@ -180,20 +180,6 @@ def test_drafter_summaries_are_mean_context_keys_of_the_full_layers(quantized):
         KVFlashDevice(state, dkv, host_pages=8).draft_summaries(dkv, [5])
 
 
-def test_key_bounds_are_the_elementwise_min_and_max_of_each_pages_keys():
-    state, dkv = random_state(n_pages=12)
-    dev = KVFlashDevice(state, dkv, host_pages=12, target_summaries=False, target_bounds=True)
-    dev.warmup(state, dkv)
-    assert {src for src, _ in dev._sum} == {"bounds"}
-    b = dev.key_bounds(state, [3, 7])
-    ks = [np.asarray(k, np.float32) for k in state.kv.k]  # [n_pages, P, Hkv, D] per layer
-    assert b.shape == (2, 2, len(ks)) + ks[0].shape[2:]
-    for i, p in enumerate([3, 7]):
-        for layer, k in enumerate(ks):
-            np.testing.assert_array_equal(b[i, 0, layer], k[p].min(0))
-            np.testing.assert_array_equal(b[i, 1, layer], k[p].max(0))
-
-
 def test_page_in_sweep_writes_its_figures(tmp_path):
     import json
     import sys

@@ -357,7 +357,53 @@ def test_bounds_scoring_ranks_by_the_targets_queries_and_runs_the_prompts_last_t
     rep = eng.kvflash_report()
     assert rep["scoring"] == "bounds" and rep["score_decisions"] > 0 and rep["summary_failures"] == 0
     assert rep["pages_out"] > 0 and len(checked) == rep["pages_in"] > 0
-    assert {src for src, _ in eng.kvf._sum} == {"bounds"}
+    assert not eng.kvf._sum and eng.kvb is not None  # the bounds live on the device, not in host summaries
+    assert rep["scoring_device_bytes"] == eng.kvb.nbytes > 0
     c = BASE.prefill_chunk
     assert all(o.stats["prefill_chunks"] == -(-(len(p) - 1) // c) + 1 for o, p in zip(got, ps))
+    assert_reclaimed(eng)
+
+
+@SHARED
+def test_bounds_scoring_on_the_device_equals_the_host_reference_through_the_engine():
+    """Every step's queries (copied to the host as they are pushed) kept in host windows, and every ranking's
+    device scores checked against ``bound_scores`` of those windows and the pages' bounds; no compiles after
+    warm-up, and greedy tokens equal to a second run (nothing depends on when the host looks)."""
+    from dflash_jax.engine.compile import CompileWatch
+    from dflash_jax.kv.kvflash import bound_scores
+
+    eng = Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_scoring="bounds"))
+    eng.warmup()
+    kb, q_tail = eng.kvb, eng.query_tail
+    windows: dict[int, np.ndarray] = {}
+    calls = []
+    push, score = kb.push, kb.score
+
+    def checked_push(query, slots, counts):
+        q = np.asarray(query)
+        for i, (s, c) in enumerate(zip(slots, counts)):
+            if c:
+                old = windows.get(s, np.zeros((0,) + q.shape[2:], np.float32))
+                windows[s] = np.concatenate([old, q[i, q.shape[1] - c:]])[-q_tail:]
+        return push(query, slots, counts)
+
+    def checked_score(items):
+        got = score(items)
+        table = np.asarray(kb.bounds)
+        for (slot, n, ids), sc in zip(items, got):
+            assert n <= len(windows[slot])
+            np.testing.assert_allclose(sc, bound_scores(windows[slot][-n:], table[ids]), rtol=1e-4, atol=1e-4)
+        calls.append(len(items))
+        return got
+
+    kb.push, kb.score = checked_push, checked_score
+    ps = prompts(100, 60, 100, seed=5)
+    sps = [SamplingParams(max_tokens=16, ignore_eos=True)] * 3
+    with CompileWatch() as w:
+        got, _ = drive(eng, ps, sps)
+    assert w.count == 0
+    assert calls and sum(calls) == eng.kvflash_report()["score_decisions"]
+    kb.push, kb.score = push, score
+    again, _ = drive(eng, ps, sps)
+    assert [o.token_ids for o in again] == [o.token_ids for o in got]
     assert_reclaimed(eng)

@@ -348,13 +348,18 @@ class Engine:
             self.dkv = self._replicas(functools.partial(DraftKV.zeros, self.dcfg, n_pages, o.page_size, kv_dtype, self.dtype),
                                       lambda lay, shapes: lay.replica_tree(shapes))
         self.kvf = None
+        self.kvb = None  # bounds scoring: key bounds and query windows on the device (kv/kvflash_bounds.py)
         if self.kvflash_pool_tokens is not None:
             from dflash_jax.kv.kvflash_device import KVFlashDevice
 
             self.kvf = KVFlashDevice(self.state, self.dkv, self.pools[0].host_pages, host_kind=o.kvflash_host_kind,
                                      draft_summary_layers=self.dcfg.full_layers if self.draft_scoring else (),
-                                     target_summaries=o.kvflash_scoring == "keys",
-                                     target_bounds=o.kvflash_scoring == "bounds")
+                                     target_summaries=o.kvflash_scoring == "keys")
+            if self.query_tail:
+                from dflash_jax.kv.kvflash_bounds import DeviceBounds
+
+                self.kvb = DeviceBounds(self.state, self.pools[0].host_pages, per_replica + 1,
+                                        self.cfg.num_heads, self.query_tail, self.width)
         self._plan: Plan | None = None
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}
@@ -397,9 +402,27 @@ class Engine:
                 rec = jax.eval_shape(lambda: EngineState.zeros(self.cfg, n_pages=1, page_size=1,
                                                                n_slots=o.max_batch + 1, dtype=self.dtype).rec)
                 rec_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(rec))
-                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - rec_bytes
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - rec_bytes - self._bounds_bytes(kv_dtype)
         return resolve_pool_tokens(o.kvflash, free_bytes=free, bytes_per_token=self._kv_bytes_per_token(kv_dtype),
                                    page_size=o.page_size)
+
+    def _bounds_bytes(self, kv_dtype) -> int:
+        """Device bytes of bounds scoring's tables (``DeviceBounds``), 0 with another scoring."""
+        o = self.options
+        if o.kvflash_scoring != "bounds":
+            return 0
+        from dflash_jax.kv.kvflash_bounds import DeviceBounds
+
+        width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # KVFlash runs without overlap: no ``ahead``
+        host_pages = (o.n_pages or o.max_batch * width + 1) - 1
+        item = 4 if kv_dtype in ("fp8", "int8") else jnp.dtype(self.dtype).itemsize
+        c = self.cfg
+        return DeviceBounds.table_bytes(host_pages, o.max_batch + 1, len(c.attn_layers), c.num_kv_heads,
+                                        c.num_heads, c.head_dim, KVFLASH_QUERY_TAIL, item)
+
+    def _bounds_scores(self, items: list[tuple[int, int, np.ndarray]]) -> list[np.ndarray]:
+        """``Residency.batch_scorer`` of bounds scoring: (request id, queries, page ids) -> scores, on the device."""
+        return self.kvb.score([(self.running[sid].slot, n, ids) for sid, n, ids in items])
 
     def _residency(self, host_pages: int) -> Residency:
         o = self.options
@@ -414,7 +437,8 @@ class Engine:
         floor = -(-(max(self.spec_span, 1) - 1) // ps) + 1  # pages a decode / speculative write can touch
         kopts = KVFlashOptions(pool_tokens=self.kvflash_pool_tokens, scoring=o.kvflash_scoring,
                                exact_steps=o.kvflash_exact_steps)
-        return Residency(pool, host_pages, ps, kopts, floor_pages=min(floor, pool))
+        return Residency(pool, host_pages, ps, kopts, floor_pages=min(floor, pool),
+                         batch_scorer=self._bounds_scores if o.kvflash_scoring == "bounds" else None)
 
     def _reside(self, rows: list["_Request"], ranges: list[tuple[int, int]]) -> list["_Request"]:
         """Make the pages ``rows`` write resident (and what else the policy wants); returns the rows that run.
@@ -435,10 +459,13 @@ class Engine:
         if need:
             try:
                 phys = [p for _, _, p in need]
-                sums = (self.kvf.draft_summaries(self.dkv, phys) if self.draft_scoring
-                        else self.kvf.key_bounds(self.state, phys) if self.query_tail
-                        else self.kvf.summaries(self.state, phys))
-                res.set_summaries([(sid, lp) for sid, lp, _ in need], sums)
+                keys = [(sid, lp) for sid, lp, _ in need]
+                if self.kvb is not None:  # written on the device (asynchronous); the residency records them
+                    self.kvb.write(self.state, phys, [res.page_id(sid, lp) for sid, lp in keys])
+                    res.set_summaries(keys)
+                else:
+                    res.set_summaries(keys, self.kvf.draft_summaries(self.dkv, phys) if self.draft_scoring
+                                      else self.kvf.summaries(self.state, phys))
             except Exception:  # noqa: BLE001 - without summaries the ranking falls back to LRU (counted)
                 self.counters["kvflash_summary_failures"] += 1
         t1 = time.perf_counter()
@@ -528,6 +555,7 @@ class Engine:
         return {"pool_tokens": self.kvflash_pool_tokens, "pool_pages": res.pool_pages, "host_pages": res.host_pages,
                 "host_memory_kind": self.kvf.host_kind, "host_bytes": self.kvf.host_bytes,
                 "page_bytes": self.kvf.slab_bytes, "scoring": res.opts.scoring,
+                "scoring_device_bytes": self.kvb.nbytes if self.kvb is not None else 0,
                 "resident_pages": res.resident_used, "occupancy": res.resident_used / res.pool_pages,
                 **{k: c[f"kvflash_{k}"] for k in (
                     "pages_in", "pages_out", "bytes_in", "bytes_out", "wait_s", "deferred_steps",
@@ -695,6 +723,10 @@ class Engine:
         if self.kvf is not None and "kvflash" not in self.warmup_report:
             t0 = time.perf_counter()
             self.kvf.warmup(self.state, self.dkv)
+            if self.kvb is not None:  # a query push per step shape that returns queries
+                t = min(self.query_tail, self.options.prefill_chunk)
+                self.kvb.warmup(self.state, [(b, 1) for b in self.decode_buckets]
+                                + [(b, t) for b in self.prefill_buckets])
             self.warmup_report["kvflash"] = time.perf_counter() - t0
         n = workers or min(len(todo), os.cpu_count() or 1)
         hits0 = compile_mod.compile_cache_hits()
@@ -798,6 +830,13 @@ class Engine:
             self._inflight = nxt
             if nxt is not None:
                 return self._outputs(changed)
+        # a prompt's last token joins an AR decode step when there is one (T = 1 either way; alone it would cost a
+        # prefill call, or with longer chunks ride in theirs)
+        last = ([r for r in pre if len(r.prompt) - r.cursor == 1]
+                if any(r.cursor == len(r.prompt) and r.tokens and r.finish is None and r.stats.spec_mode != "ddtree"
+                       for r in self.running.values()) else [])
+        if last:
+            pre = [r for r in pre if len(r.prompt) - r.cursor > 1]
         first: set[int] = set()  # rows whose prefill ended this step (their first token): they decode next step
         if pre:
             for r in self._prefill(pre):
@@ -805,6 +844,7 @@ class Engine:
                 first.add(r.rid)
         dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None
                and r.rid not in first]
+        last = [r for r in last if r.finish is None and self.running.get(r.rid) is r]  # a failed prefill frees rows
         if self.options.cohort_reprobe_tokens:
             for r in dec:
                 st = r.stats
@@ -813,7 +853,7 @@ class Engine:
                     st.reprobes += 1
                     self.counters["cohort_reprobe"] += 1
         spec = self._take([r for r in dec if r.stats.spec_mode == "ddtree"], self.decode_buckets[-1])
-        ar = self._take([r for r in dec if r.stats.spec_mode != "ddtree"], self.decode_buckets[-1])
+        ar = self._take([r for r in dec if r.stats.spec_mode != "ddtree"] + last, self.decode_buckets[-1])
         # one kind of step in flight at a time: with both kinds to run, both are applied now
         keep = self.overlap and not (spec and ar)
         for kind, rows in (("spec", spec), ("decode", ar)):
@@ -945,8 +985,13 @@ class Engine:
         return _InFlight(kind, b, list(rows), out, start, step, t0, take)
 
     def _fetch(self, inf: "_InFlight"):
-        """Wait for a dispatched step; its outputs on the host, rows in ``inf.rows`` order."""
-        out = to_host(inf.out)
+        """Wait for a dispatched step; its outputs on the host, rows in ``inf.rows`` order. A step's target queries
+        (bounds scoring) stay on the device: they go to ``DeviceBounds.push``."""
+        query = getattr(inf.out, "query", None)
+        if query is not None:
+            out = dataclasses.replace(to_host(dataclasses.replace(inf.out, query=None)), query=query)
+        else:
+            out = to_host(inf.out)
         self.step_seconds[inf.kind] += time.perf_counter() - inf.t0
         self._kv_done()
         return inf.take(out) if inf.take is not None else out
@@ -983,7 +1028,7 @@ class Engine:
         rows = self._reside(rows, [(r.n_cached, r.n_cached + 1) for r in rows])
         if not rows:
             return None
-        toks = np.array([[r.tokens[-1]] for r in rows], np.int32)
+        toks = np.array([[r.tokens[-1] if r.tokens else r.prompt[r.cursor]] for r in rows], np.int32)
         start = np.array([r.n_cached for r in rows], np.int32)
         return self._run("decode", rows, toks, np.ones(len(rows), np.int32), start)
 
@@ -1070,12 +1115,14 @@ class Engine:
                 for _, r in rows:
                     self.pages.set_query(r.rid, None)
             if self.query_tail:
-                t0 = time.perf_counter()
-                for i, r in rows:
-                    self.pages.push_query(r.rid, out.query[i, -1:], self.query_tail)
-                self.step_seconds["kv_query"] += time.perf_counter() - t0
+                self._push_queries(out.query, [(i, r, 1) for i, r in rows], rescore=False)
             for i, r in rows:
-                r.stats.decode_steps += 1
+                if r.cursor < len(r.prompt):  # a prompt's last token: its first generated token
+                    r.cursor += 1
+                    r.stats.prefill_chunks += 1
+                    r.stats.first_token = time.perf_counter()
+                else:
+                    r.stats.decode_steps += 1
                 self._accept(r, out, i)
             return [r for _, r in rows]
         if self.draft_scoring and out.draft_query is not None:  # None for oracle rounds (nothing drafted)
@@ -1111,6 +1158,18 @@ class Engine:
                                         else 2 * st.reprobe_after)
         return [r for _, r in rows]
 
+    def _push_queries(self, query: jax.Array, rows: list[tuple[int, "_Request", int]], rescore: bool) -> None:
+        """A step's target queries ``[b, T, L, H, D]`` (device) into the query windows of its rows ``(row, request,
+        positions written)``; ``rescore``: re-rank those requests at the next step."""
+        t0 = time.perf_counter()
+        t = query.shape[1]
+        slots, counts = [0] * query.shape[0], [0] * query.shape[0]
+        for i, r, n in rows:
+            slots[i], counts[i] = r.slot, min(t, n)
+            self.pages.count_query(r.rid, counts[i], self.query_tail, rescore=rescore)
+        self.kvb.push(query, slots, counts)
+        self.step_seconds["kv_query"] += time.perf_counter() - t0
+
     def _chunk_end(self, r: _Request) -> int:
         """End of ``r``'s next prefill chunk. With bounds scoring the prompt's last token runs as a chunk of its own:
         the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in what
@@ -1140,11 +1199,7 @@ class Engine:
                           self._run("prefill", rows, toks, nv, start))
         done = []
         if self.query_tail:
-            t0 = time.perf_counter()
-            for i, r in enumerate(rows):
-                n = out.query.shape[1]
-                self.pages.push_query(r.rid, out.query[i, n - min(n, int(nv[i])):], self.query_tail, rescore=True)
-            self.step_seconds["kv_query"] += time.perf_counter() - t0
+            self._push_queries(out.query, [(i, r, int(nv[i])) for i, r in enumerate(rows)], rescore=True)
         for i, r in enumerate(rows):
             r.cursor += int(nv[i])
             r.stats.prefill_chunks += 1

@@ -93,6 +93,8 @@ class _Page:
     dirty: bool = True
     last_use: int = 0
     summary: np.ndarray | None = None  # mean keys [F] (keys / drafter) or key bounds [2, L, Hkv, D] of a full page
+    scored: bool = False  # has a summary: in ``summary``, or (with a batch scorer) in the scorer's row ``pid``
+    pid: int = -1  # the page's id for its lifetime (a row of a device-held summary table)
 
 
 @dataclasses.dataclass
@@ -104,6 +106,7 @@ class _Seq:
     ranks: list[int] | None = None  # cached logical order best-first (non-protected pages), from the last rescoring
     ranked_at: int = -(10 ** 9)
     query: np.ndarray | None = None  # drafter: [F] latest anchor queries; bounds: [Q, L, H, D] latest target queries
+    n_query: int = 0  # bounds with a batch scorer: how many of the slot's device-held query window are this one's
     version: int = 0  # bumped on every residency change (block-table refresh)
     stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
@@ -136,16 +139,26 @@ class Residency:
     host slabs back the logical histories (admission reserves host capacity for a request's whole length, so a
     page-out never lacks a slab). ``floor_pages``: pages per running sequence that admission keeps available
     (a decode step's writes), so admitting never starves the running set of the pages its next step needs.
+
+    Scoring: ``scorer(query, summaries [n, ...]) -> [n]`` ranks one sequence from host-held queries and summaries
+    (``push_query`` / ``set_summaries`` with arrays; the default is ``bound_scores`` or ``dot_scores``). With a
+    ``batch_scorer`` (``bounds`` scoring on the device, ``kvflash_bounds.DeviceBounds``) the queries and summaries
+    live elsewhere: ``count_query`` / ``set_summaries(keys)`` only record that they exist, and every ranking of a
+    step is one call ``batch_scorer([(sid, n_query, page ids [n])]) -> [[n] scores]`` (ids: ``page_id``).
     """
 
     def __init__(self, pool_pages: int, host_pages: int, page_size: int, opts: KVFlashOptions,
-                 floor_pages: int = 1, scorer: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
+                 floor_pages: int = 1, scorer: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                 batch_scorer: Callable[[list[tuple[int, int, np.ndarray]]], Sequence[np.ndarray]] | None = None
+                 ) -> None:
         opts.validate()
         if pool_pages < 1 or host_pages < 1 or page_size < 1:
             raise ValueError("kvflash needs pool_pages, host_pages, page_size >= 1")
         self.pool_pages, self.host_pages, self.page_size, self.opts = pool_pages, host_pages, page_size, opts
         self.floor_pages = floor_pages
         self.scorer = scorer or (bound_scores if opts.scoring == "bounds" else dot_scores)
+        self.batch_scorer = batch_scorer
+        self._free_pids = list(range(host_pages - 1, -1, -1))  # every logical page holds one (<= host_pages of them)
         self._free_phys = list(range(1, pool_pages + 1))
         self._free_slabs = list(range(host_pages))
         self._seqs: dict[int, _Seq] = {}
@@ -275,7 +288,7 @@ class Residency:
 
     # ---- scoring inputs ---------------------------------------------------------------------------------------
     def summaries_needed(self) -> list[tuple[int, int, int]]:
-        """(sid, logical, phys) of resident full pages without a summary (keys and drafter scoring)."""
+        """(sid, logical, phys) of resident full pages without a summary (every scoring but lru)."""
         if self.opts.scoring == "lru":
             return []
         out = []
@@ -283,15 +296,25 @@ class Residency:
             full = s.n_tokens // self.page_size
             for lp in range(min(full, len(s.pages))):
                 p = s.pages[lp]
-                if p.summary is None and p.phys != NOT_RESIDENT:
+                if not p.scored and p.phys != NOT_RESIDENT:
                     out.append((sid, lp, p.phys))
         return out
 
-    def set_summaries(self, keys: Sequence[tuple[int, int]], summaries: np.ndarray) -> None:
-        for (sid, lp), v in zip(keys, summaries):
+    def page_id(self, sid: int, lp: int) -> int:
+        """The id of logical page ``lp`` of ``sid`` (its row in a device-held summary table), fixed for its life."""
+        return self._get(sid).pages[lp].pid
+
+    def set_summaries(self, keys: Sequence[tuple[int, int]], summaries: np.ndarray | None = None) -> None:
+        """Summaries of pages ``(sid, logical)``: host arrays, or None when the batch scorer holds them (under
+        ``page_id``). Unknown / released sequences are ignored."""
+        if summaries is None and self.batch_scorer is None:
+            raise ValueError("summaries held outside the residency need a batch_scorer to score with")
+        for i, (sid, lp) in enumerate(keys):
             s = self._seqs.get(sid)
             if s is not None and lp < len(s.pages):
-                s.pages[lp].summary = np.asarray(v, np.float32)
+                p = s.pages[lp]
+                p.summary = None if summaries is None else np.asarray(summaries[i], np.float32)
+                p.scored = True
 
     def set_query(self, sid: int, query: np.ndarray | None) -> None:
         """The drafter's queries of ``sid``'s latest round ``[F]`` (drafter scoring), or None when it has none (it
@@ -310,6 +333,16 @@ class Residency:
             return
         q = np.asarray(queries, np.float32)
         s.query = (q if s.query is None else np.concatenate([s.query, q]))[-keep:]
+        if rescore:
+            s.ranks = None
+
+    def count_query(self, sid: int, n: int, keep: int, rescore: bool = False) -> None:
+        """``push_query`` for queries the batch scorer holds: ``n`` newer positions of ``sid`` were appended to its
+        window of ``keep``. Unknown / released sequences are ignored."""
+        s = self._seqs.get(sid)
+        if s is None or n <= 0:
+            return
+        s.n_query = min(keep, s.n_query + n)
         if rescore:
             s.ranks = None
 
@@ -353,7 +386,7 @@ class Residency:
                 self._free_slabs.append(p.slab)
                 p.slab = -1
             p.dirty = True
-            p.summary = None
+            p.summary, p.scored = None, False
             p.last_use = sid_step
         self.counters["page_out"] += len(plan.page_out)
         self.counters["page_in"] += len(plan.page_in)
@@ -382,6 +415,9 @@ class Residency:
         if p.slab >= 0:
             self._free_slabs.append(p.slab)
             p.slab = -1
+        if p.pid >= 0:
+            self._free_pids.append(p.pid)
+            p.pid = -1
 
     def _can_grow(self, s: _Seq, hi: int) -> bool:
         extra = self.pages_needed(hi) - len(s.pages)
@@ -391,7 +427,7 @@ class Residency:
         """New logical pages (not yet placed: placed by _rebalance as pinned mandatory pages)."""
         extra = self.pages_needed(hi) - len(s.pages)
         for _ in range(max(0, extra)):
-            s.pages.append(_Page(last_use=self._step))
+            s.pages.append(_Page(last_use=self._step, pid=self._free_pids.pop()))
             if s.reserved > 0:
                 s.reserved -= 1
                 self._reserved_total -= 1
@@ -431,61 +467,96 @@ class Residency:
                 left -= 1
         return quota, exact
 
-    def _ranked(self, sid: int, s: _Seq) -> list[int]:
-        """Logical pages of ``sid`` best-first: pinned, window (newest first), sinks, then score/LRU order."""
-        n = len(s.pages)
-        pinned = [lp for lp in range(n - 1, -1, -1) if (sid, lp) in self._pinned]
-        window = list(range(n - 1, max(-1, n - 1 - self.opts.window_pages), -1))
-        sinks = list(range(min(self.opts.sink_pages, n)))
-        head = list(dict.fromkeys(pinned + window + sinks))
-        hs = set(head)
-        rest = [lp for lp in range(n) if lp not in hs]
-        if s.ranks is None or self._step - s.ranked_at >= self.opts.rescore_every or set(s.ranks) != set(rest):
-            s.ranks = self._order_rest(sid, s, rest)
+    def _rank_all(self) -> dict[int, list[int]]:
+        """Every sequence's logical pages best-first: pinned, window (newest first), sinks, then the rest in score
+        or LRU order. Stale orders of the rest are recomputed, every one to score in one batch."""
+        ranked: dict[int, list[int]] = {}
+        stale: list[tuple[int, _Seq, list[int]]] = []
+        for sid, s in self._seqs.items():
+            n = len(s.pages)
+            pinned = [lp for lp in range(n - 1, -1, -1) if (sid, lp) in self._pinned]
+            window = list(range(n - 1, max(-1, n - 1 - self.opts.window_pages), -1))
+            sinks = list(range(min(self.opts.sink_pages, n)))
+            head = list(dict.fromkeys(pinned + window + sinks))
+            hs = set(head)
+            rest = [lp for lp in range(n) if lp not in hs]
+            ranked[sid] = head
+            if s.ranks is None or self._step - s.ranked_at >= self.opts.rescore_every or set(s.ranks) != set(rest):
+                stale.append((sid, s, rest))
+        to_score = []
+        for sid, s, rest in stale:
             s.ranked_at = self._step
-        return head + s.ranks
+            lru = sorted(rest, key=lambda lp: (-s.pages[lp].last_use, -lp))
+            s.ranks = lru
+            if self.opts.scoring == "lru" or not rest:
+                self._count(s, "lru_decisions")
+            elif not self._has_query(s) or not all(s.pages[lp].scored for lp in rest):
+                # nothing to score with yet (no query / a page without a summary): LRU for this ranking, counted
+                self._count(s, "unscored_fallbacks", "lru_decisions")
+            else:
+                to_score.append((sid, s, rest))
+        for (sid, s, rest), sc in zip(to_score, self._scores(to_score)):
+            if sc is None:  # a scorer fault falls back to LRU (already in place), counted
+                self._count(s, "score_fallbacks", "lru_decisions")
+                continue
+            self._count(s, "score_decisions")
+            if self.opts.scoring == "bounds" and NEIGHBOUR_SHARE > 0 and len(sc) > 1:
+                sc = neighbour_scores(sc, rest, NEIGHBOUR_SHARE)
+            if self.opts.hysteresis and len(sc) > 1:
+                sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
+                    [s.pages[lp].phys != NOT_RESIDENT for lp in rest])
+            s.ranks = [rest[i] for i in np.argsort(-sc, kind="stable")]
+        return {sid: ranked[sid] + s.ranks for sid, s in self._seqs.items()}
 
-    def _order_rest(self, sid: int, s: _Seq, rest: list[int]) -> list[int]:
-        lru = sorted(rest, key=lambda lp: (-s.pages[lp].last_use, -lp))
-        if self.opts.scoring == "lru" or not rest:
-            self.counters["lru_decisions"] += 1
-            s.stats["lru_decisions"] += 1
-            return lru
+    def _count(self, s: _Seq, *names: str) -> None:
+        for k in names:
+            self.counters[k] += 1
+            s.stats[k] += 1
+
+    def _has_query(self, s: _Seq) -> bool:
+        if self.batch_scorer is not None:
+            return s.n_query > 0
+        return self._query(s) is not None
+
+    def _query(self, s: _Seq) -> np.ndarray | None:
+        """The host-held query of ``s``: its pushed / set query (bounds, drafter), or for keys scoring the mean keys
+        of its latest summarised full page."""
         if self.opts.scoring in ("drafter", "bounds"):
-            query = s.query
+            return s.query
+        full = s.n_tokens // self.page_size
+        return next((s.pages[lp].summary for lp in range(min(full, len(s.pages)) - 1, -1, -1)
+                     if s.pages[lp].summary is not None), None)
+
+    def _scores(self, items: list[tuple[int, _Seq, list[int]]]) -> list[np.ndarray | None]:
+        """Scores of each item's ``rest`` pages (float64 ``[n]``), None where the scorer failed (raised, or gave a
+        wrong shape or non-finite scores)."""
+        if not items:
+            return []
+        if self.batch_scorer is not None:
+            try:
+                raw = list(self.batch_scorer([(sid, s.n_query, np.array([s.pages[lp].pid for lp in rest], np.int32))
+                                              for sid, s, rest in items]))
+                if len(raw) != len(items):
+                    raise ValueError(f"batch scorer returned {len(raw)} results for {len(items)} sequences")
+            except Exception:  # noqa: BLE001 - a scorer fault falls back to LRU and is counted
+                return [None] * len(items)
         else:
-            full = s.n_tokens // self.page_size
-            query = next((s.pages[lp].summary for lp in range(min(full, len(s.pages)) - 1, -1, -1)
-                          if s.pages[lp].summary is not None), None)
-        if query is None or any(s.pages[lp].summary is None for lp in rest):
-            # nothing to score with yet (no query / a page without a summary): LRU for this ranking, counted
-            self.counters["unscored_fallbacks"] += 1
-            self.counters["lru_decisions"] += 1
-            s.stats["unscored_fallbacks"] += 1
-            s.stats["lru_decisions"] += 1
-            return lru
-        try:
-            sc = np.asarray(self.scorer(query, np.stack([s.pages[lp].summary for lp in rest])), np.float64)
-            if sc.shape != (len(rest),) or not np.all(np.isfinite(sc)):
-                raise ValueError(f"scorer returned {sc.shape} / non-finite scores")
-        except Exception:  # noqa: BLE001 - a scorer fault falls back to LRU and is counted
-            self.counters["score_fallbacks"] += 1
-            self.counters["lru_decisions"] += 1
-            s.stats["score_fallbacks"] += 1
-            s.stats["lru_decisions"] += 1
-            return lru
-        self.counters["score_decisions"] += 1
-        s.stats["score_decisions"] += 1
-        if self.opts.scoring == "bounds" and NEIGHBOUR_SHARE > 0 and len(sc) > 1:
-            sc = neighbour_scores(sc, rest, NEIGHBOUR_SHARE)
-        if self.opts.hysteresis and len(sc) > 1:
-            sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
-                [s.pages[lp].phys != NOT_RESIDENT for lp in rest])
-        return [rest[i] for i in np.argsort(-sc, kind="stable")]
+            raw = []
+            for _, s, rest in items:
+                try:
+                    raw.append(self.scorer(self._query(s), np.stack([s.pages[lp].summary for lp in rest])))
+                except Exception:  # noqa: BLE001 - as above, for this sequence only
+                    raw.append(None)
+        out: list[np.ndarray | None] = []
+        for (_, _, rest), sc in zip(items, raw):
+            sc = None if sc is None else np.asarray(sc, np.float64)
+            ok = sc is not None and sc.shape == (len(rest),) and bool(np.all(np.isfinite(sc)))
+            out.append(sc if ok else None)
+        return out
 
     def _rebalance(self, plan: Plan, in_step: set[int]) -> None:
         quota, exact = self._quotas(in_step)
-        ranked = {sid: self._ranked(sid, s) for sid, s in self._seqs.items()}
+        ranked = self._rank_all()
         desired = {sid: ranked[sid][: quota[sid]] for sid in self._seqs}
         want = {sid: set(v) for sid, v in desired.items()}
         res_count = {sid: sum(1 for p in s.pages if p.phys != NOT_RESIDENT) for sid, s in self._seqs.items()}
@@ -571,6 +642,7 @@ class Residency:
         """Raise AssertionError if the residency bookkeeping is inconsistent."""
         phys_owner: dict[int, tuple[int, int]] = {}
         slab_owner: dict[int, tuple[int, int]] = {}
+        pids: set[int] = set()
         for sid, s in self._seqs.items():
             assert len(s.pages) == self.pages_needed(s.n_tokens), (
                 f"sequence {sid}: {s.n_tokens} tokens in {len(s.pages)} logical pages")
@@ -578,6 +650,8 @@ class Residency:
             for lp, p in enumerate(s.pages):
                 res, host = p.phys != NOT_RESIDENT, p.slab >= 0
                 assert res or host, f"logical page {lp} of sequence {sid} is lost (neither resident nor on host)"
+                assert 0 <= p.pid < self.host_pages and p.pid not in pids, f"page {lp} of {sid}: bad id {p.pid}"
+                pids.add(p.pid)
                 assert not (p.dirty and host), f"page {lp} of {sid} is dirty and also has a host copy"
                 assert res or not p.dirty, f"page {lp} of {sid} is on host only but marked dirty"
                 if res:
@@ -593,6 +667,8 @@ class Residency:
         assert len(self._free_phys) + len(phys_owner) == self.pool_pages, "physical pages leaked"
         assert not set(self._free_slabs) & slab_owner.keys(), "a free slab is also owned"
         assert len(set(self._free_slabs)) + len(slab_owner) == self.host_pages, "host slabs leaked"
+        assert not set(self._free_pids) & pids and len(set(self._free_pids)) + len(pids) == self.host_pages, (
+            "page ids leaked")
         assert self._reserved_total == sum(s.reserved for s in self._seqs.values())
         assert self.host_free >= 0, "host capacity over-committed"
         for (sid, lp), n in self._pinned.items():

@@ -23,8 +23,7 @@ one dtype the slab is bytes.
   (``kv_quant.take``) when the pages are quantized: of the target's attention layers ``[L*Hkv*D]`` (keys scoring,
   ``summaries``) or of the drafter's full-attention layers' context keys ``[n_full*Hkv_d*hd]`` (drafter scoring,
   ``draft_summaries``; k-normed and RoPE'd as the drafter attends to them; sliding layers never see beyond their
-  window, so they do not rank history); or (bounds scoring, ``key_bounds``) the elementwise min and max of the
-  target's keys per attention layer and KV head, ``[2, L, Hkv, D]``.
+  window, so they do not rank history). Bounds scoring keeps its key bounds on the device (``kvflash_bounds``).
 
 Bucket sizes are fixed (``BUCKETS``); ``warmup`` compiles every bucket ahead of time.
 """
@@ -110,13 +109,6 @@ def _mean_keys(ks: tuple, idx: jax.Array) -> jax.Array:
                             for k in ks], axis=1)
 
 
-def _key_bounds(ks: tuple, idx: jax.Array) -> jax.Array:
-    """Elementwise min and max of each page's keys: ``ks[i] [n_pages, P, Hkv, D]`` (or ``QuantizedPages``), idx
-    ``[n]`` -> ``[n, 2, len(ks), Hkv, D]`` float32."""
-    k = jnp.stack([kv_quant.take(k, idx).astype(jnp.float32) for k in ks], axis=2)  # [n, P, L, Hkv, D]
-    return jnp.stack([k.min(axis=1), k.max(axis=1)], axis=1)
-
-
 def _split(tensors: tuple, n_k: int, has_draft: bool, n_dk: int):
     k, v = tensors[:n_k], tensors[n_k: 2 * n_k]
     kv = KVPages(k=k, v=v)
@@ -131,12 +123,11 @@ class KVFlashDevice:
 
     def __init__(self, state: EngineState, dkv: DraftKV | None, host_pages: int, device: jax.Device | None = None,
                  host_kind: str | None = None, draft_summary_layers: Sequence[int] = (),
-                 target_summaries: bool = True, target_bounds: bool = False) -> None:
+                 target_summaries: bool = True) -> None:
         """draft_summary_layers: the drafter layers whose context keys ``draft_summaries`` averages (its
         full-attention layers, for drafter scoring; empty: no drafter summaries are compiled);
         target_summaries: whether ``warmup`` compiles the target-key summaries (``keys`` scoring uses them; with
-        ``drafter`` or ``lru`` scoring they would only cost start-up time); target_bounds: likewise for the key
-        bounds (``bounds`` scoring)."""
+        ``bounds``, ``drafter`` or ``lru`` scoring they would only cost start-up time)."""
         leaves = jax.tree_util.tree_leaves(_tensors(state.kv, dkv))
         self.device = device or next(iter(leaves[0].devices()))
         self.host_kind = host_kind or host_memory_kind(self.device)
@@ -159,7 +150,6 @@ class KVFlashDevice:
         self._sum: dict[tuple[str, int], object] = {}  # ("target" | "draft", bucket) -> jitted mean keys
         self.draft_summary_layers = tuple(draft_summary_layers)
         self.target_summaries = target_summaries
-        self.target_bounds = target_bounds
         if self.draft_summary_layers and dkv is None:
             raise ValueError("drafter summaries need the drafter's context pages (DraftKV)")
         self.lazy_compiles = 0
@@ -197,7 +187,7 @@ class KVFlashDevice:
 
     def _sum_fn(self, b: int, source: str = "target"):
         if (source, b) not in self._sum:
-            self._sum[(source, b)] = jax.jit(_key_bounds if source == "bounds" else _mean_keys)
+            self._sum[(source, b)] = jax.jit(_mean_keys)
         return self._sum[(source, b)]
 
     def _draft_keys(self, dkv: DraftKV) -> tuple:
@@ -220,9 +210,6 @@ class KVFlashDevice:
             if self.target_summaries:
                 self._sum[("target", b)] = self._sum_fn(b).lower(jax.tree_util.tree_map(spec, tuple(state.kv.k)),
                                                                  idx).compile()
-            if self.target_bounds:
-                self._sum[("bounds", b)] = self._sum_fn(b, "bounds").lower(
-                    jax.tree_util.tree_map(spec, tuple(state.kv.k)), idx).compile()
             if self.draft_summary_layers:
                 self._sum[("draft", b)] = self._sum_fn(b, "draft").lower(
                     jax.tree_util.tree_map(spec, self._draft_keys(dkv)), idx).compile()
@@ -272,11 +259,6 @@ class KVFlashDevice:
     def summaries(self, state: EngineState, phys: Sequence[int]) -> np.ndarray:
         """[n, L*Hkv*D] float32 mean target keys of the given physical pages (blocks until ready)."""
         return self._summaries("target", tuple(state.kv.k), phys)
-
-    def key_bounds(self, state: EngineState, phys: Sequence[int]) -> np.ndarray:
-        """[n, 2, L, Hkv, D] float32 elementwise min / max of the target keys of the given physical pages (blocks
-        until ready)."""
-        return self._summaries("bounds", tuple(state.kv.k), phys)
 
     def draft_summaries(self, dkv: DraftKV, phys: Sequence[int]) -> np.ndarray:
         """[n, n_full*Hkv_d*hd] float32 mean drafter context keys of the given physical pages over the
