@@ -117,13 +117,15 @@ def test_missing_proof_fails_the_whole_run(tmp_path, capsys, monkeypatch):
 def test_kvflash_case_proves_residency_per_request(tmp_path, capsys):
     # a 48-token pool under 2 requests of 40-60 prompt tokens + 8: residency pressure; fp8 pages (data + scales)
     rc = main(_args(tmp_path, "--kvflash", "48", "--kvflash-compare", "--prompt-len-min", "40", "--kv-dtype", "fp8",
-                    "--prompt-len-max", "60", "--kvflash-scoring", "lru", "--concurrency", "2", "--repeats", "1"))
+                    "--prompt-len-max", "60", "--kvflash-scoring", "lru", "--concurrency", "2", "--repeats", "1",
+                    "--kvflash-max-page-in", "8"))
     out = capsys.readouterr().out
     assert rc == 0, out
     (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
     rec = json.loads(res.read_text())
     figs, extra = rec["figures"], rec["extra"]
     assert extra["kvflash"]["pool_tokens"] == 48 and extra["kv_dtype"] == "fp8"
+    assert extra["kvflash"]["max_page_in"] == 8
     assert figs["c2.ar.kv_pages_out"] > 0 and figs["c2.ddtree.kv_pages_out"] > 0
     assert figs["c2.ar.kv_page_in_gbs"] > 0 and figs["c2.ar.kv_page_in_ratio"] > 0
     assert figs["c2.ar.kvflash_vs_unbounded"] > 0 and figs["c2.ar_unbounded.tok_s"] > 0

@@ -194,3 +194,20 @@ def test_page_in_sweep_writes_its_figures(tmp_path):
     for n in (2, 4):
         assert f[f"page_in.n{n}.page_in_gbs"] > 0 and f[f"page_in.n{n}.per_page_put_gbs"] > 0
         assert f[f"page_in.n{n}.ratio"] == f[f"page_in.n{n}.page_in_gbs"] / f[f"page_in.n{n}.host_to_device_gbs"]
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "numpy"])
+def test_the_bandwidth_probe_leaves_pages_and_slabs_as_they_were(kind):
+    state, dkv = random_state(n_pages=6)
+    dev = KVFlashDevice(state, dkv, host_pages=8, host_kind=kind)
+    dev.warmup(state, dkv)
+    before = [pages(state, dkv, p) for p in range(6)]
+    dev.page_out(state, dkv, [Transfer(0, 0, 2, 1)])
+    slab1 = np.asarray(dev.slabs[1]).copy()
+    res, state, dkv = dev.bandwidth(state, dkv, n=3, iters=3)
+    assert set(res) == {"page_in_gbs", "page_out_gbs", "host_to_device_gbs", "ratio"}
+    assert all(v > 0 for v in res.values()) and res["ratio"] == res["page_in_gbs"] / res["host_to_device_gbs"]
+    for p in range(6):
+        for a, b in zip(pages(state, dkv, p), before[p]):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(dev.slabs[1]), slab1)  # a slab in use keeps its contents

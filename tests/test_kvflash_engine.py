@@ -407,3 +407,17 @@ def test_bounds_scoring_on_the_device_equals_the_host_reference_through_the_engi
     again, _ = drive(eng, ps, sps)
     assert [o.token_ids for o in again] == [o.token_ids for o in got]
     assert_reclaimed(eng)
+
+
+@SHARED
+def test_optional_page_ins_per_step_are_capped(bounded):
+    """``kvflash_max_page_in`` bounds the page-ins a step adds by rank (a step's own write pages are not limited);
+    the requests still complete exactly."""
+    assert Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_max_page_in=3)).pages.opts \
+        .max_page_in == 3
+    res = configure(bounded, scoring="keys", max_page_in=1, rescore_every=1)
+    got, _ = drive(bounded, prompts(100, 100, 100, seed=7), [SamplingParams(max_tokens=16, ignore_eos=True)] * 3)
+    assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in got)
+    steps = list(bounded.kvflash_steps)
+    assert max(s["pages_in"] for s in steps) == 1 and res.counters["optional_page_in"] > 0
+    assert_reclaimed(bounded)

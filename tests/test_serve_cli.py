@@ -69,7 +69,10 @@ def test_kvflash_flags_are_accepted():
     assert ns.kvflash == 8192 and ns.kvflash_scoring == "lru"
     assert _resolve("--model", MODEL, "--kvflash", "auto").kvflash == "auto"
     ns = _resolve("--model", MODEL)
-    assert ns.kvflash is None and ns.kvflash_scoring == "bounds"
+    assert ns.kvflash is None and ns.kvflash_scoring == "bounds" and ns.kvflash_max_page_in == 64
+    assert _resolve("--model", MODEL, "--kvflash", "8192", "--kvflash-max-page-in", "16").kvflash_max_page_in == 16
+    with pytest.raises(StartupError, match="--kvflash-max-page-in -1: must be >= 0"):
+        _resolve("--model", MODEL, "--kvflash-max-page-in", "-1")
 
 
 def test_kvflash_drafter_scoring_needs_ddtree_and_presets_are_checked(tmp_path):

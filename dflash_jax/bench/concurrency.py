@@ -157,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "80%% of free device memory)")
     p.add_argument("--kvflash-scoring", choices=("keys", "bounds", "drafter", "lru"), default="bounds",
                    help="drafter: ranks pages by the drafter's queries, so only ddtree cases can run it (--modes ddtree)")
+    p.add_argument("--kvflash-max-page-in", type=int, default=64, metavar="N",
+                   help="optional KVFlash page-ins (best-ranked first) per step; a step's write pages are not limited")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="KV page dtype of every case (default: the model dtype); fp8/int8 pages also page in/out "
                         "at about half the bytes under --kvflash")
@@ -579,8 +581,8 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
-                         kvflash_scoring=args.kvflash_scoring, kv_dtype=args.kv_dtype,
-                         batch_buckets=None if args.all_buckets else replica_buckets([c], args.data_parallel),
+                         kvflash_scoring=args.kvflash_scoring, kvflash_max_page_in=args.kvflash_max_page_in,
+                         kv_dtype=args.kv_dtype, batch_buckets=None if args.all_buckets else replica_buckets([c], args.data_parallel),
                          spec_oracle=oracle if mode == "ddtree" else None, overlap=args.overlap,
                          **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
@@ -804,6 +806,8 @@ def _check_args(args) -> str | None:
         return f"--kvflash {args.kvflash}: the resident pool must hold at least one page ({args.page_size} tokens)"
     if args.kvflash_compare and args.kvflash is None:
         return "--kvflash-compare needs --kvflash N"
+    if args.kvflash_max_page_in < 0:
+        return f"--kvflash-max-page-in {args.kvflash_max_page_in}: must be >= 0 (0 = only the pages a step writes)"
     if args.kvflash is not None and args.kvflash_scoring == "drafter" and set(args.modes) != {"ddtree"}:
         return ("--kvflash-scoring drafter ranks pages by the drafter's queries: ar cases have no drafter, run it with "
                 "--modes ddtree")
@@ -1033,6 +1037,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             if args.pflash else None,
             "kv_dtype": args.kv_dtype,
             "kvflash": {"pool_tokens": args.kvflash, "scoring": args.kvflash_scoring,
+                        "max_page_in": args.kvflash_max_page_in,
                         "compare_unbounded": args.kvflash_compare} if args.kvflash is not None else None,
             "accounting": "passed", "reproducibility": repro,
             "cases": [{"case": f"c{cs['c']}.{cs['mode']}", "compile_s": cs["compile_s"],

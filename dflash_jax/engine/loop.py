@@ -216,6 +216,7 @@ class EngineOptions:
     # drafter and spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
     kvflash_scoring: str = "bounds"
     kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
+    kvflash_max_page_in: int = 64  # optional page-ins (by rank) per step; a step's own write pages are not limited
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
     tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
     data_parallel: int = 1  # replicas over the mesh's data axis; each serves max_batch / data_parallel sequences
@@ -436,7 +437,7 @@ class Engine:
                              f"use a pool of at least {step_need * ps} tokens or a smaller prefill_chunk")
         floor = -(-(max(self.spec_span, 1) - 1) // ps) + 1  # pages a decode / speculative write can touch
         kopts = KVFlashOptions(pool_tokens=self.kvflash_pool_tokens, scoring=o.kvflash_scoring,
-                               exact_steps=o.kvflash_exact_steps)
+                               exact_steps=o.kvflash_exact_steps, max_page_in=o.kvflash_max_page_in)
         return Residency(pool, host_pages, ps, kopts, floor_pages=min(floor, pool),
                          batch_scorer=self._bounds_scores if o.kvflash_scoring == "bounds" else None)
 

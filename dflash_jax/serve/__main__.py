@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kvflash", default=None,
                     help="off | auto | N: resident KV pool of N tokens shared by all sequences (auto: from free "
                          "device memory); the rest of each history lives in pinned host memory")
+    ap.add_argument("--kvflash-max-page-in", type=int, default=None, metavar="N",
+                    help="optional page-ins (best-ranked first) per engine step under --kvflash (64); the pages a "
+                         "step writes are never limited")
     ap.add_argument("--kvflash-scoring", choices=SCORINGS, default=None,
                     help="what stays resident beyond the sink and recent pages: bounds (default) = Quest-style "
                          "upper bound of the target's latest queries over each page's key min/max; keys = each "
@@ -107,7 +110,7 @@ DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
             "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "prefill_compression": "off", "kvflash": "off",
-            "kvflash_scoring": "bounds",
+            "kvflash_scoring": "bounds", "kvflash_max_page_in": 64,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
 
@@ -178,6 +181,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     ns.kvflash = _kvflash_flag(ns.kvflash)
     if ns.kvflash_scoring not in SCORINGS:  # a preset bypasses argparse's choices
         raise StartupError(f"--kvflash-scoring must be one of {', '.join(SCORINGS)}, got {ns.kvflash_scoring!r}")
+    try:
+        ns.kvflash_max_page_in = int(ns.kvflash_max_page_in)
+    except (TypeError, ValueError):
+        raise StartupError(f"--kvflash-max-page-in must be an integer, got {ns.kvflash_max_page_in!r}") from None
+    if ns.kvflash_max_page_in < 0:
+        raise StartupError(f"--kvflash-max-page-in {ns.kvflash_max_page_in}: must be >= 0 (0 = only the pages a "
+                           "step writes)")
     if ns.kvflash is not None and ns.kvflash_scoring == "drafter" and not ns.ddtree:
         raise StartupError("--kvflash-scoring drafter ranks pages by the DFlash drafter's queries: it needs --ddtree "
                            "(use keys or lru without a drafter)")
@@ -312,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                                        spec=spec, cohort_yield_min=float(args.cohort_yield_min),
                                        cohort_reprobe_tokens=int(args.cohort_reprobe_tokens),
                                        kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
+                                       kvflash_max_page_in=int(args.kvflash_max_page_in),
                                        kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp,
                                        overlap=args.overlap),
                          drafter=drafter)
