@@ -416,6 +416,7 @@ def test_optional_page_ins_per_step_are_capped(bounded):
     assert Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_max_page_in=3)).pages.opts \
         .max_page_in == 3
     res = configure(bounded, scoring="keys", max_page_in=1, rescore_every=1)
+    bounded.kvflash_steps.clear()  # the shared engine's earlier tests' steps
     got, _ = drive(bounded, prompts(100, 100, 100, seed=7), [SamplingParams(max_tokens=16, ignore_eos=True)] * 3)
     assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in got)
     steps = list(bounded.kvflash_steps)
