@@ -406,6 +406,16 @@ def test_bounds_scoring_ranks_by_pushed_queries_and_a_prefill_query_forces_a_res
     sim.check()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), unique=True, max_size=25), st.integers(0, 2**16))
+def test_neighbour_scores_equal_their_definition(pages, seed):
+    sc = np.random.default_rng(seed).normal(size=len(pages))
+    at = {lp: i for i, lp in enumerate(pages)}
+    want = [max([sc[i]] + [sc[at[nb]] + np.log(0.5) for nb in (lp - 1, lp + 1) if nb in at])
+            for i, lp in enumerate(pages)]
+    np.testing.assert_allclose(neighbour_scores(sc, pages, 0.5), want, rtol=0, atol=1e-12)
+
+
 def test_bounds_scoring_keeps_the_neighbour_of_a_strong_page_over_a_weak_match():
     """A line straddling a page boundary: the page after (or before) the one its query hits is kept with it."""
     assert list(neighbour_scores(np.array([-1.0, -9.0, -3.0, -9.0]), [2, 3, 5, 6], 0.5)) == pytest.approx(
@@ -422,3 +432,24 @@ def test_bounds_scoring_keeps_the_neighbour_of_a_strong_page_over_a_weak_match()
     assert res._seqs[0].ranks[0] == 3 and len(kept) == 4
     assert {0, 3, 7} <= kept and kept & {2, 4} and 6 not in kept
     sim.check()
+
+
+def test_residency_replay_times_the_host_work_and_writes_its_figures(tmp_path):
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from experiments import residency_replay
+
+    base = ["--concurrency", "4", "--prompt-len", "100", "200", "--output-len", "8", "--pool", "256",
+            "--prefill-chunk", "64", "--out-dir", str(tmp_path)]
+    for extra in ([], ["--scoring", "host", "--shapes", "2", "4", "2", "8"]):
+        f = residency_replay.main(base + extra)
+        assert f["decode_ms_per_step"] > 0 and f["pages_out"] > 0 and f["score_decisions"] > 0
+        assert f["logical_pages"] > f["pool_pages"] == 16
+    recs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("residency_replay_*.json"))]
+    assert len(recs) == 2 and all(r["command"].startswith("python experiments/residency_replay.py") for r in recs)
+    assert {r["extra"]["settings"]["scoring"] for r in recs} == {"device", "host"}
+    with pytest.raises(SystemExit, match="too small"):
+        residency_replay.main(base[:-2] + ["--no-write", "--prefill-chunk", "1024", "--prompt-len", "300", "400"])

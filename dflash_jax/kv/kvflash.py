@@ -104,7 +104,10 @@ class _Seq:
     n_tokens: int
     reserved: int  # host-capacity pages promised, not yet materialised
     ranks: list[int] | None = None  # cached logical order best-first (non-protected pages), from the last rescoring
+    rank_of: dict[int, int] = dataclasses.field(default_factory=dict)  # logical page -> its index in ``ranks``
+    head_key: tuple | None = None  # (logical pages, protected pages) that ``ranks`` was ordered for
     ranked_at: int = -(10 ** 9)
+    resident: set[int] = dataclasses.field(default_factory=set)  # logical pages now in the device pool
     query: np.ndarray | None = None  # drafter: [F] latest anchor queries; bounds: [Q, L, H, D] latest target queries
     n_query: int = 0  # bounds with a batch scorer: how many of the slot's device-held query window are this one's
     version: int = 0  # bumped on every residency change (block-table refresh)
@@ -264,7 +267,7 @@ class Residency:
 
     def resident_of(self, sid: int) -> list[int]:
         """Logical indices of the resident pages of ``sid``."""
-        return [i for i, p in enumerate(self._get(sid).pages) if p.phys != NOT_RESIDENT]
+        return sorted(self._get(sid).resident)
 
     def n_logical(self, sid: int) -> int:
         return len(self._get(sid).pages)
@@ -294,10 +297,7 @@ class Residency:
         out = []
         for sid, s in self._seqs.items():
             full = s.n_tokens // self.page_size
-            for lp in range(min(full, len(s.pages))):
-                p = s.pages[lp]
-                if not p.scored and p.phys != NOT_RESIDENT:
-                    out.append((sid, lp, p.phys))
+            out += [(sid, lp, s.pages[lp].phys) for lp in sorted(s.resident) if lp < full and not s.pages[lp].scored]
         return out
 
     def page_id(self, sid: int, lp: int) -> int:
@@ -412,6 +412,7 @@ class Residency:
         if p.phys != NOT_RESIDENT:
             heapq.heappush(self._free_phys, p.phys)
             p.phys = NOT_RESIDENT
+            s.resident.discard(lp)
         if p.slab >= 0:
             self._free_slabs.append(p.slab)
             p.slab = -1
@@ -468,26 +469,31 @@ class Residency:
         return quota, exact
 
     def _rank_all(self) -> dict[int, list[int]]:
-        """Every sequence's logical pages best-first: pinned, window (newest first), sinks, then the rest in score
-        or LRU order. Stale orders of the rest are recomputed, every one to score in one batch."""
-        ranked: dict[int, list[int]] = {}
+        """Every sequence's protected pages best-first: pinned, window (newest first), sinks; its other pages are in
+        ``s.ranks`` (score or LRU order). Stale orders are recomputed, every one to score in one batch. A sequence's
+        order is ``head + s.ranks``; ``s.rank_of`` indexes ``s.ranks``."""
+        pinned_of: dict[int, list[int]] = collections.defaultdict(list)
+        for sid, lp in self._pinned:
+            pinned_of[sid].append(lp)
+        heads: dict[int, list[int]] = {}
         stale: list[tuple[int, _Seq, list[int]]] = []
         for sid, s in self._seqs.items():
             n = len(s.pages)
-            pinned = [lp for lp in range(n - 1, -1, -1) if (sid, lp) in self._pinned]
+            pinned = sorted(pinned_of.get(sid, ()), reverse=True)
             window = list(range(n - 1, max(-1, n - 1 - self.opts.window_pages), -1))
             sinks = list(range(min(self.opts.sink_pages, n)))
             head = list(dict.fromkeys(pinned + window + sinks))
-            hs = set(head)
-            rest = [lp for lp in range(n) if lp not in hs]
-            ranked[sid] = head
-            if s.ranks is None or self._step - s.ranked_at >= self.opts.rescore_every or set(s.ranks) != set(rest):
-                stale.append((sid, s, rest))
+            heads[sid] = head
+            key = (n, frozenset(head))
+            if s.ranks is None or self._step - s.ranked_at >= self.opts.rescore_every or key != s.head_key:
+                s.head_key = key
+                hs = set(head)
+                stale.append((sid, s, [lp for lp in range(n) if lp not in hs]))
         to_score = []
         for sid, s, rest in stale:
             s.ranked_at = self._step
             lru = sorted(rest, key=lambda lp: (-s.pages[lp].last_use, -lp))
-            s.ranks = lru
+            self._set_ranks(s, lru)
             if self.opts.scoring == "lru" or not rest:
                 self._count(s, "lru_decisions")
             elif not self._has_query(s) or not all(s.pages[lp].scored for lp in rest):
@@ -505,8 +511,13 @@ class Residency:
             if self.opts.hysteresis and len(sc) > 1:
                 sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
                     [s.pages[lp].phys != NOT_RESIDENT for lp in rest])
-            s.ranks = [rest[i] for i in np.argsort(-sc, kind="stable")]
-        return {sid: ranked[sid] + s.ranks for sid, s in self._seqs.items()}
+            self._set_ranks(s, [rest[i] for i in np.argsort(-sc, kind="stable")])
+        return heads
+
+    @staticmethod
+    def _set_ranks(s: _Seq, ranks: list[int]) -> None:
+        s.ranks = ranks
+        s.rank_of = {lp: i for i, lp in enumerate(ranks)}
 
     def _count(self, s: _Seq, *names: str) -> None:
         for k in names:
@@ -556,26 +567,36 @@ class Residency:
 
     def _rebalance(self, plan: Plan, in_step: set[int]) -> None:
         quota, exact = self._quotas(in_step)
-        ranked = self._rank_all()
-        desired = {sid: ranked[sid][: quota[sid]] for sid in self._seqs}
-        want = {sid: set(v) for sid, v in desired.items()}
-        res_count = {sid: sum(1 for p in s.pages if p.phys != NOT_RESIDENT) for sid, s in self._seqs.items()}
+        heads = self._rank_all()
+        desired = {}
+        for sid, s in self._seqs.items():
+            head = heads[sid]
+            desired[sid] = head[: quota[sid]] + s.ranks[: max(0, quota[sid] - len(head))]
+        res_count = {sid: len(s.resident) for sid, s in self._seqs.items()}
         # victims: resident pages outside their sequence's desired set, from the largest excess first
         excess: dict[int, list[int]] = {}
         for sid, s in self._seqs.items():
-            extra = [lp for lp, p in enumerate(s.pages) if p.phys != NOT_RESIDENT and lp not in want[sid]]
+            want = set(desired[sid])
+            extra = [lp for lp in s.resident if lp not in want]
             if extra:
-                rank = {lp: i for i, lp in enumerate(ranked[sid])}
-                extra.sort(key=lambda lp: rank[lp])  # worst last
+                head = {lp: i for i, lp in enumerate(heads[sid])}
+                extra.sort(key=lambda lp: head[lp] if lp in head else len(head) + s.rank_of[lp])  # worst last
                 excess[sid] = extra
+        # the sequence furthest over its quota first (then the oldest): a heap of (-(resident - quota), order),
+        # a fresh entry pushed whenever a count changes (entries whose key is no longer current are skipped)
+        over = [(quota[sid] - res_count[sid], self._seqs[sid].order, sid) for sid in excess]
+        heapq.heapify(over)
 
         def victim() -> tuple[int, int] | None:
-            live = [sid for sid, e in excess.items() if e]
-            if not live:
-                return None
-            sid = max(live, key=lambda x: (res_count[x] - quota[x], -self._seqs[x].order))
-            res_count[sid] -= 1
-            return sid, excess[sid].pop()
+            while over:
+                key, order, sid = heapq.heappop(over)
+                if excess[sid] and key == quota[sid] - res_count[sid]:
+                    res_count[sid] -= 1
+                    lp = excess[sid].pop()
+                    if excess[sid]:
+                        heapq.heappush(over, (quota[sid] - res_count[sid], order, sid))
+                    return sid, lp
+            return None
 
         def place(sid: int, lp: int) -> bool:
             s = self._seqs[sid]
@@ -586,7 +607,10 @@ class Residency:
                     return False
                 self._evict(plan, *v)
             p.phys = heapq.heappop(self._free_phys)
+            s.resident.add(lp)
             res_count[sid] += 1
+            if excess.get(sid):
+                heapq.heappush(over, (quota[sid] - res_count[sid], s.order, sid))
             p.last_use = self._step
             s.version += 1
             plan.changed.add(sid)
@@ -634,6 +658,7 @@ class Residency:
             self.counters["clean_evictions"] += 1
         heapq.heappush(self._free_phys, p.phys)
         p.phys = NOT_RESIDENT
+        s.resident.discard(lp)
         s.version += 1
         plan.changed.add(sid)
 
@@ -651,6 +676,7 @@ class Residency:
                 res, host = p.phys != NOT_RESIDENT, p.slab >= 0
                 assert res or host, f"logical page {lp} of sequence {sid} is lost (neither resident nor on host)"
                 assert 0 <= p.pid < self.host_pages and p.pid not in pids, f"page {lp} of {sid}: bad id {p.pid}"
+                assert res == (lp in s.resident), f"page {lp} of {sid}: resident set out of date"
                 pids.add(p.pid)
                 assert not (p.dirty and host), f"page {lp} of {sid} is dirty and also has a host copy"
                 assert res or not p.dirty, f"page {lp} of {sid} is on host only but marked dirty"
@@ -714,14 +740,13 @@ def neighbour_scores(scores: np.ndarray, pages: Sequence[int], share: float) -> 
     """Log-share page scores ``[n]`` of logical ``pages`` -> each the max of its own and ``log(share)`` plus the
     score of a logically adjacent page among ``pages`` (``share`` of its neighbour's attention share)."""
     sc = np.asarray(scores, np.float64)
-    at = {lp: i for i, lp in enumerate(pages)}
-    out = sc.copy()
-    for i, lp in enumerate(pages):
-        for nb in (lp - 1, lp + 1):
-            j = at.get(nb)
-            if j is not None:
-                out[i] = max(out[i], sc[j] + np.log(share))
-    return out
+    lp = np.asarray(pages, np.int64)
+    if len(lp) == 0:
+        return sc.copy()
+    by_page = np.full(int(lp.max()) + 3, -np.inf)  # index lp + 1: room for lp - 1 and lp + 1
+    by_page[lp + 1] = sc
+    nb = np.maximum(by_page[lp], by_page[lp + 2])
+    return np.maximum(sc, nb + np.log(share))
 
 
 def resolve_pool_tokens(spec: str | int | None, *, free_bytes: int | None, bytes_per_token: int, page_size: int,
