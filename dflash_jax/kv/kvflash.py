@@ -60,10 +60,10 @@ class KVFlashOptions:
     anchor queries (``set_query``) over each page's mean drafter context keys, over the drafter's full-attention
     layers (a sequence without a query yet ranks by LRU, counted); ``"bounds"`` (Quest-style) keeps per page the
     elementwise min and max of its keys per attention layer and KV head and scores it with the target's own
-    rotated queries of the sequence's latest positions (``push_query``), see ``bound_scores``, a page scoring at least
-    ``NEIGHBOUR_SHARE`` of an adjacent page's attention share (``neighbour_scores``); ``"lru"`` ranks by
-    last use. sink_pages / window_pages: always-kept head and
-    recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
+    rotated queries of the sequence's latest positions (``push_query``; ``count_query`` when the engine keeps them
+    on the device), see ``bound_scores``, a page scoring at least ``NEIGHBOUR_SHARE`` of an adjacent page's
+    attention share (``neighbour_scores``); ``"lru"`` ranks by last use. sink_pages / window_pages: always-kept
+    head and recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
     between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
     resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
     exact_steps: give the rows of a step their whole history when all of it fits (exact attention for them,
