@@ -82,6 +82,7 @@ def replay(args: argparse.Namespace) -> dict[str, float]:
         plan = res.prepare(rows)
         res.finish_step(plan.step_id)
         rows = [r for r in rows if r[0] not in plan.deferred]
+        res.page_tables([sid for sid, _, _ in rows], width)  # the block tables the engine dispatches with
         if not rows:
             raise SystemExit(f"a {kind} step fits none of its rows: the pool ({args.pool} tokens) is too small for "
                              f"--prefill-chunk {args.prefill_chunk} x --prefill-batch {args.prefill_batch}")
@@ -95,6 +96,7 @@ def replay(args: argparse.Namespace) -> dict[str, float]:
         t[kind + "_steps"] += 1
         return rows
 
+    width = max(res.pages_needed(int(n) + args.output_len) for n in plens)
     cur = [0] * c
     while any(cur[i] < plens[i] for i in range(c)):
         rows = []

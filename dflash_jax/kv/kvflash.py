@@ -108,6 +108,8 @@ class _Seq:
     head_key: tuple | None = None  # (logical pages, protected pages) that ``ranks`` was ordered for
     ranked_at: int = -(10 ** 9)
     resident: set[int] = dataclasses.field(default_factory=set)  # logical pages now in the device pool
+    # int32 physical page of each logical page (``pages[i].phys`` mirrored for block tables), capacity doubling
+    phys: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     query: np.ndarray | None = None  # drafter: [F] latest anchor queries; bounds: [Q, L, H, D] latest target queries
     n_query: int = 0  # bounds with a batch scorer: how many of the slot's device-held query window are this one's
     version: int = 0  # bumped on every residency change (block-table refresh)
@@ -275,11 +277,12 @@ class Residency:
     # ---- block tables -------------------------------------------------------------------------------------------
     def page_table(self, sid: int, width: int) -> np.ndarray:
         """int32 [width]: physical page per logical page, NOT_RESIDENT (-1) where on host, 0 past the end."""
-        pages = self._get(sid).pages
-        if len(pages) > width:
-            raise ValueError(f"sequence {sid} has {len(pages)} pages, more than page-table width {width}")
+        s = self._get(sid)
+        n = len(s.pages)
+        if n > width:
+            raise ValueError(f"sequence {sid} has {n} pages, more than page-table width {width}")
         out = np.zeros((width,), np.int32)
-        out[: len(pages)] = [p.phys for p in pages]
+        out[:n] = s.phys[:n]
         return out
 
     def page_tables(self, sids: Sequence[int | None], width: int) -> np.ndarray:
@@ -411,7 +414,7 @@ class Residency:
         p = s.pages[lp]
         if p.phys != NOT_RESIDENT:
             heapq.heappush(self._free_phys, p.phys)
-            p.phys = NOT_RESIDENT
+            p.phys = s.phys[lp] = NOT_RESIDENT
             s.resident.discard(lp)
         if p.slab >= 0:
             self._free_slabs.append(p.slab)
@@ -427,6 +430,8 @@ class Residency:
     def _grow(self, sid: int, s: _Seq, hi: int) -> None:
         """New logical pages (not yet placed: placed by _rebalance as pinned mandatory pages)."""
         extra = self.pages_needed(hi) - len(s.pages)
+        if len(s.pages) + extra > len(s.phys):
+            s.phys = np.concatenate([s.phys, np.full(max(len(s.phys), extra, 16), NOT_RESIDENT, np.int32)])
         for _ in range(max(0, extra)):
             s.pages.append(_Page(last_use=self._step, pid=self._free_pids.pop()))
             if s.reserved > 0:
@@ -606,7 +611,7 @@ class Residency:
                 if v is None:
                     return False
                 self._evict(plan, *v)
-            p.phys = heapq.heappop(self._free_phys)
+            p.phys = s.phys[lp] = heapq.heappop(self._free_phys)
             s.resident.add(lp)
             res_count[sid] += 1
             if excess.get(sid):
@@ -657,7 +662,7 @@ class Residency:
             s.stats["clean_evictions"] += 1
             self.counters["clean_evictions"] += 1
         heapq.heappush(self._free_phys, p.phys)
-        p.phys = NOT_RESIDENT
+        p.phys = s.phys[lp] = NOT_RESIDENT
         s.resident.discard(lp)
         s.version += 1
         plan.changed.add(sid)
@@ -677,6 +682,7 @@ class Residency:
                 assert res or host, f"logical page {lp} of sequence {sid} is lost (neither resident nor on host)"
                 assert 0 <= p.pid < self.host_pages and p.pid not in pids, f"page {lp} of {sid}: bad id {p.pid}"
                 assert res == (lp in s.resident), f"page {lp} of {sid}: resident set out of date"
+                assert s.phys[lp] == p.phys, f"page {lp} of {sid}: block-table mirror out of date"
                 pids.add(p.pid)
                 assert not (p.dirty and host), f"page {lp} of {sid} is dirty and also has a host copy"
                 assert res or not p.dirty, f"page {lp} of {sid} is on host only but marked dirty"
