@@ -67,9 +67,9 @@ class Sim:
         for sid, s in res._seqs.items():
             for lp, p in enumerate(s.pages):
                 want = (sid, lp, self.version[(sid, lp)])
-                if p.phys != NOT_RESIDENT:
+                if s.phys[lp] != NOT_RESIDENT:
                     if self.version[(sid, lp)]:
-                        assert self.dev[p.phys] == want, f"resident page {lp} of {sid} is stale"
+                        assert self.dev[int(s.phys[lp])] == want, f"resident page {lp} of {sid} is stale"
                     if p.slab >= 0:
                         assert self.host[p.slab] == want, f"clean page {lp} of {sid} differs from its slab"
                 else:

@@ -168,6 +168,11 @@ class _Request:
     kv_wait: float = 0.0  # seconds of KVFlash residency work (planning + transfer dispatch) in its steps
 
     @property
+    def decoding(self) -> bool:
+        """Prefilled, with a token to decode from, and not finished."""
+        return self.cursor == len(self.prompt) and bool(self.tokens) and self.finish is None
+
+    @property
     def n_cached(self) -> int:
         """Tokens whose K/V and recurrent state are in the cache."""
         return self.cursor + max(0, len(self.tokens) - 1)
@@ -834,8 +839,7 @@ class Engine:
         # a prompt's last token joins an AR decode step when there is one (T = 1 either way; alone it would cost a
         # prefill call, or with longer chunks ride in theirs)
         last = ([r for r in pre if len(r.prompt) - r.cursor == 1]
-                if any(r.cursor == len(r.prompt) and r.tokens and r.finish is None and r.stats.spec_mode != "ddtree"
-                       for r in self.running.values()) else [])
+                if any(r.decoding and r.stats.spec_mode != "ddtree" for r in self.running.values()) else [])
         if last:
             pre = [r for r in pre if len(r.prompt) - r.cursor > 1]
         first: set[int] = set()  # rows whose prefill ended this step (their first token): they decode next step
@@ -843,8 +847,7 @@ class Engine:
             for r in self._prefill(pre):
                 changed[r.rid] = r
                 first.add(r.rid)
-        dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None
-               and r.rid not in first]
+        dec = [r for r in self.running.values() if r.decoding and r.rid not in first]
         last = [r for r in last if r.finish is None and self.running.get(r.rid) is r]  # a failed prefill frees rows
         if self.options.cohort_reprobe_tokens:
             for r in dec:
@@ -1041,7 +1044,7 @@ class Engine:
         inf = self._inflight
         live = [r if r is not None and r.finish is None and r.rid in self.running else None for r in inf.rows]
         n_live = sum(r is not None for r in live)
-        dec = [r for r in self.running.values() if r.cursor == len(r.prompt) and r.tokens and r.finish is None]
+        dec = [r for r in self.running.values() if r.decoding]
         want = "spec" if inf.kind == "spec" else "decode"
         if (n_live == 0 or len(dec) != n_live or self._bucket(self.decode_buckets, n_live) != inf.b
                 # a cohort's probe round is in flight: the cohort-yield guard decides on it before the next round

@@ -88,7 +88,6 @@ class KVFlashOptions:
 
 @dataclasses.dataclass
 class _Page:
-    phys: int = NOT_RESIDENT
     slab: int = -1
     dirty: bool = True
     last_use: int = 0
@@ -99,6 +98,8 @@ class _Page:
 
 @dataclasses.dataclass
 class _Seq:
+    """One sequence's history: ``pages[lp]`` its logical pages, ``phys[lp]`` where each is in the device pool."""
+
     order: int  # admission order (fair tie-breaks)
     pages: list[_Page]
     n_tokens: int
@@ -107,13 +108,19 @@ class _Seq:
     rank_of: dict[int, int] = dataclasses.field(default_factory=dict)  # logical page -> its index in ``ranks``
     head_key: tuple | None = None  # (logical pages, protected pages) that ``ranks`` was ordered for
     ranked_at: int = -(10 ** 9)
-    resident: set[int] = dataclasses.field(default_factory=set)  # logical pages now in the device pool
-    # int32 physical page of each logical page (``pages[i].phys`` mirrored for block tables), capacity doubling
+    # int32 physical page of each logical page (NOT_RESIDENT: on host; the block table as it is), capacity doubling
     phys: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     query: np.ndarray | None = None  # drafter: [F] latest anchor queries; bounds: [Q, L, H, D] latest target queries
     n_query: int = 0  # bounds with a batch scorer: how many of the slot's device-held query window are this one's
     version: int = 0  # bumped on every residency change (block-table refresh)
     stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def resident(self) -> list[int]:
+        """Logical pages now in the device pool, ascending."""
+        return np.flatnonzero(self.phys[: len(self.pages)] != NOT_RESIDENT).tolist()
+
+    def is_resident(self, lp: int) -> bool:
+        return bool(self.phys[lp] != NOT_RESIDENT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +276,7 @@ class Residency:
 
     def resident_of(self, sid: int) -> list[int]:
         """Logical indices of the resident pages of ``sid``."""
-        return sorted(self._get(sid).resident)
+        return self._get(sid).resident()
 
     def n_logical(self, sid: int) -> int:
         return len(self._get(sid).pages)
@@ -300,7 +307,7 @@ class Residency:
         out = []
         for sid, s in self._seqs.items():
             full = s.n_tokens // self.page_size
-            out += [(sid, lp, s.pages[lp].phys) for lp in sorted(s.resident) if lp < full and not s.pages[lp].scored]
+            out += [(sid, lp, int(s.phys[lp])) for lp in s.resident() if lp < full and not s.pages[lp].scored]
         return out
 
     def page_id(self, sid: int, lp: int) -> int:
@@ -384,7 +391,7 @@ class Residency:
         for sid, lp in pins:
             s = self._seqs[sid]
             p = s.pages[lp]
-            assert p.phys != NOT_RESIDENT, f"pinned page {lp} of sequence {sid} is not resident"
+            assert s.is_resident(lp), f"pinned page {lp} of sequence {sid} is not resident"
             if p.slab >= 0:
                 self._free_slabs.append(p.slab)
                 p.slab = -1
@@ -412,10 +419,9 @@ class Residency:
 
     def _drop(self, sid: int, s: _Seq, lp: int) -> None:
         p = s.pages[lp]
-        if p.phys != NOT_RESIDENT:
-            heapq.heappush(self._free_phys, p.phys)
-            p.phys = s.phys[lp] = NOT_RESIDENT
-            s.resident.discard(lp)
+        if s.is_resident(lp):
+            heapq.heappush(self._free_phys, int(s.phys[lp]))
+            s.phys[lp] = NOT_RESIDENT
         if p.slab >= 0:
             self._free_slabs.append(p.slab)
             p.slab = -1
@@ -515,7 +521,7 @@ class Residency:
                 sc = neighbour_scores(sc, rest, NEIGHBOUR_SHARE)
             if self.opts.hysteresis and len(sc) > 1:
                 sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
-                    [s.pages[lp].phys != NOT_RESIDENT for lp in rest])
+                    s.phys[rest] != NOT_RESIDENT)
             self._set_ranks(s, [rest[i] for i in np.argsort(-sc, kind="stable")])
         return heads
 
@@ -577,12 +583,13 @@ class Residency:
         for sid, s in self._seqs.items():
             head = heads[sid]
             desired[sid] = head[: quota[sid]] + s.ranks[: max(0, quota[sid] - len(head))]
-        res_count = {sid: len(s.resident) for sid, s in self._seqs.items()}
+        resident = {sid: s.resident() for sid, s in self._seqs.items()}
+        res_count = {sid: len(v) for sid, v in resident.items()}
         # victims: resident pages outside their sequence's desired set, from the largest excess first
         excess: dict[int, list[int]] = {}
         for sid, s in self._seqs.items():
             want = set(desired[sid])
-            extra = [lp for lp in s.resident if lp not in want]
+            extra = [lp for lp in resident[sid] if lp not in want]
             if extra:
                 head = {lp: i for i, lp in enumerate(heads[sid])}
                 extra.sort(key=lambda lp: head[lp] if lp in head else len(head) + s.rank_of[lp])  # worst last
@@ -611,8 +618,7 @@ class Residency:
                 if v is None:
                     return False
                 self._evict(plan, *v)
-            p.phys = s.phys[lp] = heapq.heappop(self._free_phys)
-            s.resident.add(lp)
+            s.phys[lp] = heapq.heappop(self._free_phys)
             res_count[sid] += 1
             if excess.get(sid):
                 heapq.heappush(over, (quota[sid] - res_count[sid], s.order, sid))
@@ -620,7 +626,7 @@ class Residency:
             s.version += 1
             plan.changed.add(sid)
             if p.slab >= 0:
-                plan.page_in.append(Transfer(sid, lp, p.phys, p.slab))
+                plan.page_in.append(Transfer(sid, lp, int(s.phys[lp]), p.slab))
                 p.dirty = False
                 s.stats["pages_in"] += 1
             return True
@@ -630,11 +636,11 @@ class Residency:
         for sid in sorted(in_step, key=lambda x: self._seqs[x].order):
             for lp in desired[sid]:
                 mandatory = sid in exact or (sid, lp) in self._pinned
-                if mandatory and self._seqs[sid].pages[lp].phys == NOT_RESIDENT:
+                if mandatory and not self._seqs[sid].is_resident(lp):
                     ok = place(sid, lp)
                     assert ok, "mandatory pages exceed the pool (prepare and _quotas check this)"
         budget = self.opts.max_page_in
-        queues = [[lp for lp in desired[sid] if self._seqs[sid].pages[lp].phys == NOT_RESIDENT]
+        queues = [[lp for lp in desired[sid] if not self._seqs[sid].is_resident(lp)]
                   for sid in sorted(self._seqs, key=lambda x: self._seqs[x].order)]
         sids = sorted(self._seqs, key=lambda x: self._seqs[x].order)
         while budget > 0 and any(queues):
@@ -655,15 +661,14 @@ class Residency:
         if p.dirty:
             if p.slab < 0:
                 p.slab = self._free_slabs.pop()
-            plan.page_out.append(Transfer(sid, lp, p.phys, p.slab))
+            plan.page_out.append(Transfer(sid, lp, int(s.phys[lp]), p.slab))
             s.stats["pages_out"] += 1
             p.dirty = False
         else:
             s.stats["clean_evictions"] += 1
             self.counters["clean_evictions"] += 1
-        heapq.heappush(self._free_phys, p.phys)
-        p.phys = s.phys[lp] = NOT_RESIDENT
-        s.resident.discard(lp)
+        heapq.heappush(self._free_phys, int(s.phys[lp]))
+        s.phys[lp] = NOT_RESIDENT
         s.version += 1
         plan.changed.add(sid)
 
@@ -677,19 +682,19 @@ class Residency:
             assert len(s.pages) == self.pages_needed(s.n_tokens), (
                 f"sequence {sid}: {s.n_tokens} tokens in {len(s.pages)} logical pages")
             assert s.reserved >= 0
+            assert (s.phys[len(s.pages):] == NOT_RESIDENT).all(), f"sequence {sid}: a page past its end is placed"
             for lp, p in enumerate(s.pages):
-                res, host = p.phys != NOT_RESIDENT, p.slab >= 0
+                phys = int(s.phys[lp])
+                res, host = phys != NOT_RESIDENT, p.slab >= 0
                 assert res or host, f"logical page {lp} of sequence {sid} is lost (neither resident nor on host)"
                 assert 0 <= p.pid < self.host_pages and p.pid not in pids, f"page {lp} of {sid}: bad id {p.pid}"
-                assert res == (lp in s.resident), f"page {lp} of {sid}: resident set out of date"
-                assert s.phys[lp] == p.phys, f"page {lp} of {sid}: block-table mirror out of date"
                 pids.add(p.pid)
                 assert not (p.dirty and host), f"page {lp} of {sid} is dirty and also has a host copy"
                 assert res or not p.dirty, f"page {lp} of {sid} is on host only but marked dirty"
                 if res:
-                    assert 1 <= p.phys <= self.pool_pages, f"bad physical page {p.phys}"
-                    assert p.phys not in phys_owner, f"physical page {p.phys} owned twice"
-                    phys_owner[p.phys] = (sid, lp)
+                    assert 1 <= phys <= self.pool_pages, f"bad physical page {phys}"
+                    assert phys not in phys_owner, f"physical page {phys} owned twice"
+                    phys_owner[phys] = (sid, lp)
                 if host:
                     assert 0 <= p.slab < self.host_pages, f"bad slab {p.slab}"
                     assert p.slab not in slab_owner, f"slab {p.slab} owned twice"
@@ -704,7 +709,7 @@ class Residency:
         assert self._reserved_total == sum(s.reserved for s in self._seqs.values())
         assert self.host_free >= 0, "host capacity over-committed"
         for (sid, lp), n in self._pinned.items():
-            assert n > 0 and sid in self._seqs and self._seqs[sid].pages[lp].phys != NOT_RESIDENT, (
+            assert n > 0 and sid in self._seqs and self._seqs[sid].is_resident(lp), (
                 f"pinned page {lp} of {sid} is not resident")
 
 
