@@ -303,6 +303,7 @@ def test_recipe_strix_halo_maps_the_seed_flags():
     assert map_preset({"ddtree": False})[0] == {"modes": ["ar"]}
     assert "fast-rollback" in map_preset({"fast_rollback": True})[2][0]
     assert map_preset({"kv_dtype": "fp8"})[0] == {"kv_dtype": "fp8"}
+    assert map_preset({"ddtree_chain_seed": True})[0] == {"chain_seed": True}
 
 
 def test_recipe_fails_closed_before_any_work(tmp_path, capsys):

@@ -23,6 +23,7 @@ def _resolve(*argv):
     (("--model", MODEL, "--kvflash", "-5"), "at least one token"),
     (("--model", MODEL, "--fast-rollback"), "--fast-rollback selects how DDTree rounds commit"),
     (("--ddtree", "--fast-rollback", "--max-concurrency", "4"), "use --max-concurrency 1"),
+    (("--model", MODEL, "--ddtree-chain-seed"), "--ddtree-chain-seed shapes DDTree trees"),
     (("--cohort-reprobe-tokens", "-1"), "--cohort-reprobe-tokens must be >= 0"),
     (("--model", MODEL, "--ddtree-max-verify-tokens", "64"), "--ddtree-max-verify-tokens caps DDTree rounds"),
     (("--ddtree", "--ddtree-max-verify-tokens", "1"), "--ddtree-max-verify-tokens must be >= 2"),
@@ -53,6 +54,12 @@ def test_no_model_means_the_shipped_set_with_its_drafter_and_scorer():
     assert ns.drafter == os.path.join(SHIPPED, "drafter") and ns.prefill_drafter == os.path.join(SHIPPED, "scorer")
     with pytest.raises(StartupError, match="--ddtree needs --drafter"):  # another model: no implicit drafter
         _resolve("--model", MODEL, "--ddtree")
+
+
+def test_ddtree_trees_are_best_first_unless_chain_seeded():
+    assert _resolve("--ddtree").ddtree_chain_seed is False
+    assert _resolve("--ddtree", "--ddtree-chain-seed").ddtree_chain_seed is True
+    assert _resolve("--ddtree", "--no-ddtree-chain-seed").ddtree_chain_seed is False
 
 
 def test_presets_load_and_command_line_overrides_them(tmp_path):

@@ -8,7 +8,10 @@ Teacher-forced, at fixed anchor positions of held-out rows (the context before a
   of the block's top-1 tokens; the 1 is the bonus token every round emits);
 * ``ddtree.tau``: 1 + the depth of the deepest node on the label path of the DDTree built from the drafter's
   per-position log-probabilities with ``--budget`` nodes (``spec.ddtree.build_tree``, the engine's tree builder):
-  the best path of the tree, i.e. what verification would accept.
+  the best path of the tree, i.e. what verification would accept. The tree is the engine's (best-first, or
+  chain-seeded with ``--chain-seed``); ``ddtree.best_first.tau`` and ``ddtree.chain_seed.tau`` give both, at
+  ``--budget`` and at each ``--sweep-budgets`` size (``ddtree.budgetN.*``: the node budgets a capped
+  ``max_verify_tokens`` gives large batch buckets).
 
 Then the real thing (``--engine-prompts`` > 0): the engine decodes held-out prompts greedily with AR and with DDTree
 speculative decoding (cohort-yield off), checks the outputs are identical, and reports the mean tokens emitted per
@@ -50,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--row-len", type=int, default=512, help="tokens per row")
     p.add_argument("--anchors", type=int, default=16, help="anchor positions per row")
     p.add_argument("--budget", type=int, default=22, help="DDTree budget (nodes besides the root)")
+    p.add_argument("--chain-seed", action=argparse.BooleanOptionalAction, default=False,
+                   help="the engine's trees (and ddtree.tau) around the drafter's top-1 chain (SpecConfig.chain_seed)")
+    p.add_argument("--sweep-budgets", type=int, nargs="*", default=[3, 7, 15, 31],
+                   help="also report both tree kinds at these budgets")
     p.add_argument("--engine-prompts", type=int, default=8, help="prompts for the engine AR/DDTree run (0 = skip)")
     p.add_argument("--engine-tokens", type=int, default=64, help="tokens generated per engine prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -133,13 +140,13 @@ def label_path(tokens: np.ndarray, parent: np.ndarray, valid: np.ndarray, labels
     return path
 
 
-def tree_tau(lp: np.ndarray, labels: np.ndarray, budget: int) -> np.ndarray:
+def tree_tau(lp: np.ndarray, labels: np.ndarray, budget: int, chain_seed: bool = False) -> np.ndarray:
     """The accepted length of the label path through the DDTree of each block (bonus included)."""
     blk, v = lp.shape[-2:]
     flat_lp = lp.reshape(-1, blk, v)[:, 1:]
     flat_lab = labels.reshape(-1, blk)
     tree = jax.jit(build_tree, static_argnames=("budget", "top_k", "chain_seed"))(
-        jnp.asarray(flat_lp), budget=budget, chain_seed=True)
+        jnp.asarray(flat_lp), budget=budget, chain_seed=chain_seed)
     tok, par, val = (np.asarray(x) for x in (tree.tokens, tree.parent, tree.valid))
     out = np.asarray([len(label_path(tok[b], par[b], val[b], flat_lab[b])) for b in range(len(flat_lab))], np.int64)
     return out.reshape(labels.shape[:-1])
@@ -163,12 +170,17 @@ def run(args: argparse.Namespace, command: str) -> int:
     t0 = time.perf_counter()
     lp = draft_logprobs(target, dcfg, dparams, rows, anchors)
     t_draft = time.perf_counter() - t0
-    c_tau, d_tau = chain_tau(lp, labels), tree_tau(lp, labels, args.budget)
+    c_tau, d_tau = chain_tau(lp, labels), tree_tau(lp, labels, args.budget, args.chain_seed)
     figures: dict[str, float] = {
         "chain.tau": float(c_tau.mean()), "ddtree.tau": float(d_tau.mean()),
         "chain.first_draft_acc": float((c_tau >= 2).mean()), "ddtree.first_draft_acc": float((d_tau >= 2).mean()),
-        "blocks": int(c_tau.size), "block_size": blk, "budget": args.budget,
+        "blocks": int(c_tau.size), "block_size": blk, "budget": args.budget, "chain_seed": int(args.chain_seed),
     }
+    for b in [args.budget] + [b for b in args.sweep_budgets if b != args.budget]:
+        name = "ddtree" if b == args.budget else f"ddtree.budget{b}"
+        for kind, seeded in (("best_first", False), ("chain_seed", True)):
+            t = d_tau if (b == args.budget and seeded == args.chain_seed) else tree_tau(lp, labels, b, seeded)
+            figures[f"{name}.{kind}.tau"] = float(t.mean())
     for k in (4, 8):
         figures[f"chain.p_tau_ge{k}"] = float((c_tau >= k).mean())
         figures[f"ddtree.p_tau_ge{k}"] = float((d_tau >= k).mean())
@@ -190,7 +202,8 @@ def _engine_run(args, target, tok, drafter, rows, max_len, ar: Engine, extra: di
     prompts = [list(map(int, r[: rows.shape[1] // 2])) for r in rows[:n]]
     sp = SamplingParams(max_tokens=args.engine_tokens, temperature=0.0, ignore_eos=True)
     spec = Engine(target, tok, EngineOptions(max_batch=16, max_model_len=max_len, prefill_chunk=128,
-                                             spec=SpecConfig(budget=args.budget), cohort_yield_min=0.0),
+                                             spec=SpecConfig(budget=args.budget, chain_seed=args.chain_seed),
+                                             cohort_yield_min=0.0),
                   drafter=drafter)
     out_ar = ar.generate(prompts, sp)
     out_sp = spec.generate(prompts, sp)

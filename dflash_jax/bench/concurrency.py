@@ -123,6 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "submitted as one finishes); default C, all at once")
     p.add_argument("--seed", type=int, default=1, help="prompt RNG and sampling seed")
     p.add_argument("--budget", type=int, default=22, help="DDTree node budget")
+    p.add_argument("--chain-seed", action=argparse.BooleanOptionalAction, default=False,
+                   help="DDTree trees around the drafter's full top-1 chain (SpecConfig.chain_seed); default best-first")
     p.add_argument("--max-verify-tokens", type=int, default=None,
                    help="cap on tree tokens verified per round over a batch bucket (SpecConfig.max_verify_tokens)")
     p.add_argument("--cohort-yield-min", type=float, default=6.0,
@@ -183,6 +185,7 @@ PRESET_NOT_APPLIED = ("target_device", "draft_device", "host", "port", "api_key"
                       "enable_thinking", "max_concurrency", "model", "drafter")
 # server preset flag -> the benchmark's dest, copied as is
 PRESET_COPIED = {"ddtree_budget": "budget", "ddtree_max_verify_tokens": "max_verify_tokens",
+                 "ddtree_chain_seed": "chain_seed",
                  "prefill_keep_ratio": "pflash_keep_ratio",
                  "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
                  "cohort_yield_min": "cohort_yield_min", "page_size": "page_size", "prefill_chunk": "prefill_chunk",
@@ -576,7 +579,8 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
              prep: Prep | None = None, progress: Progress | None = None, oracle=None) -> dict:
     """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches (each prompt through
     ``prep`` before it is submitted, if given)."""
-    spec = SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens) if mode == "ddtree" else None
+    spec = (SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens, chain_seed=args.chain_seed)
+            if mode == "ddtree" else None)
     kvflash = args.kvflash if mode != "ar_unbounded" else None
     opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
@@ -1017,6 +1021,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             "peaked_random_weights": peaked, "peaked_random_weights_detail": describe() if peaked else None,
             "dtype": args.dtype, "concurrency": conc,
             "output_len": args.output_len, "repeats": args.repeats, "seed": args.seed, "budget": args.budget, "max_verify_tokens": args.max_verify_tokens,
+            "chain_seed": args.chain_seed,
             "cohort_yield_min": args.cohort_yield_min, "max_model_len": max_len, "page_size": args.page_size,
             "prefill_chunk": args.prefill_chunk, "prefill_batch": args.prefill_batch,
             "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ddtree-max-verify-tokens", type=int, default=None, metavar="N",
                     help="cap on the tree tokens one round verifies over its batch bucket: a bucket of B rows gets "
                          "the node budget min(budget, N // B - 1) (default: no cap)")
+    ap.add_argument("--ddtree-chain-seed", action=argparse.BooleanOptionalAction, default=None,
+                    help="build each tree around the drafter's full top-1 chain (tree contains the chain), then "
+                         "best-first; default off: the best-first tree of the budget's highest-scoring prefixes")
     ap.add_argument("--draft-residency", choices=("persistent",), default=None,
                     help="persistent (the only mode): the drafter and the PFlash scorer stay loaded on the device for "
                          "the server's life, next to the target")
@@ -109,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
-            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "prefill_compression": "off", "kvflash": "off",
+            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False, "prefill_compression": "off", "kvflash": "off",
             "kvflash_scoring": "bounds", "kvflash_max_page_in": 64,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
@@ -164,6 +167,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError("--ddtree-max-verify-tokens caps DDTree rounds: it needs --ddtree")
     if ns.ddtree_max_verify_tokens is not None and int(ns.ddtree_max_verify_tokens) < 2:
         raise StartupError(f"--ddtree-max-verify-tokens must be >= 2, got {ns.ddtree_max_verify_tokens}")
+    if ns.ddtree_chain_seed and not ns.ddtree:
+        raise StartupError("--ddtree-chain-seed shapes DDTree trees: it needs --ddtree")
     if ns.fast_rollback and not ns.ddtree:
         raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
     if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:
@@ -312,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = (load_drafter(args.drafter, dtype=target.params["embed"].dtype, quantization=q)
                    if args.ddtree else None)
         spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback),
+                           chain_seed=bool(args.ddtree_chain_seed),
                            max_verify_tokens=args.ddtree_max_verify_tokens) if args.ddtree else None)
         target.fuse_projections()  # in place: the engine would otherwise hold a fused copy next to these matrices
         try:
@@ -374,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = eng.spec_budgets
     shown = (args.ddtree_budget if len(set(budgets.values())) <= 1
              else "/".join(f"{v}@B{b}" for b, v in budgets.items()))
-    mode = (f"ddtree(budget={shown}, drafter={args.drafter}, mode=packed-verify-{commit}, "
+    tree = "chain-seeded" if args.ddtree_chain_seed else "best-first"
+    mode = (f"ddtree(budget={shown}, tree={tree}, drafter={args.drafter}, mode=packed-verify-{commit}, "
             f"cohort_yield_min={args.cohort_yield_min}, cohort_reprobe_tokens={args.cohort_reprobe_tokens})"
             if args.ddtree else "ar")
     pf = (f"{pflash[0].mode}(keep_ratio={pflash[0].keep_ratio}, min_tokens={pflash[0].min_tokens}, "
