@@ -60,7 +60,7 @@ def replay(args: argparse.Namespace) -> dict[str, float]:
     c, ps = args.concurrency, args.page_size
     device = args.scoring == "device"
     scores = np.random.default_rng(args.seed + 1)
-    batch = (lambda items: [scores.normal(size=len(ids)) for _, _, ids in items]) if device else None
+    batch = (lambda items: [scores.normal(size=len(ids)) for _, _, ids, _ in items]) if device else None
     plens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, c)
     host_pages = int(sum(-(-(int(n) + args.output_len) // ps) for n in plens))
     opts = KVFlashOptions(pool_tokens=args.pool, scoring="bounds", hysteresis=args.hysteresis,

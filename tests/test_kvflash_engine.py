@@ -365,18 +365,21 @@ def test_bounds_scoring_ranks_by_the_targets_queries_and_runs_the_prompts_last_t
 
 
 @SHARED
-def test_bounds_scoring_on_the_device_equals_the_host_reference_through_the_engine():
+@pytest.mark.parametrize("scoring", ["bounds", "shadow"])
+def test_device_scoring_equals_the_host_reference_through_the_engine(scoring):
     """Every step's queries (copied to the host as they are pushed) kept in host windows, and every ranking's
-    device scores checked against ``bound_scores`` of those windows and the pages' bounds; no compiles after
+    device scores checked against the host reference of those windows and the pages' table rows (``bound_scores``
+    of the bounds; ``shadow_scores`` of the dequantized shadow keys, context pages included); no compiles after
     warm-up, and greedy tokens equal to a second run (nothing depends on when the host looks)."""
     from dflash_jax.engine.compile import CompileWatch
-    from dflash_jax.kv.kvflash import bound_scores
+    from dflash_jax.kv.kvflash import bound_scores, shadow_scores
 
-    eng = Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_scoring="bounds"))
+    eng = Engine(target(), None, dataclasses.replace(BASE, kvflash=POOL, kvflash_scoring=scoring))
     eng.warmup()
     kb, q_tail = eng.kvb, eng.query_tail
+    assert kb.kind == scoring
     windows: dict[int, np.ndarray] = {}
-    calls = []
+    calls, contexts = [], []
     push, score = kb.push, kb.score
 
     def checked_push(query, slots, counts):
@@ -389,10 +392,20 @@ def test_bounds_scoring_on_the_device_equals_the_host_reference_through_the_engi
 
     def checked_score(items):
         got = score(items)
-        table = np.asarray(kb.bounds)
-        for (slot, n, ids), sc in zip(items, got):
+        if scoring == "bounds":
+            table = np.asarray(kb.table[0])
+        else:  # in NumPy: the check itself must not compile anything
+            data, scale = (np.asarray(t) for t in kb.table)
+            nib = np.stack([data & 15, data >> 4], axis=-1).astype(np.int8)
+            q = np.where(nib > 7, nib - 16, nib).reshape(data.shape[:-1] + (-1,)).astype(np.float32)
+            table = (q.reshape(scale.shape + (-1,)) * scale.astype(np.float32)[..., None]).reshape(q.shape)
+        for (slot, n, ids, ctx), sc in zip(items, got):
             assert n <= len(windows[slot])
-            np.testing.assert_allclose(sc, bound_scores(windows[slot][-n:], table[ids]), rtol=1e-4, atol=1e-4)
+            q = windows[slot][-n:]
+            want = (bound_scores(q, table[ids]) if scoring == "bounds"
+                    else shadow_scores(q, table[np.concatenate([ids, ctx])], len(ids)))
+            np.testing.assert_allclose(sc, want, rtol=1e-4, atol=1e-4)
+            contexts.append(len(ctx))
         calls.append(len(items))
         return got
 
@@ -403,6 +416,7 @@ def test_bounds_scoring_on_the_device_equals_the_host_reference_through_the_engi
         got, _ = drive(eng, ps, sps)
     assert w.count == 0
     assert calls and sum(calls) == eng.kvflash_report()["score_decisions"]
+    assert max(contexts) > 0  # protected full pages were passed as context
     kb.push, kb.score = push, score
     again, _ = drive(eng, ps, sps)
     assert [o.token_ids for o in again] == [o.token_ids for o in got]

@@ -320,7 +320,7 @@ def test_drafter_scoring_ranks_by_query_dot_summary_and_falls_back_to_lru_withou
 
 
 def _bounds(keys: np.ndarray) -> np.ndarray:
-    """keys [P, L, Hkv, D] of one page -> its bounds [2, L, Hkv, D] (a row of ``DeviceBounds.bounds``)."""
+    """keys [P, L, Hkv, D] of one page -> its bounds [2, L, Hkv, D] (a row of a ``DeviceScorer`` bounds table)."""
     return np.stack([keys.min(0), keys.max(0)])
 
 

@@ -76,7 +76,7 @@ def test_kvflash_flags_are_accepted():
     assert ns.kvflash == 8192 and ns.kvflash_scoring == "lru"
     assert _resolve("--model", MODEL, "--kvflash", "auto").kvflash == "auto"
     ns = _resolve("--model", MODEL)
-    assert ns.kvflash is None and ns.kvflash_scoring == "bounds" and ns.kvflash_max_page_in == 64
+    assert ns.kvflash is None and ns.kvflash_scoring == "shadow" and ns.kvflash_max_page_in == 64
     assert _resolve("--model", MODEL, "--kvflash", "8192", "--kvflash-max-page-in", "16").kvflash_max_page_in == 16
     with pytest.raises(StartupError, match="--kvflash-max-page-in -1: must be >= 0"):
         _resolve("--model", MODEL, "--kvflash-max-page-in", "-1")
@@ -90,7 +90,7 @@ def test_kvflash_drafter_scoring_needs_ddtree_and_presets_are_checked(tmp_path):
     preset = tmp_path / "p.yaml"
     for text, needle in (("kvflash: 8192\nkvflash-scoring: drafter\n", "needs --ddtree"),
                          ("kvflash-scoring: attention\n",
-                          "--kvflash-scoring must be one of keys, bounds, drafter, lru")):
+                          "--kvflash-scoring must be one of keys, bounds, shadow, drafter, lru")):
         preset.write_text(text)
         with pytest.raises(StartupError, match=needle):
             _resolve("--model", MODEL, "--config", str(preset))

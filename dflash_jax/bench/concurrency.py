@@ -157,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvflash", type=_kvflash_arg, default=None, metavar="N|auto",
                    help="run every case with KVFlash: a resident KV pool of N tokens shared by all requests (auto: "
                         "80%% of free device memory)")
-    p.add_argument("--kvflash-scoring", choices=("keys", "bounds", "drafter", "lru"), default="bounds",
+    p.add_argument("--kvflash-scoring", choices=("keys", "bounds", "shadow", "drafter", "lru"), default="shadow",
                    help="drafter: ranks pages by the drafter's queries, so only ddtree cases can run it (--modes ddtree)")
     p.add_argument("--kvflash-max-page-in", type=int, default=64, metavar="N",
                    help="optional KVFlash page-ins (best-ranked first) per step; a step's write pages are not limited")

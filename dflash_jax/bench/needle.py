@@ -157,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tail-tokens", type=int, default=None, help="PFlash always-kept tail (default: PFlashOptions')")
     p.add_argument("--kvflash-fraction", type=float, default=None, metavar="F",
                    help="also answer under KVFlash with a resident pool of F x context tokens (one sequence at a time)")
-    p.add_argument("--kvflash-scoring", choices=("keys", "bounds", "lru"), default="bounds", help="KVFlash page ranking")
+    p.add_argument("--kvflash-scoring", choices=("keys", "bounds", "shadow", "lru"), default="shadow", help="KVFlash page ranking")
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--context", type=int, nargs="+", default=[8192], help="prompt lengths in tokens")
     p.add_argument("--n", type=int, default=20, help="prompts per context length (depths spread evenly)")

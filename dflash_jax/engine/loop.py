@@ -30,7 +30,7 @@ from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.engine.turns import DeviceTurns
-from dflash_jax.kv.kvflash import KVFlashOptions, Plan, Residency, resolve_pool_tokens
+from dflash_jax.kv.kvflash import DEVICE_SCORINGS, KVFlashOptions, Plan, Residency, resolve_pool_tokens
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models import quant, qwen36
@@ -39,8 +39,8 @@ from dflash_jax.state import DraftKV, EngineState, StepInput
 from dflash_jax.sharding import Layout, to_host
 from dflash_jax.target import Target, load_target, shard_target
 
-#: Newest positions whose target queries rank pages under KVFlash ``bounds`` scoring (one page's worth: a question
-#: of a few words plus the chat template's tail).
+#: Newest positions whose target queries rank pages under KVFlash ``bounds`` / ``shadow`` scoring (a page's worth:
+#: a question of a few words plus the chat template's tail).
 KVFLASH_QUERY_TAIL = 16
 
 FinishReason = str  # "stop" | "length" | "abort" | "error" (the engine failed this request alone; stats["error"])
@@ -217,9 +217,10 @@ class EngineOptions:
     # KVFlash bounded residency: None/"off" = every page resident; "auto" = a pool sized from free device memory;
     # an int = a resident pool of that many tokens shared by all running sequences (their histories live on host)
     kvflash: int | str | None = None
-    # "bounds" (key min/max per page vs the target's latest queries) | "keys" (mean keys) | "drafter" (needs the
-    # drafter and spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
-    kvflash_scoring: str = "bounds"
+    # "bounds" (key min/max per page vs the target's latest queries) | "shadow" (the target's attention share of
+    # each page under those queries, over 4-bit copies of all keys on the device) | "keys" (mean keys) | "drafter"
+    # (needs the drafter and spec: ranks by its latest round's queries) | "lru" (kv/kvflash.py)
+    kvflash_scoring: str = "shadow"
     kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
     kvflash_max_page_in: int = 64  # optional page-ins (by rank) per step; a step's own write pages are not limited
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
@@ -337,9 +338,10 @@ class Engine:
         if self.draft_scoring and not self.dcfg.full_layers:
             raise ValueError("kvflash_scoring='drafter' needs a drafter with a full-attention layer (sliding layers "
                              "never see beyond their window); use 'keys' or 'lru'")
-        # bounds scoring: prefill and decode steps also return the target's queries of each row's newest positions
+        # bounds / shadow scoring: prefill and decode steps also return the target's queries of each row's newest
+        # positions
         self.query_tail = KVFLASH_QUERY_TAIL if (self.kvflash_pool_tokens is not None
-                                                 and o.kvflash_scoring == "bounds") else 0
+                                                 and o.kvflash_scoring in DEVICE_SCORINGS) else 0
         if self.kvflash_pool_tokens is None:
             self.pools: list[PageAllocator | Residency] = [PageAllocator(n_pages, o.page_size) for _ in range(dp)]
         else:
@@ -354,7 +356,7 @@ class Engine:
             self.dkv = self._replicas(functools.partial(DraftKV.zeros, self.dcfg, n_pages, o.page_size, kv_dtype, self.dtype),
                                       lambda lay, shapes: lay.replica_tree(shapes))
         self.kvf = None
-        self.kvb = None  # bounds scoring: key bounds and query windows on the device (kv/kvflash_bounds.py)
+        self.kvb = None  # bounds / shadow scoring: page tables, query windows on the device (kv/kvflash_scoring.py)
         if self.kvflash_pool_tokens is not None:
             from dflash_jax.kv.kvflash_device import KVFlashDevice
 
@@ -362,10 +364,10 @@ class Engine:
                                      draft_summary_layers=self.dcfg.full_layers if self.draft_scoring else (),
                                      target_summaries=o.kvflash_scoring == "keys")
             if self.query_tail:
-                from dflash_jax.kv.kvflash_bounds import DeviceBounds
+                from dflash_jax.kv.kvflash_scoring import DeviceScorer
 
-                self.kvb = DeviceBounds(self.state, self.pools[0].host_pages, per_replica + 1,
-                                        self.cfg.num_heads, self.query_tail, self.width)
+                self.kvb = DeviceScorer(self.state, self.pools[0].host_pages, per_replica + 1,
+                                        self.cfg.num_heads, self.query_tail, self.width, kind=o.kvflash_scoring)
         self._plan: Plan | None = None
         self._failed: list[_Request] = []
         self._dispatched_version: dict[int, int] = {}
@@ -408,27 +410,29 @@ class Engine:
                 rec = jax.eval_shape(lambda: EngineState.zeros(self.cfg, n_pages=1, page_size=1,
                                                                n_slots=o.max_batch + 1, dtype=self.dtype).rec)
                 rec_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(rec))
-                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - rec_bytes - self._bounds_bytes(kv_dtype)
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - rec_bytes - self._scoring_bytes(kv_dtype)
         return resolve_pool_tokens(o.kvflash, free_bytes=free, bytes_per_token=self._kv_bytes_per_token(kv_dtype),
                                    page_size=o.page_size)
 
-    def _bounds_bytes(self, kv_dtype) -> int:
-        """Device bytes of bounds scoring's tables (``DeviceBounds``), 0 with another scoring."""
+    def _scoring_bytes(self, kv_dtype) -> int:
+        """Device bytes of bounds / shadow scoring's tables (``DeviceScorer``), 0 with another scoring."""
         o = self.options
-        if o.kvflash_scoring != "bounds":
+        if o.kvflash_scoring not in DEVICE_SCORINGS:
             return 0
-        from dflash_jax.kv.kvflash_bounds import DeviceBounds
+        from dflash_jax.kv.kvflash_scoring import DeviceScorer
 
         width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # KVFlash runs without overlap: no ``ahead``
         host_pages = (o.n_pages or o.max_batch * width + 1) - 1
-        item = 4 if kv_dtype in ("fp8", "int8") else jnp.dtype(self.dtype).itemsize
+        dtype = jnp.float32 if kv_dtype in ("fp8", "int8") else self.dtype
         c = self.cfg
-        return DeviceBounds.table_bytes(host_pages, o.max_batch + 1, len(c.attn_layers), c.num_kv_heads,
-                                        c.num_heads, c.head_dim, KVFLASH_QUERY_TAIL, item)
+        return DeviceScorer.table_bytes(o.kvflash_scoring, host_pages, o.max_batch + 1, len(c.attn_layers),
+                                        o.page_size, c.num_kv_heads, c.num_heads, c.head_dim, KVFLASH_QUERY_TAIL,
+                                        dtype)
 
-    def _bounds_scores(self, items: list[tuple[int, int, np.ndarray]]) -> list[np.ndarray]:
-        """``Residency.batch_scorer`` of bounds scoring: (request id, queries, page ids) -> scores, on the device."""
-        return self.kvb.score([(self.running[sid].slot, n, ids) for sid, n, ids in items])
+    def _device_scores(self, items: list[tuple[int, int, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """``Residency.batch_scorer`` of bounds / shadow scoring: (request id, queries, page ids, context ids) ->
+        scores, on the device."""
+        return self.kvb.score([(self.running[sid].slot, n, ids, ctx) for sid, n, ids, ctx in items])
 
     def _residency(self, host_pages: int) -> Residency:
         o = self.options
@@ -444,7 +448,7 @@ class Engine:
         kopts = KVFlashOptions(pool_tokens=self.kvflash_pool_tokens, scoring=o.kvflash_scoring,
                                exact_steps=o.kvflash_exact_steps, max_page_in=o.kvflash_max_page_in)
         return Residency(pool, host_pages, ps, kopts, floor_pages=min(floor, pool),
-                         batch_scorer=self._bounds_scores if o.kvflash_scoring == "bounds" else None)
+                         batch_scorer=self._device_scores if o.kvflash_scoring in DEVICE_SCORINGS else None)
 
     def _reside(self, rows: list["_Request"], ranges: list[tuple[int, int]]) -> list["_Request"]:
         """Make the pages ``rows`` write resident (and what else the policy wants); returns the rows that run.
@@ -990,7 +994,7 @@ class Engine:
 
     def _fetch(self, inf: "_InFlight"):
         """Wait for a dispatched step; its outputs on the host, rows in ``inf.rows`` order. A step's target queries
-        (bounds scoring) stay on the device: they go to ``DeviceBounds.push``."""
+        (bounds / shadow scoring) stay on the device: they go to ``DeviceScorer.push``."""
         query = getattr(inf.out, "query", None)
         if query is not None:
             out = dataclasses.replace(to_host(dataclasses.replace(inf.out, query=None)), query=query)
@@ -1175,8 +1179,8 @@ class Engine:
         self.step_seconds["kv_query"] += time.perf_counter() - t0
 
     def _chunk_end(self, r: _Request) -> int:
-        """End of ``r``'s next prefill chunk. With bounds scoring the prompt's last token runs as a chunk of its own:
-        the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in what
+        """End of ``r``'s next prefill chunk. With bounds / shadow scoring the prompt's last token runs as a chunk of
+        its own: the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in what
         they attend to before the step that samples the first token."""
         end = min(len(r.prompt), r.cursor + self.options.prefill_chunk)
         if self.query_tail and end == len(r.prompt) and end - r.cursor > 1:
@@ -1185,8 +1189,8 @@ class Engine:
 
     def _prefill(self, rows: list[_Request]) -> list[_Request]:
         """One prefill chunk of every row. When no row has more than one token left in its chunk (a prompt's last
-        token under bounds scoring, or a remainder of one), it runs on the decode executable (T = 1, the same step
-        function) instead of the prefill one, whose ``prefill_chunk`` positions would all be computed for one."""
+        token under bounds / shadow scoring, or a remainder of one), it runs on the decode executable (T = 1, the same
+        step function) instead of the prefill one, whose ``prefill_chunk`` positions would all be computed for one."""
         c = self.options.prefill_chunk
         rows = self._reside(rows, [(r.cursor, self._chunk_end(r)) for r in rows])
         if not rows:

@@ -43,9 +43,10 @@ import numpy as np
 from dflash_jax.kv.pages import OutOfPages, RequestTooLarge
 
 NOT_RESIDENT = -1  # page-table entry of a logical page that is not resident (attention masks its keys)
-SCORINGS = ("keys", "bounds", "drafter", "lru")
-# bounds scoring: a page scores at least this share of an adjacent page's attention share, so a line of text that
-# straddles a page boundary (a needle's value split over two pages) is kept whole
+SCORINGS = ("keys", "bounds", "shadow", "drafter", "lru")
+DEVICE_SCORINGS = ("bounds", "shadow")  # scored on the device from device-held tables (``kvflash_scoring``)
+# bounds / shadow scoring: a page scores at least this share of an adjacent page's attention share, so a line of
+# text that straddles a page boundary (a needle's value split over two pages) is kept whole
 NEIGHBOUR_SHARE = 0.5
 
 
@@ -61,9 +62,11 @@ class KVFlashOptions:
     layers (a sequence without a query yet ranks by LRU, counted); ``"bounds"`` (Quest-style) keeps per page the
     elementwise min and max of its keys per attention layer and KV head and scores it with the target's own
     rotated queries of the sequence's latest positions (``push_query``; ``count_query`` when the engine keeps them
-    on the device), see ``bound_scores``, a page scoring at least ``NEIGHBOUR_SHARE`` of an adjacent page's
-    attention share (``neighbour_scores``); ``"lru"`` ranks by last use. sink_pages / window_pages: always-kept
-    head and recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
+    on the device), see ``bound_scores``; ``"shadow"`` scores each page by the target's exact attention share under
+    those queries, over a 4-bit copy of every key held on the device (``shadow_scores``,
+    ``kv/kvflash_scoring.py``; needs a ``batch_scorer``); under both a page scores at least ``NEIGHBOUR_SHARE`` of
+    an adjacent page's attention share (``neighbour_scores``); ``"lru"`` ranks by last use. sink_pages /
+    window_pages: always-kept head and recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
     between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
     resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
     exact_steps: give the rows of a step their whole history when all of it fits (exact attention for them,
@@ -154,18 +157,23 @@ class Residency:
 
     Scoring: ``scorer(query, summaries [n, ...]) -> [n]`` ranks one sequence from host-held queries and summaries
     (``push_query`` / ``set_summaries`` with arrays; the default is ``bound_scores`` or ``dot_scores``). With a
-    ``batch_scorer`` (``bounds`` scoring on the device, ``kvflash_bounds.DeviceBounds``) the queries and summaries
-    live elsewhere: ``count_query`` / ``set_summaries(keys)`` only record that they exist, and every ranking of a
-    step is one call ``batch_scorer([(sid, n_query, page ids [n])]) -> [[n] scores]`` (ids: ``page_id``).
+    ``batch_scorer`` (``bounds`` / ``shadow`` scoring on the device, ``kvflash_scoring.DeviceScorer``) the queries
+    and summaries live elsewhere: ``count_query`` / ``set_summaries(keys)`` only record that they exist, and every
+    ranking of a step is one call ``batch_scorer([(sid, n_query, page ids [n], context ids [c])]) -> [[n] scores]``
+    (ids: ``page_id``; context: the sequence's protected pages that have summaries, which ``shadow`` normalises
+    over).
     """
 
     def __init__(self, pool_pages: int, host_pages: int, page_size: int, opts: KVFlashOptions,
                  floor_pages: int = 1, scorer: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-                 batch_scorer: Callable[[list[tuple[int, int, np.ndarray]]], Sequence[np.ndarray]] | None = None
-                 ) -> None:
+                 batch_scorer: Callable[[list[tuple[int, int, np.ndarray, np.ndarray]]], Sequence[np.ndarray]]
+                 | None = None) -> None:
         opts.validate()
         if pool_pages < 1 or host_pages < 1 or page_size < 1:
             raise ValueError("kvflash needs pool_pages, host_pages, page_size >= 1")
+        if opts.scoring == "shadow" and batch_scorer is None:
+            raise ValueError("shadow scoring reads the key shadow on the device: it needs a batch_scorer "
+                             "(kvflash_scoring.DeviceScorer, as the engine builds it)")
         self.pool_pages, self.host_pages, self.page_size, self.opts = pool_pages, host_pages, page_size, opts
         self.floor_pages = floor_pages
         self.scorer = scorer or (bound_scores if opts.scoring == "bounds" else dot_scores)
@@ -512,12 +520,12 @@ class Residency:
                 self._count(s, "unscored_fallbacks", "lru_decisions")
             else:
                 to_score.append((sid, s, rest))
-        for (sid, s, rest), sc in zip(to_score, self._scores(to_score)):
+        for (sid, s, rest), sc in zip(to_score, self._scores(to_score, heads)):
             if sc is None:  # a scorer fault falls back to LRU (already in place), counted
                 self._count(s, "score_fallbacks", "lru_decisions")
                 continue
             self._count(s, "score_decisions")
-            if self.opts.scoring == "bounds" and NEIGHBOUR_SHARE > 0 and len(sc) > 1:
+            if self.opts.scoring in DEVICE_SCORINGS and NEIGHBOUR_SHARE > 0 and len(sc) > 1:
                 sc = neighbour_scores(sc, rest, NEIGHBOUR_SHARE)
             if self.opts.hysteresis and len(sc) > 1:
                 sc = sc + self.opts.hysteresis * float(np.std(sc)) * np.array(
@@ -543,21 +551,24 @@ class Residency:
     def _query(self, s: _Seq) -> np.ndarray | None:
         """The host-held query of ``s``: its pushed / set query (bounds, drafter), or for keys scoring the mean keys
         of its latest summarised full page."""
-        if self.opts.scoring in ("drafter", "bounds"):
+        if self.opts.scoring in ("drafter",) + DEVICE_SCORINGS:
             return s.query
         full = s.n_tokens // self.page_size
         return next((s.pages[lp].summary for lp in range(min(full, len(s.pages)) - 1, -1, -1)
                      if s.pages[lp].summary is not None), None)
 
-    def _scores(self, items: list[tuple[int, _Seq, list[int]]]) -> list[np.ndarray | None]:
+    def _scores(self, items: list[tuple[int, _Seq, list[int]]],
+                heads: dict[int, list[int]]) -> list[np.ndarray | None]:
         """Scores of each item's ``rest`` pages (float64 ``[n]``), None where the scorer failed (raised, or gave a
-        wrong shape or non-finite scores)."""
+        wrong shape or non-finite scores). ``heads``: each sequence's protected pages (the batch scorer's context)."""
         if not items:
             return []
         if self.batch_scorer is not None:
+            pids = lambda s, lps: np.array([s.pages[lp].pid for lp in lps], np.int32)
             try:
-                raw = list(self.batch_scorer([(sid, s.n_query, np.array([s.pages[lp].pid for lp in rest], np.int32))
-                                              for sid, s, rest in items]))
+                raw = list(self.batch_scorer([
+                    (sid, s.n_query, pids(s, rest), pids(s, [lp for lp in heads[sid] if s.pages[lp].scored]))
+                    for sid, s, rest in items]))
                 if len(raw) != len(items):
                     raise ValueError(f"batch scorer returned {len(raw)} results for {len(items)} sequences")
             except Exception:  # noqa: BLE001 - a scorer fault falls back to LRU and is counted
@@ -745,6 +756,30 @@ def bound_scores(query: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     m = ub.max(axis=1, keepdims=True)
     share = ub - (m + np.log(np.exp(ub - m).sum(axis=1, keepdims=True)))
     return share.max(axis=(0, 2, 3))
+
+
+def shadow_scores(query: np.ndarray, keys: np.ndarray, n_candidates: int) -> np.ndarray:
+    """Exact attention-share page scores: ``query [Q, L, H, D]`` (rotated target queries of the latest Q positions),
+    ``keys [n, P, L, Hkv, D]`` (every key of n full pages: the first ``n_candidates`` are scored, the rest are
+    context, e.g. the protected recent pages) -> ``[n_candidates]``.
+
+    For query head h (reading KV head h // (H / Hkv)) the share of page p is its part of the softmax over the keys of
+    all n pages, ``log sum_{t in p} exp(q . k_t / sqrt(D)) - log sum_{all t} exp(q . k_t / sqrt(D))``; a page
+    scores its best share over (position, layer, head), as ``bound_scores`` does with its upper bounds. The
+    context pages make a head that attends to the recent text give the older pages small shares (with the
+    candidates alone every head's shares sum to one over them, however little it reads them).
+    """
+    q = np.asarray(query, np.float64)
+    k = np.asarray(keys, np.float64)
+    nq, n_layers, h, d = q.shape
+    hkv = k.shape[3]
+    qg = q.reshape(nq, n_layers, hkv, h // hkv, d)
+    lg = np.einsum("qlkgd,nplkd->qnplkg", qg, k) * d ** -0.5  # [Q, n, P, L, Hkv, g]
+    m = lg.max(axis=2, keepdims=True)
+    page = (m + np.log(np.exp(lg - m).sum(axis=2, keepdims=True)))[:, :, 0]  # [Q, n, L, Hkv, g]
+    mm = page.max(axis=1, keepdims=True)
+    share = page - (mm + np.log(np.exp(page - mm).sum(axis=1, keepdims=True)))
+    return share[:, :n_candidates].max(axis=(0, 2, 3, 4))
 
 
 def neighbour_scores(scores: np.ndarray, pages: Sequence[int], share: float) -> np.ndarray:

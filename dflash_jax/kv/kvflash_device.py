@@ -23,7 +23,7 @@ one dtype the slab is bytes.
   (``kv_quant.take``) when the pages are quantized: of the target's attention layers ``[L*Hkv*D]`` (keys scoring,
   ``summaries``) or of the drafter's full-attention layers' context keys ``[n_full*Hkv_d*hd]`` (drafter scoring,
   ``draft_summaries``; k-normed and RoPE'd as the drafter attends to them; sliding layers never see beyond their
-  window, so they do not rank history). Bounds scoring keeps its key bounds on the device (``kvflash_bounds``).
+  window, so they do not rank history). Bounds and shadow scoring keep their page tables on the device (``kvflash_scoring``).
 
 Bucket sizes are fixed (``BUCKETS``); ``warmup`` compiles every bucket ahead of time.
 """

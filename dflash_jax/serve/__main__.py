@@ -6,7 +6,7 @@
     python -m dflash_jax.serve --config configs/h200.yaml --model PATH
 
 Flags use the seed system's names; ``--ddtree --drafter PATH`` turns on DDTree speculation, ``--prefill-compression auto|always
---prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring keys|bounds|drafter|lru]``
+--prefill-drafter PATH`` PFlash prompt compression, ``--kvflash auto|N [--kvflash-scoring shadow|bounds|keys|drafter|lru]``
 bounded KV residency (a resident pool of N tokens shared by all running sequences, histories backed by pinned host
 memory), ``--fast-rollback`` (one sequence) the node-selecting commit. Combinations this engine cannot run are
 rejected at start-up with a message naming the flags, never silently ignored.
@@ -69,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optional page-ins (best-ranked first) per engine step under --kvflash (64); the pages a "
                          "step writes are never limited")
     ap.add_argument("--kvflash-scoring", choices=SCORINGS, default=None,
-                    help="what stays resident beyond the sink and recent pages: bounds (default) = Quest-style "
-                         "upper bound of the target's latest queries over each page's key min/max; keys = each "
+                    help="what stays resident beyond the sink and recent pages: shadow (default) = the target's "
+                         "attention share of each page under its latest queries, exact over a 4-bit copy of every "
+                         "key kept on the device (an eighth of the history's K/V bytes); bounds = Quest-style upper "
+                         "bound of those queries over each page's key min/max (a sixteenth); keys = each "
                          "page's mean keys against the latest page's mean keys; drafter (needs --ddtree) = the "
                          "DFlash drafter's attention logits of its latest queries over each page's mean context keys "
                          "(LRU for a sequence before its first round or decoding AR); lru = least recently used "
@@ -113,7 +115,7 @@ DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
             "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False, "prefill_compression": "off", "kvflash": "off",
-            "kvflash_scoring": "bounds", "kvflash_max_page_in": 64,
+            "kvflash_scoring": "shadow", "kvflash_max_page_in": 64,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
 
