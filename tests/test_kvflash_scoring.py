@@ -187,3 +187,19 @@ def test_shadow_scores_rank_the_page_that_holds_the_attended_key_first():
     kb.queries = jnp.asarray(q)
     sc = kb.score([(1, 1, np.arange(20, dtype=np.int32), np.zeros(0, np.int32))])[0]
     assert int(np.argmax(sc)) == 13
+
+
+def test_scoring_cost_bench_times_both_kinds_and_writes_its_figures(tmp_path):
+    import json
+
+    from experiments import scoring_cost
+
+    f = scoring_cost.main(["--shapes", "2", "4", "2", "64", "--rows", "1", "4", "--pages", "16", "32", "--iters", "2",
+                           "--out-dir", str(tmp_path)])
+    for kind in ("shadow", "bounds"):
+        assert all(f[f"{kind}.s{s}.n{n}.ms"] > 0 for s in (1, 4) for n in (16, 32))
+    # per page: shadow = P x L x Hkv x (D / 2 + 2 D / 32) bytes, bounds = 2 x L x Hkv x D bf16
+    assert f["shadow.table_bytes_per_page"] == 16 * 2 * 2 * (32 + 4) and f["bounds.table_bytes_per_page"] == 1024
+    assert f["shadow_vs_bounds.s4.n32"] == f["shadow.s4.n32.ms"] / f["bounds.s4.n32.ms"]
+    (rec,) = [json.loads(p.read_text()) for p in tmp_path.glob("scoring_cost_*.json")]
+    assert rec["bench"] == "scoring_cost" and rec["command"].startswith("python experiments/scoring_cost.py")
