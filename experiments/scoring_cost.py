@@ -81,7 +81,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     if set(args.kinds) == set(KINDS):
         for s in args.rows:
             for n in args.pages:
-                figures[f"shadow_vs_bounds.s{s}.n{n}"] = figures[f"shadow.s{s}.n{n}.ms"] / figures[f"bounds.s{s}.n{n}.ms"]
+                ms = lambda kind: figures[f"{kind}.s{s}.n{n}.ms"]
+                figures[f"shadow_vs_bounds.s{s}.n{n}"] = ms("shadow") / ms("bounds")
     return figures
 
 

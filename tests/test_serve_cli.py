@@ -62,6 +62,16 @@ def test_ddtree_trees_are_best_first_unless_chain_seeded():
     assert _resolve("--ddtree", "--no-ddtree-chain-seed").ddtree_chain_seed is False
 
 
+def test_a_preset_chain_seed_must_be_a_boolean(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ddtree: true\nddtree-chain-seed: sometimes\n")
+    with pytest.raises(StartupError, match="--ddtree-chain-seed must be true or false, got 'sometimes'"):
+        _resolve("--config", str(bad))
+    good = tmp_path / "good.yaml"
+    good.write_text("ddtree: true\nddtree-chain-seed: true\n")
+    assert _resolve("--config", str(good)).ddtree_chain_seed is True
+
+
 def test_presets_load_and_command_line_overrides_them(tmp_path):
     ns = _resolve("--model", MODEL, "--config", os.path.join(ROOT, "configs", "h200.yaml"), "--port", "9001")
     assert ns.max_concurrency == 32 and ns.dtype == "bfloat16" and ns.port == 9001

@@ -1180,8 +1180,8 @@ class Engine:
 
     def _chunk_end(self, r: _Request) -> int:
         """End of ``r``'s next prefill chunk. With bounds / shadow scoring the prompt's last token runs as a chunk of
-        its own: the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in what
-        they attend to before the step that samples the first token."""
+        its own: the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in
+        what they attend to before the step that samples the first token."""
         end = min(len(r.prompt), r.cursor + self.options.prefill_chunk)
         if self.query_tail and end == len(r.prompt) and end - r.cursor > 1:
             end -= 1

@@ -66,9 +66,9 @@ class KVFlashOptions:
     those queries, over a 4-bit copy of every key held on the device (``shadow_scores``,
     ``kv/kvflash_scoring.py``; needs a ``batch_scorer``); under both a page scores at least ``NEIGHBOUR_SHARE`` of
     an adjacent page's attention share (``neighbour_scores``); ``"lru"`` ranks by last use. sink_pages /
-    window_pages: always-kept head and recent pages (within quota). rescore_every: engine steps between re-rankings of a sequence (stable ranks
-    between avoid churn; so does ``hysteresis``, a bonus of that many score standard deviations for pages already
-    resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
+    window_pages: always-kept head and recent pages (within quota). rescore_every: engine steps between re-rankings
+    of a sequence (stable ranks between avoid churn; so does ``hysteresis``, a bonus of that many score standard
+    deviations for pages already resident). max_page_in: optional page-ins per step (mandatory ones are not limited).
     exact_steps: give the rows of a step their whole history when all of it fits (exact attention for them,
     paging other sequences out); otherwise quotas apply.
     """

@@ -137,19 +137,15 @@ def _scores(kind: str, table: tuple, window: jax.Array, slots: jax.Array, n_quer
 
     def one(args):
         slot, nq, pid, npg, nctx = args
-        q = window[slot]  # [Q, L, H, D]
-        layers, h, d = q.shape[1], q.shape[2], q.shape[3]
+        _, layers, h, d = window.shape[1:]
+        n_kv = table[0].shape[3]
+        q = window[slot].reshape(nq_max, layers, n_kv, h // n_kv, d)  # [Q, L, Hkv, g, D]
         if kind == "bounds":
-            n_kv = table[0].shape[3]
-            q = q.reshape(nq_max, layers, n_kv, h // n_kv, d)
             bnd = table[0][pid].astype(jnp.float32)  # [N, 2, L, Hkv, D]
             logit = (jnp.einsum("qlkgd,nlkd->qnlkg", jnp.maximum(q, 0), bnd[:, 1])
                      + jnp.einsum("qlkgd,nlkd->qnlkg", jnp.minimum(q, 0), bnd[:, 0])) * d ** -0.5
             in_norm = jnp.arange(n) < npg
         else:
-            n_kv = table[0].shape[3]
-            q = q.reshape(nq_max, layers, n_kv, h // n_kv, d)
-
             def chunk(pc):  # [C] page ids -> [Q, C, L, Hkv, g]: log-sum-exp of each page's logits
                 k = dequantize_shadow(table[0][pc], table[1][pc])  # [C, P, L, Hkv, D]
                 lg = jnp.einsum("qlkgd,cplkd->qcplkg", q, k) * d ** -0.5
@@ -292,11 +288,12 @@ class DeviceScorer:
         """``(slot, n_query, page ids [n], context ids [c])`` per sequence -> its page scores ``[n]`` float32
         (blocks). Context pages (a sequence's protected full pages) join ``shadow``'s normalisation; ``bounds``
         does not read them."""
+        if self.kind != "shadow":
+            items = [(slot, q, pid, ctx[:0]) for slot, q, pid, ctx in items]
         out: list[np.ndarray | None] = [None] * len(items)
         by_n: dict[int, list[int]] = {}
         for i, (_, _, ids, ctx) in enumerate(items):
-            n = len(ids) + (len(ctx) if self.kind == "shadow" else 0)
-            by_n.setdefault(_bucket(self.page_buckets, n), []).append(i)
+            by_n.setdefault(_bucket(self.page_buckets, len(ids) + len(ctx)), []).append(i)
         pending = []
         for n, rows in sorted(by_n.items()):
             top = self.row_buckets[-1]
@@ -307,7 +304,6 @@ class DeviceScorer:
                 ids = np.zeros((s, n), np.int32)
                 for k, i in enumerate(part):
                     slot, q, pid, ctx = items[i]
-                    ctx = ctx if self.kind == "shadow" else ctx[:0]
                     slots[k], nq[k], npg[k], nctx[k] = slot, min(q, self.window), len(pid), len(ctx)
                     ids[k, : len(pid)] = pid
                     ids[k, len(pid): len(pid) + len(ctx)] = ctx

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
-            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False, "prefill_compression": "off", "kvflash": "off",
+            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False,
+            "prefill_compression": "off", "kvflash": "off",
             "kvflash_scoring": "shadow", "kvflash_max_page_in": 64,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
 
@@ -169,6 +170,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError("--ddtree-max-verify-tokens caps DDTree rounds: it needs --ddtree")
     if ns.ddtree_max_verify_tokens is not None and int(ns.ddtree_max_verify_tokens) < 2:
         raise StartupError(f"--ddtree-max-verify-tokens must be >= 2, got {ns.ddtree_max_verify_tokens}")
+    if not isinstance(ns.ddtree_chain_seed, bool):  # a preset bypasses argparse
+        raise StartupError(f"--ddtree-chain-seed must be true or false, got {ns.ddtree_chain_seed!r}")
     if ns.ddtree_chain_seed and not ns.ddtree:
         raise StartupError("--ddtree-chain-seed shapes DDTree trees: it needs --ddtree")
     if ns.fast_rollback and not ns.ddtree:
