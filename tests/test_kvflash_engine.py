@@ -436,3 +436,23 @@ def test_optional_page_ins_per_step_are_capped(bounded):
     steps = list(bounded.kvflash_steps)
     assert max(s["pages_in"] for s in steps) == 1 and res.counters["optional_page_in"] > 0
     assert_reclaimed(bounded)
+
+
+def test_a_prompts_last_token_never_takes_a_prefill_row_a_longer_chunk_needs():
+    """Under shadow scoring every prompt ends with a one-token chunk. With one 2-row prefill bucket, A's last token
+    (while B and C still have chunks to prefill) goes to a decode call instead of a prefill row, so the prefill calls
+    are as many as with unbounded residency (a pool that holds everything), and the tokens are the same."""
+    opts = dataclasses.replace(BASE, prefill_batch=2, batch_buckets=(3,))
+    ps = prompts(20, 40, 40, seed=7)  # chunks of 16 unbounded: 16+4, 16+16+8; shadow: 16+3+1, 16+16+7+1
+    sps = [SamplingParams(max_tokens=4, ignore_eos=True)] * 3
+    runs = {}
+    for name, kw in (("unbounded", {}), ("shadow", dict(kvflash=1024, kvflash_scoring="shadow"))):
+        eng = Engine(target(), None, dataclasses.replace(opts, **kw))
+        assert eng.prefill_buckets == (2,)
+        ids = [eng.submit(p, s) for p, s in zip(ps, sps)]
+        final = {}
+        while eng.has_work():
+            final.update({o.request_id: o for o in eng.step() if o.finish_reason is not None})
+        runs[name] = (eng.counters["prefill_steps"], [final[i].token_ids for i in ids])
+    assert runs["shadow"][0] == runs["unbounded"][0] == 5
+    assert runs["shadow"][1] == runs["unbounded"][1]

@@ -832,20 +832,14 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         self._admit()
         changed: dict[int, _Request] = {}
-        pre = self._take([r for r in self.running.values() if r.cursor < len(r.prompt)], self.prefill_buckets[-1])
+        pre, last = self._prefill_rows()
         if self._inflight is not None:
-            nxt = None if pre else self._chain()
+            nxt = None if (pre or last) else self._chain()
             for r in self._apply(self._inflight, chained=nxt is not None):
                 changed[r.rid] = r
             self._inflight = nxt
             if nxt is not None:
                 return self._outputs(changed)
-        # a prompt's last token joins an AR decode step when there is one (T = 1 either way; alone it would cost a
-        # prefill call, or with longer chunks ride in theirs)
-        last = ([r for r in pre if len(r.prompt) - r.cursor == 1]
-                if any(r.decoding and r.stats.spec_mode != "ddtree" for r in self.running.values()) else [])
-        if last:
-            pre = [r for r in pre if len(r.prompt) - r.cursor > 1]
         first: set[int] = set()  # rows whose prefill ended this step (their first token): they decode next step
         if pre:
             for r in self._prefill(pre):
@@ -875,6 +869,27 @@ class Engine:
                     for r in self._apply(inf, chained=False):
                         changed[r.rid] = r
         return self._outputs(changed)
+
+    def _prefill_rows(self) -> tuple[list[_Request], list[_Request]]:
+        """(rows for this step's prefill call, prompts' last tokens for the AR decode call).
+
+        Rows with more than one prompt token left come first, a prefill bucket's worth per replica. A prompt's last
+        token (T = 1; under bounds / shadow scoring every prompt ends with one, see ``_chunk_end``) rides in the
+        prefill call only in a row its bucket pads anyway; otherwise it runs in the decode call, where a row costs
+        one token rather than a prefill chunk's worth of positions."""
+        todo = [r for r in self.running.values() if r.cursor < len(r.prompt)]
+        pre = self._take([r for r in todo if len(r.prompt) - r.cursor > 1], self.prefill_buckets[-1])
+        per = collections.Counter(r.replica for r in pre)
+        spare = {k: self._bucket(self.prefill_buckets, n) - n for k, n in per.items()}
+        last = []
+        for r in todo:
+            if len(r.prompt) - r.cursor == 1:
+                if spare.get(r.replica, 0) > 0:
+                    spare[r.replica] -= 1
+                    pre.append(r)
+                else:
+                    last.append(r)
+        return pre, self._take(last, self.decode_buckets[-1])
 
     def _outputs(self, changed: dict[int, "_Request"]) -> list[RequestOutput]:
         now = time.perf_counter()
