@@ -16,6 +16,8 @@ batched ``device_put`` and a jitted scatter: 0.72-0.77 vs 0.84-0.87 on the H200,
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import sys
 import time
@@ -28,7 +30,8 @@ import numpy as np  # noqa: E402
 
 from dflash_jax.bench import results  # noqa: E402
 from dflash_jax.config import TargetConfig  # noqa: E402
-from dflash_jax.kv.kvflash_device import KVFlashDevice  # noqa: E402
+from dflash_jax.kv.kvflash import Transfer  # noqa: E402
+from dflash_jax.kv.kvflash_device import BUCKETS, KVFlashDevice  # noqa: E402
 from dflash_jax.state import EngineState  # noqa: E402
 
 
@@ -42,18 +45,70 @@ def per_page_put_gbs(dev: KVFlashDevice, n: int, iters: int) -> float:
     return n * dev.slab_bytes / 1e9 / ((time.perf_counter() - t0) / iters)
 
 
+def dispatch_times(dev: KVFlashDevice, state: EngineState, iters: int, busy_n: int) -> tuple[dict, EngineState]:
+    """Host ms of one page_out / page_in call per bucket, idle and behind a busy device (see the module doc)."""
+    dim = busy_n
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def busy(st, x):  # ~busy_n^3 x 16 flops of matmuls, then a write into the pool that depends on them
+        for _ in range(16):
+            x = jnp.tanh(x @ x)
+        k0 = st.kv.k[0]
+        k0 = k0.at[0, 0, 0, 0].add((x[0, 0] * 0).astype(k0.dtype))
+        return EngineState(kv=dataclasses.replace(st.kv, k=(k0,) + tuple(st.kv.k[1:])), rec=st.rec)
+
+    x = jnp.full((dim, dim), 1e-3, jnp.bfloat16)
+    state = jax.block_until_ready(busy(state, x))
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(busy(state, x))
+    out = {"dispatch.busy_ms": 1e3 * (time.perf_counter() - t0)}
+    for b in BUCKETS:
+        b = min(b, state.kv.n_pages - 1, dev.host_pages)
+        ts = [Transfer(-1, i, 1 + i, i) for i in range(b)]
+        dev.page_out(state, None, ts)
+        state, _ = dev.page_in(state, None, ts)
+        rows: dict[str, list[float]] = {k: [] for k in ("out", "in", "done", "busy_out", "busy_in")}
+        for _ in range(iters):
+            jax.block_until_ready(state.kv.k)
+            t0 = time.perf_counter()
+            dev.page_out(state, None, ts)
+            t1 = time.perf_counter()
+            state, _ = dev.page_in(state, None, ts)
+            t2 = time.perf_counter()
+            jax.block_until_ready(state.kv.k)
+            t3 = time.perf_counter()
+            rows["out"].append(t1 - t0)
+            rows["in"].append(t2 - t1)
+            rows["done"].append(t3 - t0)
+            state = busy(state, x)  # not waited for: the transfers below queue behind it
+            t0 = time.perf_counter()
+            dev.page_out(state, None, ts)
+            t1 = time.perf_counter()
+            state, _ = dev.page_in(state, None, ts)
+            t2 = time.perf_counter()
+            rows["busy_out"].append(t1 - t0)
+            rows["busy_in"].append(t2 - t1)
+        jax.block_until_ready(state.kv.k)
+        out.update({f"dispatch.b{b}.{k}_ms": 1e3 * float(np.median(v)) for k, v in rows.items()})
+        print(f"b={b}: " + ", ".join(f"{k} {1e3 * float(np.median(v)):.2f} ms" for k, v in rows.items()), flush=True)
+    return out, state
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/qwen36_27b.json")
     ap.add_argument("--pages", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8", "int8"))
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--dispatch", action="store_true", help="also time the host side of each transfer call")
+    ap.add_argument("--busy-n", type=int, default=8192, help="matrix size of the busy computation (--dispatch)")
     ap.add_argument("--out-dir", default="experiments/results")
     args = ap.parse_args(argv)
     cfg = TargetConfig.from_file(args.config)
     n_max = max(args.pages)
     kv_dtype = None if args.kv_dtype == "bf16" else args.kv_dtype
-    state = EngineState.zeros(cfg, n_pages=n_max + 1, page_size=64, n_slots=1, dtype=jnp.bfloat16,
+    state = EngineState.zeros(cfg, n_pages=n_max + 1, page_size=args.page_size, n_slots=1, dtype=jnp.bfloat16,
                               kv_dtype=kv_dtype)
     figures: dict[str, float] = {}
     dev = KVFlashDevice(state, None, host_pages=n_max, target_summaries=False)
@@ -65,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             figures[f"page_in.n{n}.per_page_put_gbs"] = per_page_put_gbs(dev, n, args.iters)
         print(f"n={n}: page-in {res['page_in_gbs']:.1f} GB/s, out {res['page_out_gbs']:.1f}, host->device "
               f"{res['host_to_device_gbs']:.1f}: ratio {res['ratio']:.3f}", flush=True)
+    if args.dispatch:
+        disp, state = dispatch_times(dev, state, args.iters, args.busy_n)
+        figures.update(disp)
     figures["page_bytes"] = float(dev.slab_bytes)
     results.print_table(figures)
     extra = {"config": args.config, "kv_dtype": args.kv_dtype, "host_kind": dev.host_kind, "iters": args.iters}

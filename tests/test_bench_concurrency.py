@@ -131,6 +131,7 @@ def test_kvflash_case_proves_residency_per_request(tmp_path, capsys):
     assert figs["c2.ar.kvflash_vs_unbounded"] > 0 and figs["c2.ar_unbounded.tok_s"] > 0
     # KVFlash's share of the host time, by phase (lru scoring: no summaries, no queries)
     assert 0 < figs["c2.ar.kv_plan_ms"] + figs["c2.ar.kv_transfer_ms"] <= figs["c2.ar.host_ms"]
+    assert figs["c2.ar.kv_page_out_ms"] + figs["c2.ar.kv_page_in_ms"] <= figs["c2.ar.kv_transfer_ms"]
     assert "c2.ar.kv_query_ms" not in figs and "c2.ar_unbounded.kv_plan_ms" not in figs
     assert "48-token pool" in out and "| c2.ar_unbounded |" in out
     for cs in extra["cases"]:

@@ -188,12 +188,16 @@ def test_page_in_sweep_writes_its_figures(tmp_path):
     from experiments import page_in_sweep
 
     assert page_in_sweep.main(["--config", os.path.join(FIXTURES, "qwen36_tiny_a", "config.json"), "--pages", "2",
-                               "4", "--iters", "1", "--out-dir", str(tmp_path)]) == 0
+                               "4", "--iters", "1", "--page-size", "8", "--dispatch", "--busy-n", "64",
+                               "--out-dir", str(tmp_path)]) == 0
     (res,) = tmp_path.iterdir()
     f = json.loads(res.read_text())["figures"]
     for n in (2, 4):
         assert f[f"page_in.n{n}.page_in_gbs"] > 0 and f[f"page_in.n{n}.per_page_put_gbs"] > 0
         assert f[f"page_in.n{n}.ratio"] == f[f"page_in.n{n}.page_in_gbs"] / f[f"page_in.n{n}.host_to_device_gbs"]
+    for b in (1, 4):  # buckets above the 4 pages run as 4
+        assert all(f[f"dispatch.b{b}.{k}_ms"] > 0 for k in ("out", "in", "done", "busy_out", "busy_in"))
+    assert f["dispatch.busy_ms"] > 0
 
 
 @pytest.mark.parametrize("kind", ["pinned_host", "numpy"])

@@ -560,8 +560,9 @@ def step_time_figures(seconds: collections.Counter, counters: collections.Counte
     """Where the measured batches' time went: ``<kind>_step_ms`` (mean wall time of one engine step of that kind,
     dispatch to outputs on the host) and ``host_ms`` (per repeat, the host loop's own time outside the steps), of it
     with KVFlash ``kv_summaries_ms`` (page summaries / key bounds fetched from the device), ``kv_plan_ms`` (the
-    residency plan, ranking included), ``kv_transfer_ms`` (dispatching page-outs / page-ins) and ``kv_query_ms``
-    (handing step queries to the residency), per repeat."""
+    residency plan, ranking included), ``kv_transfer_ms`` (dispatching page-outs / page-ins; of it
+    ``kv_page_out_ms`` and ``kv_page_in_ms``) and ``kv_query_ms`` (handing step queries to the residency), per
+    repeat."""
     out = {}
     for kind in ("prefill", "decode", "spec"):
         n = counters[f"{kind}_steps"]
@@ -569,7 +570,7 @@ def step_time_figures(seconds: collections.Counter, counters: collections.Counte
             out[f"{kind}_step_ms"] = 1e3 * seconds[kind] / n
             out[f"{kind}_steps"] = n / repeats
     out["host_ms"] = 1e3 * max(0.0, seconds["step"] - sum(seconds[k] for k in ("prefill", "decode", "spec"))) / repeats
-    for k in ("kv_summaries", "kv_plan", "kv_transfer", "kv_query"):
+    for k in ("kv_summaries", "kv_plan", "kv_transfer", "kv_page_out", "kv_page_in", "kv_query"):
         if seconds[k]:
             out[f"{k}_ms"] = 1e3 * seconds[k] / repeats
     return out

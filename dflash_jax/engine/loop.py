@@ -465,7 +465,8 @@ class Engine:
         t0 = time.perf_counter()
         res: Residency = self.pages
         need = res.summaries_needed()
-        sec = self.step_seconds  # host time by KVFlash phase: kv_summaries, kv_plan, kv_transfer (kv_query: _apply)
+        sec = self.step_seconds  # host time by KVFlash phase: kv_summaries, kv_plan, kv_transfer (of it kv_page_out,
+        # kv_page_in: _transfer; kv_query: _apply)
         if need:
             try:
                 phys = [p for _, _, p in need]
@@ -530,17 +531,21 @@ class Engine:
     def _transfer(self, plan: Plan) -> set[int]:
         """Run a plan's copies (page-outs first); returns the sequences whose pages a failed copy lost."""
         lost: set[int] = set()
+        t0 = time.perf_counter()
         try:
             self.kvf.page_out(self.state, self.dkv, plan.page_out)
         except Exception:  # noqa: BLE001 - those pages are gone: their requests fail alone
             self.counters["kvflash_transfer_failures"] += 1
             lost |= {t.sid for t in plan.page_out}
+        t1 = time.perf_counter()
         ins = [t for t in plan.page_in if t.sid not in lost]
         try:
             self.state, self.dkv = self.kvf.page_in(self.state, self.dkv, ins)
         except Exception:  # noqa: BLE001
             self.counters["kvflash_transfer_failures"] += 1
             lost |= {t.sid for t in ins}
+        self.step_seconds["kv_page_out"] += t1 - t0
+        self.step_seconds["kv_page_in"] += time.perf_counter() - t1
         return lost
 
     def _kv_done(self) -> None:
