@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,11 @@ CONFIGS = [
     ("c32.bv128.w8", dict(chunk=32, block_v=128, num_warps=8)),
     ("st2", dict(num_stages=2)),
 ]
-F32_EXTRA = [("tf32x3", dict(precision="tf32x3")), ("bf16ops", dict(precision="bf16"))]
+F32_EXTRA = [("tf32x3", dict(precision="tf32x3")),
+             ("tf32x3.c32", dict(chunk=32, block_v=32, num_warps=4, precision="tf32x3")),
+             ("tf32x3.bv32.w8", dict(block_v=32, num_warps=8, precision="tf32x3")),
+             ("tf32x3.c32.bv64", dict(chunk=32, block_v=64, num_warps=4, precision="tf32x3")),
+             ("bf16ops", dict(precision="bf16"))]
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -55,6 +60,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=128, help="key and value head dim")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--configs", nargs="+", default=None, help="config names to time (default: all)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop timing after this many seconds (what was measured is still written)")
     p.add_argument("--out-dir", default="experiments/results")
     p.add_argument("--no-write", action="store_true")
     return p.parse_args(argv)
@@ -71,6 +79,7 @@ def _rel_err(outs, refs) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
+    deadline = time.perf_counter() + (args.budget_s if args.budget_s is not None else float("inf"))
     interpret = jax.default_backend() == "cpu"
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     figures: dict[str, float] = {}
@@ -93,7 +102,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             best = None
             configs = CONFIGS + (F32_EXTRA if dt == "float32" else [])
             for name, cfg in configs:
-                if cfg.get("precision") == "tf32x3" and not on_gpu:
+                if (cfg.get("precision") == "tf32x3" and not on_gpu) or (args.configs and name not in args.configs):
+                    continue
+                if time.perf_counter() > deadline:
+                    figures[f"{tag}.kernel.{name}.skipped"] = 1
                     continue
                 fn = lambda cfg=cfg: gk.gdn_chunked(*a, interpret=interpret, **cfg)  # noqa: E731
                 try:

@@ -212,10 +212,11 @@ def test_gdn_chunked_parts_bench_times_every_config_and_checks_it(tmp_path):
     from experiments import gdn_chunked_parts
 
     f = gdn_chunked_parts.main(["--tokens", "64", "--heads", "2", "--dim", "32", "--batches", "1", "--iters", "1",
-                                "--dtypes", "float32", "--out-dir", str(tmp_path)])
+                                "--dtypes", "float32", "--configs", "default", "bv64.w4", "bf16ops",
+                                "--out-dir", str(tmp_path)])
     assert f["f32.b1.reference_ms"] > 0 and f["f32.b1.local.fp32_ms"] > 0 and f["f32.b1.local.bf16_ms"] > 0
     assert f["f32.b1.kernel.default.rel_err"] < 1e-5 and f["f32.b1.kernel.bf16ops.rel_err"] < 2e-2
     assert f["f32.b1.kernel.bv64.w4.failed"] == 1  # dv 32 has no 64-column blocks: recorded, not raised
-    assert f["f32.b1.best_speedup"] > 0
+    assert f["f32.b1.best_speedup"] > 0 and not any("bv32.w8" in k for k in f)  # only the named configs
     (rec,) = [json.loads(p.read_text()) for p in tmp_path.glob("gdn_chunked_parts_*.json")]
     assert rec["bench"] == "gdn_chunked_parts"
