@@ -442,7 +442,9 @@ SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, 
     "gdn_step": [((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)])],
     "gdn_tree": [((16, 32, None), [dict(block_v=bv, num_warps=w) for bv, w in ((64, 8), (32, 8), (128, 8), (64, 4),
                                                                                 (32, 4), (16, 4), (128, 16))]
-                  + [dict(block_v=64, num_warps=8, solve="product")])],  # the nilpotent product: unsafe, timed only
+                  + [dict(block_v=64, num_warps=8, solve="product")]  # the nilpotent product: unsafe, timed only
+                  + [dict(block_v=bv, num_warps=w, precision=pr) for pr in ("tf32x3", "bf16")  # tensor cores
+                     for bv, w in ((64, 8), (32, 4))])],
 }
 SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
          "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c", "precision": "p",
