@@ -220,3 +220,21 @@ def test_gdn_chunked_parts_bench_times_every_config_and_checks_it(tmp_path):
     assert f["f32.b1.best_speedup"] > 0 and not any("bv32.w8" in k for k in f)  # only the named configs
     (rec,) = [json.loads(p.read_text()) for p in tmp_path.glob("gdn_chunked_parts_*.json")]
     assert rec["bench"] == "gdn_chunked_parts"
+
+
+def test_registered_kernels_launch_fp32_inputs_as_tf32x3_on_nvidia_only(monkeypatch):
+    import pallas_kernels.gdn as pg
+
+    assert pg.launch_precision(jnp.float32, "cuda") == "tf32x3"
+    assert pg.launch_precision(jnp.float32, "rocm") == pg.launch_precision(jnp.float32, "cpu") == "fp32"
+    assert pg.launch_precision(jnp.bfloat16, "cuda") == "bf16"
+    seen = {}
+    monkeypatch.setattr(pg.registry, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(pg, "gdn_chunked", lambda *a, **kw: seen.setdefault("chunked", kw))
+    monkeypatch.setattr(pg, "gdn_tree", lambda *a, **kw: seen.setdefault("tree", kw))
+    x = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    gates, s0 = jnp.zeros((1, 64, 2)), jnp.zeros((1, 2, 64, 64))
+    pg.gdn_chunked_pallas(x, x, x, gates, gates, s0)
+    pg.gdn_tree_pallas(x[:, :16], x[:, :16], x[:, :16], gates[:, :16], gates[:, :16], s0, jnp.ones((1, 16, 16), bool))
+    assert seen["chunked"]["precision"] == seen["tree"]["precision"] == "tf32x3"
+    assert seen["chunked"]["interpret"] is False

@@ -6,7 +6,8 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 
 - ``"reference"``: pure jnp (``dflash_jax.models.gdn.gdn_chunked_reference``), any backend, the default everywhere;
 - ``"pallas_triton"``: :func:`kernel.gdn_chunked`, a parallel chunk-local pass (XLA) then a sequential state
-  pass (Pallas), dots at the inputs' precision (:func:`kernel.default_precision`); its own chunk length from
+  pass (Pallas), dots at :func:`kernel.launch_precision` (the inputs' precision; fp32 inputs on NVIDIA as tf32x3,
+  about fp32 accuracy on tensor cores, where Triton's IEEE fp32 dots ran 13x slower); its own chunk length from
   :func:`kernel.default_config` (the ``chunk`` argument is the reference's). Registered **opt-in** (not the GPU
   default) until it has been measured on a GPU: ``DFLASH_KERNELS=gdn_chunked=pallas_triton``. Interpret mode off GPU.
 
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from pallas_kernels import registry
 from pallas_kernels.gdn import decode as _decode
 from pallas_kernels.gdn.kernel import (block_plan, chunk_local, default_config, default_precision, gdn_chunked,
-                                      gdn_step, operand_dtype, step_block_plan)
+                                      gdn_step, launch_precision, operand_dtype, step_block_plan)
 from pallas_kernels.gdn.reference import (gdn_chunked_reference, gdn_decode_reference, gdn_step_reference,
                                           gdn_tree_reference)
 from pallas_kernels.gdn.tree import block_plan as tree_block_plan
@@ -61,7 +62,8 @@ def gdn_chunked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     except ValueError as e:
         registry.warn_fallback("gdn_chunked", e)
         return gdn_chunked_reference(q, k, v, beta, g, state)
-    return gdn_chunked(q, k, v, beta, g, state, **cfg, interpret=backend not in registry.GPU_BACKENDS)
+    return gdn_chunked(q, k, v, beta, g, state, **cfg, precision=launch_precision(q.dtype, backend),
+                       interpret=backend not in registry.GPU_BACKENDS)
 
 
 def gdn_step_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array,
@@ -92,7 +94,8 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     except ValueError as e:
         registry.warn_fallback("gdn_tree", e)
         return gdn_tree_reference(q, k, v, beta, g, state, ancestors)
-    return gdn_tree(q, k, v, beta, g, state, ancestors, **cfg, interpret=backend not in registry.GPU_BACKENDS)
+    return gdn_tree(q, k, v, beta, g, state, ancestors, **cfg, precision=launch_precision(q.dtype, backend),
+                    interpret=backend not in registry.GPU_BACKENDS)
 
 
 def gdn_decode_pallas(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
@@ -123,6 +126,7 @@ registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("g
 registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
+           "launch_precision",
            "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
            "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "step_block_plan", "tree_block_plan",
            "tree_default_config"]

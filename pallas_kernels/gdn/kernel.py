@@ -46,6 +46,15 @@ def default_precision(dtype) -> str:
     return "fp32" if jnp.dtype(dtype).itemsize >= 4 else "bf16"
 
 
+def launch_precision(dtype, backend: str) -> str:
+    """The registered implementations' precision: ``"tf32x3"`` for fp32 inputs on NVIDIA (about fp32 accuracy on
+    tensor cores: 2.4e-7 relative on the H200 at 8K tokens, where HIGHEST, IEEE fp32 in Triton, ran 13x slower),
+    else :func:`default_precision`."""
+    if backend == "cuda" and default_precision(dtype) == "fp32":
+        return "tf32x3"
+    return default_precision(dtype)
+
+
 def _dot_dtype_and_precision(precision: str):
     """(operand dtype, ``lax`` precision) of the state pass's dots."""
     if precision == "bf16":
