@@ -25,12 +25,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash_jax.bench.kernels import gdn_problem  # noqa: E402
+from dflash_jax.bench.kernels import TOL, _rel_err, gdn_problem  # noqa: E402
 from dflash_jax.bench.timing import median_seconds  # noqa: E402
 from dflash_jax.models.gdn import gdn_chunked_reference  # noqa: E402
 from pallas_kernels.gdn import kernel as gk  # noqa: E402
 
-TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 # (name, kernel keyword arguments); the dtype's default precision unless named
 CONFIGS = [
     ("default", {}),
@@ -65,17 +64,12 @@ def parse(argv=None) -> argparse.Namespace:
                    help="stop timing after this many seconds (what was measured is still written)")
     p.add_argument("--out-dir", default="experiments/results")
     p.add_argument("--no-write", action="store_true")
-    return p.parse_args(argv)
-
-
-def _rel_err(outs, refs) -> float:
-    err = 0.0
-    for o, r in zip(outs, refs):
-        o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
-        if not np.isfinite(o).all():
-            return float("inf")
-        err = max(err, float(np.abs(o - r).max() / max(1.0, float(np.abs(r).max()))))
-    return err
+    args = p.parse_args(argv)
+    known = [name for name, _ in CONFIGS + F32_EXTRA]
+    unknown = sorted(set(args.configs or ()) - set(known))
+    if unknown:
+        p.error(f"unknown --configs {unknown}; choose from {known}")
+    return args
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
@@ -114,7 +108,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
                     print(f"{tag} {name}: {type(e).__name__}: {str(e)[:200]}")
                     figures[f"{tag}.kernel.{name}.failed"] = 1
                     continue
-                err = _rel_err(out, ref)
+                err = max(_rel_err(o, r) for o, r in zip(out, ref))
                 ms = 1e3 * median_seconds(fn, args.iters)
                 figures[f"{tag}.kernel.{name}_ms"] = ms
                 figures[f"{tag}.kernel.{name}.rel_err"] = err

@@ -47,8 +47,6 @@ def per_page_put_gbs(dev: KVFlashDevice, n: int, iters: int) -> float:
 
 def dispatch_times(dev: KVFlashDevice, state: EngineState, iters: int, busy_n: int) -> tuple[dict, EngineState]:
     """Host ms of one page_out / page_in call per bucket, idle and behind a busy device (see the module doc)."""
-    dim = busy_n
-
     @functools.partial(jax.jit, donate_argnums=(0,))
     def busy(st, x):  # ~busy_n^3 x 16 flops of matmuls, then a write into the pool that depends on them
         for _ in range(16):
@@ -57,7 +55,7 @@ def dispatch_times(dev: KVFlashDevice, state: EngineState, iters: int, busy_n: i
         k0 = k0.at[0, 0, 0, 0].add((x[0, 0] * 0).astype(k0.dtype))
         return EngineState(kv=dataclasses.replace(st.kv, k=(k0,) + tuple(st.kv.k[1:])), rec=st.rec)
 
-    x = jnp.full((dim, dim), 1e-3, jnp.bfloat16)
+    x = jnp.full((busy_n, busy_n), 1e-3, jnp.bfloat16)
     state = jax.block_until_ready(busy(state, x))
     t0 = time.perf_counter()
     state = jax.block_until_ready(busy(state, x))

@@ -1208,9 +1208,10 @@ class Engine:
         return end
 
     def _prefill(self, rows: list[_Request]) -> list[_Request]:
-        """One prefill chunk of every row. When no row has more than one token left in its chunk (a prompt's last
-        token under bounds / shadow scoring, or a remainder of one), it runs on the decode executable (T = 1, the same
-        step function) instead of the prefill one, whose ``prefill_chunk`` positions would all be computed for one."""
+        """One prefill chunk of every row. When no row has more than one token in its chunk (under bounds / shadow
+        scoring, a prompt two tokens from its end: ``_chunk_end`` splits them; prompts' last tokens go to the decode
+        call, see ``_prefill_rows``), it runs on the decode executable (T = 1, the same step function) instead of the
+        prefill one, whose ``prefill_chunk`` positions would all be computed for one."""
         c = self.options.prefill_chunk
         rows = self._reside(rows, [(r.cursor, self._chunk_end(r)) for r in rows])
         if not rows:
