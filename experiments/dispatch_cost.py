@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.leaves:
         figures[f"leaves{n}.call_ms"] = leaf_call_ms(n, args.iters)
     results.print_table(figures)
-    command = "python experiments/dispatch_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = results.script_command(__file__, argv)
     extra = {"model": args.random_weights or args.model, "dtype": args.dtype, "buffer_words": int(host_buf.size)}
     print("wrote", results.write_result("dispatch_cost", figures, command, extra, out_dir=args.out_dir))
     return 0

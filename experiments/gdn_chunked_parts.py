@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,11 +124,10 @@ def main(argv=None) -> dict[str, float]:
     args = parse(argv)
     figures = measure(args)
     if not args.no_write:
-        from dflash_jax.bench.results import write_result
+        from dflash_jax.bench.results import script_command, settings, write_result
 
-        command = " ".join(["python experiments/gdn_chunked_parts.py"]
-                           + (list(argv) if argv is not None else sys.argv[1:]))
-        extra = {"settings": {k: v for k, v in vars(args).items() if k not in ("out_dir", "no_write")},
+        command = script_command(__file__, argv)
+        extra = {"settings": settings(args),
                  "device": str(jax.devices()[0])}
         print("wrote", write_result("gdn_chunked_parts", figures, command, extra, out_dir=args.out_dir))
     return figures

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"{tag}.state_gbps"] = state_bytes / (best[0] * 1e-6) / 1e9
         print(f"b{b}: reference {figures[f'{tag}.reference_us']:.1f} us, kernel best {best[0]:.1f} us at {best[1]} "
               f"warps ({figures[f'{tag}.speedup']:.2f}x), state {figures[f'{tag}.state_gbps']:.0f} GB/s", flush=True)
-    command = "python experiments/gdn_decode_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = results.script_command(__file__, argv)
     extra = {"config": args.config, "dtype": args.dtype, "interpret": interpret}
     print("wrote", results.write_result("gdn_decode_sweep", figures, command, extra, out_dir=args.out_dir))
     return 0

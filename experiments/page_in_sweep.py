@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["page_bytes"] = float(dev.slab_bytes)
     results.print_table(figures)
     extra = {"config": args.config, "kv_dtype": args.kv_dtype, "host_kind": dev.host_kind, "iters": args.iters}
-    print("wrote", results.write_result("page_in", figures, " ".join(["python", "experiments/page_in_sweep.py"]
-                                                                        + sys.argv[1:]), extra,
+    print("wrote", results.write_result("page_in", figures, results.script_command(__file__, argv), extra,
                                         out_dir=args.out_dir))
     return 0
 

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {ms:9.3f} ms {c:6d}x  {k}")
         del eng
     results.print_table(figures)
-    command = "python experiments/profile_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = results.script_command(__file__, argv)
     print("wrote", results.write_result("profile_steps", figures, command, extra, out_dir=args.out_dir))
     return 0
 

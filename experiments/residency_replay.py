@@ -125,11 +125,10 @@ def main(argv=None) -> dict:
     for k, v in figures.items():
         print(f"{k:24s} {v:.3f}" if isinstance(v, float) else f"{k:24s} {v}")
     if not args.no_write:
-        from dflash_jax.bench.results import write_result
+        from dflash_jax.bench.results import script_command, settings, write_result
 
-        command = " ".join(["python experiments/residency_replay.py"]
-                           + (list(argv) if argv is not None else sys.argv[1:]))
-        extra = {"settings": {k: v for k, v in vars(args).items() if k not in ("out_dir", "no_write")},
+        command = script_command(__file__, argv)
+        extra = {"settings": settings(args),
                  "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine()}
         print("wrote", write_result("residency_replay", figures, command, extra, out_dir=args.out_dir))
     return figures

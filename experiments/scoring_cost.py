@@ -92,10 +92,10 @@ def main(argv=None) -> dict[str, float]:
     for k, v in figures.items():
         print(f"{k:32s} {v:.3f}")
     if not args.no_write:
-        from dflash_jax.bench.results import write_result
+        from dflash_jax.bench.results import script_command, settings, write_result
 
-        command = " ".join(["python experiments/scoring_cost.py"] + (list(argv) if argv is not None else sys.argv[1:]))
-        extra = {"settings": {k: v for k, v in vars(args).items() if k not in ("out_dir", "no_write")},
+        command = script_command(__file__, argv)
+        extra = {"settings": settings(args),
                  "device": str(jax.devices()[0])}
         print("wrote", write_result("scoring_cost", figures, command, extra, out_dir=args.out_dir))
     return figures

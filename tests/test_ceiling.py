@@ -98,6 +98,18 @@ def test_write_result_validation(tmp_path, monkeypatch):
     assert set(rec["versions"]) == {"python", "jax", "jaxlib", "numpy", "flax"}
 
 
+def test_script_command_names_the_script_from_the_repository(monkeypatch):
+    import argparse
+    import os
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(results.__file__))), "..",
+                          "experiments", "x.py")
+    assert results.script_command(script, ["--a", "1 2"]) == "python experiments/x.py --a '1 2'"
+    monkeypatch.setattr("sys.argv", ["x.py", "--b"])
+    assert results.script_command(script) == "python experiments/x.py --b"
+    assert results.settings(argparse.Namespace(a=1, out_dir="o", no_write=False)) == {"a": 1}
+
+
 def test_cli_end_to_end(tmp_path, capsys):
     cfg_path = tmp_path / "tiny.json"
     cfg_path.write_text(json.dumps(TINY_HF))

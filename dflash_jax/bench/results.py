@@ -129,6 +129,24 @@ def write_result(bench: str, figures: dict[str, float], command: str, extra: dic
     return path
 
 
+def script_command(script: str, argv: list[str] | None = None) -> str:
+    """The command line of a script run for a result's ``command``: ``python experiments/x.py --a 1``.
+
+    ``script`` is the script's ``__file__`` (shown relative to the repository); ``argv`` its arguments (None:
+    ``sys.argv[1:]``, as ``argparse`` reads them)."""
+    import shlex
+    import sys
+
+    path = os.path.abspath(script)
+    rel = os.path.relpath(path, _REPO) if path.startswith(_REPO + os.sep) else path
+    return shlex.join(["python", rel, *(sys.argv[1:] if argv is None else list(argv))])
+
+
+def settings(args: Any) -> dict[str, Any]:
+    """A script's parsed arguments for a result's ``extra``, less where its output goes."""
+    return {k: v for k, v in vars(args).items() if k not in ("out_dir", "no_write")}
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"

@@ -423,7 +423,7 @@ class Engine:
 
         width = -(-(o.max_model_len + self.spec_span) // o.page_size)  # KVFlash runs without overlap: no ``ahead``
         host_pages = (o.n_pages or o.max_batch * width + 1) - 1
-        dtype = jnp.float32 if kv_dtype in ("fp8", "int8") else self.dtype
+        dtype = DeviceScorer.bounds_dtype(self.dtype, kv_dtype in ("fp8", "int8"))
         c = self.cfg
         return DeviceScorer.table_bytes(o.kvflash_scoring, host_pages, o.max_batch + 1, len(c.attn_layers),
                                         o.page_size, c.num_kv_heads, c.num_heads, c.head_dim, KVFLASH_QUERY_TAIL,

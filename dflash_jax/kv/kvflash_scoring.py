@@ -182,7 +182,7 @@ class DeviceScorer:
         self.n_layers, self.page_size, self.n_kv, self.head_dim = len(state.kv.k), shape[1], shape[2], shape[3]
         if kind == "shadow" and self.head_dim % 2:
             raise ValueError(f"shadow scoring packs two 4-bit keys a byte: head_dim {self.head_dim} must be even")
-        self.dtype = jnp.dtype(jnp.float32 if quant else k0.dtype)
+        self.dtype = self.bounds_dtype(k0.dtype, quant)
         self.n_ids, self.n_slots, self.n_heads, self.window = n_ids, n_slots, n_heads, window
         top = _pow2_at_least(max_pages, MIN_PAGE_BUCKET)
         self.page_buckets = tuple(b for b in (MIN_PAGE_BUCKET * 2 ** i for i in range(32)) if b <= top)
@@ -199,6 +199,12 @@ class DeviceScorer:
         self._score = jax.jit(lambda *a: _scores(kind, *a))
         self._exec: dict[tuple, object] = {}
         self.lazy_compiles = 0
+
+    @staticmethod
+    def bounds_dtype(kv_dtype, quantized: bool) -> jnp.dtype:
+        """The dtype of the bounds table: the pages' own (bf16 / f32), float32 over fp8 / int8 pages (their
+        dequantized keys)."""
+        return jnp.dtype(jnp.float32 if quantized else kv_dtype)
 
     @staticmethod
     def table_shapes(kind: str, n_ids: int, n_layers: int, page_size: int, n_kv: int, head_dim: int,
