@@ -29,8 +29,10 @@ def test_check_then_time_writes_result(tmp_path):
     assert f["tree_attention.ok"] == 1 and f["tree_attention.check.ok"] == 1
     assert f["tree_attention.check.max_rel_err"] <= kernels.TOL["float32"]
     assert f["device.copy_bytes_per_s"] > 0
-    for k in ("kernel_us", "reference_us", "speedup", "bytes_per_s", "bandwidth_fraction"):
+    for k in ("kernel_us", "reference_us", "speedup", "bytes_per_s", "bandwidth_fraction", "paged_decode_us"):
         assert f[f"tree_attention.b2.t16.p48.{k}"] > 0
+    assert f["tree_attention.b2.t16.p48.vs_paged_decode"] == pytest.approx(
+        f["tree_attention.b2.t16.p48.kernel_us"] / f["tree_attention.b2.t16.p48.paged_decode_us"])
     assert rec["extra"]["errors"] == {} and rec["extra"]["skipped"] == [] and rec["extra"]["complete"]
 
 
@@ -62,11 +64,13 @@ def test_summary_figures():
          "paged_decode.b8.p32768.bandwidth_fraction": 0.9, "paged_decode.b64.p8192.bandwidth_fraction": 0.8,
          "tree_attention.b16.t16.p2048.speedup": 3.0, "tree_attention.b16.t32.p16384.speedup": 2.5,
          "tree_attention.b16.t64.p2048.speedup": 1.0, "tree_attention.b16.t16.p512.speedup": 0.5,
-         "tree_attention.sweep.bm64.ppb2.w8.kernel_us": 1.0}
+         "tree_attention.b16.t16.p2048.vs_paged_decode": 1.2, "tree_attention.b64.t32.p16384.vs_paged_decode": 1.4,
+         "tree_attention.b16.t64.p2048.vs_paged_decode": 9.0, "tree_attention.sweep.bm64.ppb2.w8.kernel_us": 1.0}
     kernels.summarize(f)
     assert f["paged_decode.bandwidth_fraction"] == pytest.approx(0.8)
     assert f["paged_decode.bandwidth_fraction_min"] == pytest.approx(0.7)
     assert f["tree_attention.b16.speedup"] == pytest.approx(2.5)
+    assert f["tree_attention.vs_paged_decode_max"] == pytest.approx(1.4)  # trees of 16-32 slots only
 
 
 def test_sweep_names_configs_and_reports_the_best(tmp_path, monkeypatch):
