@@ -311,7 +311,8 @@ class Layout:
 
         kv, rec = state.kv, state.rec
         return EngineState(kv=KVPages(tuple(self.kv() for _ in kv.k), tuple(self.kv() for _ in kv.v)),
-                           rec=RecurrentSlots(tuple(self.conv() for _ in rec.conv), tuple(self.ssm() for _ in rec.ssm)))
+                           rec=RecurrentSlots(tuple(self.conv() for _ in rec.conv), tuple(self.ssm() for _ in rec.ssm)),
+                           pen=None if state.pen is None else self.replica_tree(state.pen))
 
     def replica_tree(self, tree) -> Any:
         """Per-replica arrays with nothing split over ``model`` (drafter cache, step inputs, sampling)."""

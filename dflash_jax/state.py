@@ -73,18 +73,51 @@ class RecurrentSlots:
 
 
 @_pytree
+class SlotPenalties:
+    """What the sampling penalties and ``logit_bias`` of each slot's request need over the vocabulary (slot 0
+    null); written at admission for requests that use them (``set_row``), counted by every decode step.
+
+    counts: [n_slots, V] int32 tokens the request has generated (frequency / presence / repetition penalties);
+    prompt: [n_slots, V] bool tokens of its prompt (repetition penalty); bias: [n_slots, V] float32 its logit_bias.
+    """
+
+    counts: jax.Array
+    prompt: jax.Array
+    bias: jax.Array
+
+    @classmethod
+    def zeros(cls, n_slots: int, vocab: int) -> "SlotPenalties":
+        return cls(counts=jnp.zeros((n_slots, vocab), jnp.int32), prompt=jnp.zeros((n_slots, vocab), jnp.bool_),
+                   bias=jnp.zeros((n_slots, vocab), jnp.float32))
+
+    @staticmethod
+    def bytes_per_slot(vocab: int) -> int:
+        return vocab * (4 + 1 + 4)
+
+    def set_row(self, at: tuple, prompt: jax.Array, bias: jax.Array) -> "SlotPenalties":
+        """Start a request in row ``at`` (``(slot,)``, or ``(replica, slot)`` with a leading replica axis): no
+        tokens generated, ``prompt [V]`` bool, ``bias [V]`` float32."""
+        return SlotPenalties(counts=self.counts.at[at].set(0), prompt=self.prompt.at[at].set(prompt),
+                             bias=self.bias.at[at].set(bias))
+
+
+@_pytree
 class EngineState:
-    """Everything durable on the device: paged KV and recurrent slots."""
+    """Everything durable on the device: paged KV, recurrent slots and (optionally) the slots' sampling-penalty
+    statistics."""
 
     kv: KVPages
     rec: RecurrentSlots
+    pen: SlotPenalties | None = None
 
     @classmethod
     def zeros(cls, cfg: TargetConfig, *, n_pages: int, page_size: int, n_slots: int,
-              dtype=jnp.bfloat16, kv_dtype=None) -> "EngineState":
-        """Zero state; K/V pages in ``kv_dtype`` (default ``dtype``; fp8 / int8 quantized, read in ``dtype``)."""
+              dtype=jnp.bfloat16, kv_dtype=None, penalties: bool = False) -> "EngineState":
+        """Zero state; K/V pages in ``kv_dtype`` (default ``dtype``; fp8 / int8 quantized, read in ``dtype``);
+        ``penalties``: with ``SlotPenalties`` tables over the vocabulary."""
         return cls(kv=KVPages.zeros(cfg, n_pages, page_size, kv_dtype or dtype, compute_dtype=dtype),
-                   rec=RecurrentSlots.zeros(cfg, n_slots, dtype))
+                   rec=RecurrentSlots.zeros(cfg, n_slots, dtype),
+                   pen=SlotPenalties.zeros(n_slots, cfg.vocab_size) if penalties else None)
 
 
 @_pytree

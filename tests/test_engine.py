@@ -268,6 +268,7 @@ def test_no_recompiles_after_warmup(eng):
         (ps[0], SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9)),
         (ps[0][:3], SamplingParams(max_tokens=9, min_tokens=4, stop_token_ids=(5, 6))),
         (ps[2][:33], SamplingParams(max_tokens=2, ignore_eos=True)),  # 5 > max_batch: one waits
+        (ps[1][:20], SamplingParams(max_tokens=4, frequency_penalty=1.0, logit_bias=((3, 2.0),))),
     ]
     with CompileWatch() as w:
         eng.generate([p for p, _ in mixed], [s for _, s in mixed])
@@ -490,6 +491,63 @@ def test_sampling_seeds_top_k_and_logprobs(eng):
     ref = np.asarray(jax.nn.log_softmax(target(A).logits(p)[-1]))
     assert greedy.logprobs[0] == pytest.approx(float(ref[gr[0]]), abs=1e-4)
     assert greedy.logprobs[0] == pytest.approx(float(ref.max()), abs=1e-4)
+
+
+def _penalized_reference(name, prompt, n, repetition=1.0, frequency=0.0, presence=0.0, bias=()) -> list[int]:
+    """Greedy decoding with the penalties applied on the host to the cache-free reference's logits."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits = np.asarray(target(name).logits(ids)[-1], np.float64).copy()
+        counts = collections.Counter(out)
+        for t in set(out) | set(prompt):
+            logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+        for t, c in counts.items():
+            logits[t] -= frequency * c + presence
+        for t, b in bias:
+            logits[t] += b
+        out.append(int(np.argmax(logits)))
+        ids.append(out[-1])
+    return out
+
+
+# (the random fixture model repeats no token in 12 greedy steps: negative penalties make it repeat, positive ones
+# then act on the repeats)
+PENALTIES = [dict(frequency=-2.0), dict(presence=-2.0), dict(presence=-2.0, frequency=1.0),
+             dict(repetition=0.5, frequency=1.5), dict(repetition=0.6, presence=1.0), dict(bias=((7, 6.0), (11, -100.0)))]
+
+
+@pytest.mark.parametrize("kw", PENALTIES, ids=lambda kw: "-".join(kw))
+def test_penalties_and_logit_bias_follow_the_host_reference(eng, kw):
+    p, gr = prompts(A)[0], greedy_golden(A, 0)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=kw.get("repetition", 1.0),
+                        frequency_penalty=kw.get("frequency", 0.0), presence_penalty=kw.get("presence", 0.0),
+                        logit_bias=kw.get("bias", ()))
+    want = _penalized_reference(A, p, 12, **kw)
+    assert want != reference(A, p, 12)  # the penalty changes this greedy continuation
+    assert alone(eng, p, sp).token_ids == want
+    # beside unpenalized requests, which it leaves alone; then a plain request in the same slot is plain again
+    outs = eng.generate([prompts(A)[1], p, prompts(A)[2]], [GREEDY, sp, GREEDY])
+    assert outs[1].token_ids == want
+    assert outs[0].token_ids == greedy_golden(A, 1) and outs[2].token_ids == greedy_golden(A, 2)
+    assert alone(eng, p).token_ids == gr
+
+
+def test_a_large_logit_bias_forces_a_token_and_bad_values_are_refused(eng):
+    p = prompts(A)[0]
+    out = alone(eng, p, SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((5, 100.0),)))
+    assert out.token_ids == [5] * 6
+    v = eng.cfg.vocab_size
+    for sp, msg in [(SamplingParams(logit_bias=((v, 1.0),)), "logit_bias keys"),
+                    (SamplingParams(logit_bias=((1, 101.0),)), "logit_bias values"),
+                    (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+                    (SamplingParams(frequency_penalty=2.5), "frequency_penalty"),
+                    (SamplingParams(presence_penalty=-3.0), "presence_penalty")]:
+        with pytest.raises(RequestError, match=msg):
+            eng.submit(p, sp)
+    off = Engine(eng.target, None, dataclasses.replace(eng.options, sampling_penalties=False))
+    assert off.state.pen is None
+    with pytest.raises(RequestError, match="without sampling penalties"):
+        off.submit(p, SamplingParams(presence_penalty=1.0))
 
 
 # ---- 8. streaming -------------------------------------------------------------------------------

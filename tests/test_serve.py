@@ -216,6 +216,23 @@ def test_sampling_is_reproducible_with_a_seed(client):
     assert len(n.choices) == 3 and n.usage.completion_tokens == 24
 
 
+def test_logit_bias_and_penalties_reach_the_sampler(client):
+    forced = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=5, temperature=0, logprobs=0,
+                                       logit_bias={"40": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].logprobs.tokens == [forced.choices[0].logprobs.tokens[0]] * 5
+    again = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=5, temperature=0, logprobs=0,
+                                      logit_bias={"41": 100}, extra_body={"ignore_eos": True})
+    assert again.choices[0].logprobs.tokens[0] != forced.choices[0].logprobs.tokens[0]
+    kw = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    # negative penalties make the random fixture model repeat what it said
+    repeat = client.completions.create(frequency_penalty=-2.0, presence_penalty=-2.0, **kw).choices[0].text
+    assert repeat != plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        frequency_penalty=-2.0, presence_penalty=-2.0, stream=True, **kw))
+    assert streamed == repeat
+
+
 BAD = [
     ("post", "/v1/completions", b"{not json", 400, "JSON"),
     ("json", "/v1/completions", {"model": "nope", "prompt": [1], "max_tokens": 2}, 404, "does not exist"),
@@ -230,6 +247,13 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "stop": ["a"] * 17}, 400, "stop"),
     ("json", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "echo": True}, 400, "echo"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "presence_penalty": 3}, 400, "presence_penalty"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
@@ -263,6 +287,10 @@ _FIELDS = {"model": st.sampled_from([MODEL, "other", "", None]),
            "n": st.integers(-1, 4), "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=20)),
            "seed": st.one_of(st.integers(-2, 2**40), st.none()), "logprobs": st.one_of(st.integers(-1, 12), st.none()),
            "min_tokens": st.integers(-1, 8), "stop_token_ids": st.lists(st.integers(-5, 2**33), max_size=10),
+           "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
+           "repetition_penalty": st.floats(-1, 12),
+           "logit_bias": st.dictionaries(st.one_of(st.integers(-2, 600).map(str), st.text(max_size=3)),
+                                         st.floats(-150, 150), max_size=4),
            "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x", "tool"]),
                                                        "content": st.one_of(st.text(max_size=20), st.none())}),
                                 max_size=3)}

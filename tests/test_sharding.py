@@ -94,6 +94,7 @@ if __name__ != "__main__":
         r = results["dp"]
         assert r["tokens"] == results["engine"]["golden"]
         assert r["replicas"] == [0, 1]  # the two requests ran on different replicas
+        assert r["penalized"] == r["penalized_unsharded"] and r["penalized"] != r["tokens"]
         assert r["kv_spec"] == ["data", None, None, "model", None]
         assert r["all_reduce_hidden"] == r["expected_all_reduces"], r
         assert r["groups"] and all(g == "model" for g in r["groups"]), r["groups"]
@@ -246,8 +247,13 @@ def _main(out_path: str) -> None:
     while eng.has_work():
         final.update({o.request_id: o.token_ids for o in eng.step() if o.finish_reason is not None})
     text = eng._exec[("decode", 1)].as_text()
+    # penalties: each replica writes its own slot's row of the tables
+    pen_sp = dataclasses.replace(sp, presence_penalty=-2.0, frequency_penalty=1.0, logit_bias=((3, 1.5),))
+    pen_dp = [o.token_ids for o in eng.generate(prompts, pen_sp)]
+    pen_one = [o.token_ids for o in Engine(base[name], None, EngineOptions(**opts)).generate(prompts, pen_sp)]
     p = eng.layout.plan
-    res["dp"] = {"tokens": [final[i] for i in rids], "replicas": replicas,
+    res["dp"] = {"tokens": [final[i] for i in rids], "replicas": replicas, "penalized": pen_dp,
+                 "penalized_unsharded": pen_one,
                  "kv_spec": spec_of(eng.state.kv.k[0]),
                  "expected_all_reduces": sum(int(p.attn if lt == "full_attention" else p.gdn) + int(p.mlp)
                                              for lt in cfg0.layer_types) + int(p.vocab),

@@ -214,6 +214,8 @@ def test_cohort_yield_switches_a_useless_drafter_to_ar():
     # requests that need the AR path never enter speculation
     o = eng.generate([prompts[0]], SamplingParams(max_tokens=4, min_tokens=2))[0]
     assert o.stats["spec_mode"] == "ar" and o.stats["draft_steps"] == 0
+    o = eng.generate([prompts[0]], SamplingParams(max_tokens=4, presence_penalty=1.0))[0]
+    assert o.stats["spec_mode"] == "ar" and o.stats["draft_steps"] == 0
 
 
 def test_adaptive_reprobe_goes_back_to_ddtree_and_backs_off():

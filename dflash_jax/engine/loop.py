@@ -35,7 +35,7 @@ from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.models import quant, qwen36
 from dflash_jax.models.tokenizer import Tokenizer
-from dflash_jax.state import DraftKV, EngineState, StepInput
+from dflash_jax.state import DraftKV, EngineState, SlotPenalties, StepInput
 from dflash_jax.sharding import Layout, to_host
 from dflash_jax.target import Target, load_target, shard_target
 
@@ -64,6 +64,17 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False  # per-token logprobs wanted: such requests decode AR (speculative rounds return tokens)
+    # penalties over the request's generated tokens (repetition: its prompt's too) and additive logit biases
+    # ((token id, bias) pairs); requests that use any of them decode AR (sampling.penalize)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -78,6 +89,13 @@ class SamplingParams:
             raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise RequestError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100.0 <= float(b) <= 100.0 for _, b in self.logit_bias):
+            raise RequestError("logit_bias values must be in [-100, 100]")
 
 
 @dataclasses.dataclass
@@ -237,6 +255,10 @@ class EngineOptions:
     # on the H200 the tiny pair ran slower with it (a chained step costs two dispatches: its advance and itself);
     # the 27B oracle's chained rounds ran 284 tok/s vs 250 synchronous (WORKSPACE, results)
     overlap: bool = False
+    # per-slot tables over the vocabulary for repetition / frequency / presence penalties and logit_bias
+    # (state.SlotPenalties: 9 bytes a vocabulary entry a slot, e.g. 145 MB for the 27B at 64 sequences); off:
+    # requests that ask for them are refused
+    sampling_penalties: bool = True
     # one matmul for the input projections that read the same activations (qwen36.fuse_projections), for an unsharded
     # target: the engine fuses a copy (the caller's Target is untouched; Target.fuse_projections() fuses one in place,
     # as the serve and bench entry points do, so the matrices are never held twice)
@@ -349,7 +371,8 @@ class Engine:
             n_pages = self.pools[0].n_pages
         self.replica_slots = [list(range(1, per_replica + 1)) for _ in range(dp)]  # free slots of each replica
         self._state_zeros = functools.partial(EngineState.zeros, self.cfg, n_pages=n_pages, page_size=o.page_size,
-                                              n_slots=per_replica + 1, dtype=self.dtype, kv_dtype=kv_dtype)
+                                              n_slots=per_replica + 1, dtype=self.dtype, kv_dtype=kv_dtype,
+                                              penalties=o.sampling_penalties)
         self.state = self.zero_state()
         self.dkv = None
         if self.dcfg is not None:
@@ -410,6 +433,8 @@ class Engine:
                 rec = jax.eval_shape(lambda: EngineState.zeros(self.cfg, n_pages=1, page_size=1,
                                                                n_slots=o.max_batch + 1, dtype=self.dtype).rec)
                 rec_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(rec))
+                if o.sampling_penalties:
+                    rec_bytes += (o.max_batch + 1) * SlotPenalties.bytes_per_slot(self.cfg.vocab_size)
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - rec_bytes - self._scoring_bytes(kv_dtype)
         return resolve_pool_tokens(o.kvflash, free_bytes=free, bytes_per_token=self._kv_bytes_per_token(kv_dtype),
                                    page_size=o.page_size)
@@ -735,6 +760,8 @@ class Engine:
             exe = lowered[key].compile()
             return key, exe, time.perf_counter() - t0
 
+        if self.state.pen is not None:
+            self._penalty_writer()
         if self.kvf is not None and "kvflash" not in self.warmup_report:
             t0 = time.perf_counter()
             self.kvf.warmup(self.state, self.dkv)
@@ -780,6 +807,11 @@ class Engine:
         v = self.cfg.vocab_size
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < v for t in sampling.stop_token_ids):
             raise RequestError(f"stop_token_ids must be token ids in [0, {v}), got {list(sampling.stop_token_ids)}")
+        if sampling.penalized and not self.options.sampling_penalties:
+            raise RequestError("this engine was built without sampling penalties (sampling_penalties=False): "
+                               "repetition / frequency / presence penalties and logit_bias are not available")
+        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < v for t, _ in sampling.logit_bias):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {v})")
         if sampling.min_tokens and len(self._banned(sampling)) > MAX_BANNED:
             raise RequestError(f"min_tokens bans the stop and EOS token ids until it is reached, which works for at "
                                f"most {MAX_BANNED} distinct ids; this request has {len(self._banned(sampling))}")
@@ -793,8 +825,8 @@ class Engine:
         rid = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else rid
         stats = RequestStats(time.perf_counter())
-        # min_tokens bans and per-token logprobs exist on the AR path only
-        if self.spec_cfg is not None and not sampling.min_tokens and not sampling.logprobs:
+        # min_tokens bans, per-token logprobs and penalties exist on the AR path only
+        if self.spec_cfg is not None and not sampling.min_tokens and not sampling.logprobs and not sampling.penalized:
             stats.spec_mode = "ddtree"
         self.waiting.append(_Request(rid, ids, sampling, seed, stats))
         return rid
@@ -936,8 +968,35 @@ class Engine:
             self.waiting.popleft()
             self.pools[k].admit(r.rid, need)
             r.replica, r.slot = k, self.replica_slots[k].pop(0)
+            if r.sp.penalized:
+                self._start_penalties(r)
             r.stats.admitted = time.perf_counter()
             self.running[r.rid] = r
+
+    def _start_penalties(self, r: _Request) -> None:
+        """Write the request's row of the slots' penalty tables: nothing generated yet, its prompt, its biases."""
+        v = self.cfg.vocab_size
+        prompt = np.zeros(v, np.bool_)
+        prompt[r.prompt] = True
+        bias = np.zeros(v, np.float32)
+        for t, b in r.sp.logit_bias:
+            bias[t] += b
+        at = np.array([r.slot] if self.dp == 1 else [r.replica, r.slot], np.int32)
+        self.state = dataclasses.replace(self.state, pen=self._penalty_writer()(self.state.pen, at, prompt, bias))
+
+    def _penalty_writer(self) -> Callable:
+        """``SlotPenalties.set_row`` compiled for this engine's tables (``(pen, at, prompt, bias) -> pen'``; kept with
+        the step executables as ``("penalties", 1)``)."""
+        fn = self._exec.get(("penalties", 1))
+        if fn is None:
+            pen = self.state.pen
+            sh = None if self.layout is None else self.layout.state(self.state).pen
+            fn = jax.jit(lambda pen, at, p, b: pen.set_row(tuple(at), p, b), donate_argnums=(0,), out_shardings=sh)
+            v = self.cfg.vocab_size
+            fn = self._exec[("penalties", 1)] = fn.lower(
+                pen, jax.ShapeDtypeStruct((1 if self.dp == 1 else 2,), jnp.int32),
+                jax.ShapeDtypeStruct((v,), jnp.bool_), jax.ShapeDtypeStruct((v,), jnp.float32)).compile()
+        return fn
 
     def _free(self, r: _Request) -> None:
         if r.rid in self.running:
@@ -1028,7 +1087,8 @@ class Engine:
         return SamplingArrays.from_rows(
             [RowSampling() if r is None else
              RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
-                         self._banned(r.sp)) for r in rows], b)
+                         self._banned(r.sp), r.sp.repetition_penalty, r.sp.frequency_penalty, r.sp.presence_penalty,
+                         r.sp.penalized) for r in rows], b)
 
     def _dispatch_spec(self, rows: list[_Request]) -> "_InFlight | None":
         """Dispatch one speculative round for every row (KVFlash may defer some: None when none runs)."""

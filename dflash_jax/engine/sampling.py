@@ -1,4 +1,5 @@
-"""Per-row sampling on the device: greedy, temperature, top-k, top-p, each row its own seed.
+"""Per-row sampling on the device: greedy, temperature, top-k, top-p, each row its own seed; the penalties
+(repetition, frequency, presence) and ``logit_bias`` over the slot's ``SlotPenalties`` (``penalize``).
 
 Every per-request value is an array, never a static argument, so one compiled step serves any mix.
 A row's key is ``fold_in(key(seed), n_generated)``: a request's draws depend only on its own seed and
@@ -26,6 +27,12 @@ class SamplingArrays:
     step: jax.Array  # int32, tokens generated so far by the row's request
     banned: jax.Array  # [B, MAX_BANNED] int32 token ids (-1 = none) that may not be drawn ...
     ban_until: jax.Array  # [B] int32 ... while step < ban_until (min_tokens)
+    # penalties (``penalize``): float32 [B]; repetition 1 / frequency 0 / presence 0 = off; penalized [B] bool: the
+    # row's request uses a penalty or logit_bias (its SlotPenalties row was written at admission)
+    repetition: jax.Array
+    frequency: jax.Array
+    presence: jax.Array
+    penalized: jax.Array
 
     @classmethod
     def from_rows(cls, rows: list["RowSampling"], batch: int) -> "SamplingArrays":
@@ -37,11 +44,15 @@ class SamplingArrays:
         n = np.zeros(batch, np.int32)
         ban = np.full((batch, MAX_BANNED), -1, np.int32)
         until = np.zeros(batch, np.int32)
+        rep, freq, pres = np.ones(batch, np.float32), np.zeros(batch, np.float32), np.zeros(batch, np.float32)
+        pen = np.zeros(batch, np.bool_)
         for i, r in enumerate(rows):
             t[i], k[i], p[i], s[i], n[i], until[i] = r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, r.step, r.min_tokens
             ids = r.banned[:MAX_BANNED]
             ban[i, :len(ids)] = ids
-        return cls(temperature=t, top_k=k, top_p=p, seed=s, step=n, banned=ban, ban_until=until)
+            rep[i], freq[i], pres[i], pen[i] = r.repetition, r.frequency, r.presence, r.penalized
+        return cls(temperature=t, top_k=k, top_p=p, seed=s, step=n, banned=ban, ban_until=until, repetition=rep,
+                   frequency=freq, presence=pres, penalized=pen)
 
 
 MAX_BANNED = 8
@@ -58,6 +69,10 @@ class RowSampling:
     step: int = 0
     min_tokens: int = 0
     banned: tuple[int, ...] = ()
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+    penalized: bool = False
 
 
 def _sample_rows(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
@@ -84,10 +99,36 @@ def _sample_rows(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
 TOP_LOGPROBS = 8  # alternatives returned per step, for the API's top_logprobs
 
 
+def penalize(pen, slots: jax.Array, last: jax.Array, counted: jax.Array, sa: SamplingArrays, logits: jax.Array):
+    """Count each row's newest generated token, then apply its penalties and logit_bias.
+
+    pen: ``state.SlotPenalties`` (``[n_slots, V]`` tables); slots [B] the rows' slots; last [B] int32 the row's
+    newest generated token (a decode step's input), counted where ``counted`` [B] bool; logits [B, V] float32.
+    For a penalized row, over the tokens its request has generated (``counts``) and, for the repetition penalty,
+    its prompt's too (vLLM's and transformers' rules): ``l / r`` where ``l > 0`` else ``l * r`` (repetition
+    ``r``), then ``l - frequency * count - presence * (count > 0)`` (OpenAI's), then ``+ bias``. Other rows are
+    untouched, and the whole adjustment is skipped when no row is penalized. Returns ``(pen', logits')``.
+    """
+    counts = pen.counts.at[slots, last].add(counted.astype(jnp.int32), mode="drop")
+    pen = dataclasses.replace(pen, counts=counts)
+
+    def adjust(logits):
+        c = counts[slots]  # [B, V]
+        gen = c > 0
+        rep = sa.repetition[:, None]
+        out = jnp.where(gen | pen.prompt[slots], jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        out = out - sa.frequency[:, None] * c.astype(jnp.float32) - sa.presence[:, None] * gen.astype(jnp.float32)
+        out = out + pen.bias[slots]
+        return jnp.where(sa.penalized[:, None], out, logits)
+
+    return pen, jax.lax.cond(jnp.any(sa.penalized), adjust, lambda l: l, logits)
+
+
 def sample(logits: jax.Array, sa: SamplingArrays):
     """logits [B, V] float32 -> (tokens [B] int32, their logprobs [B], top ids [B, K], top logprobs [B, K]).
 
-    Log-probabilities are of the model's distribution (before temperature / top-k / top-p).
+    Log-probabilities are of the model's distribution (before temperature / top-k / top-p; after the penalties
+    and logit_bias of ``penalize``, which change the distribution the tokens are drawn from).
     """
     v = logits.shape[-1]
     active = (sa.step < sa.ban_until)[:, None] & (sa.banned >= 0)

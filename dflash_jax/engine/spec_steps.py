@@ -162,7 +162,7 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
     toks = jnp.where(keep, jnp.take_along_axis(tree.tokens, idx, axis=1), -1)
     out = SpecOutput(accepted=toks, n_accepted=n_acc, bonus=bonus,
                      tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32), draft_query=draft_query)
-    return EngineState(kv=kv, rec=rec), dkv, out
+    return EngineState(kv=kv, rec=rec, pen=state.pen), dkv, out  # penalized requests decode AR
 
 
 def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.engine.sampling import SamplingArrays, sample
+from dflash_jax.engine.sampling import SamplingArrays, penalize, sample
 from dflash_jax.models import qwen36
 from dflash_jax.state import DraftKV, EngineState, StepInput
 
@@ -53,6 +53,10 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
     last = jnp.clip(inp.n_valid - 1, 0, inp.tokens.shape[1] - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = qwen36.lm_logits(params, h_last)
+    pen = state.pen
+    if pen is not None:  # a decode step's input is the row's newest generated token once it has generated one
+        counted = (inp.n_valid > 0) & (samp.step > 0) if inp.tokens.shape[1] == 1 else jnp.zeros_like(samp.penalized)
+        pen, logits = penalize(pen, inp.slots, inp.tokens[:, 0], counted, samp, logits.astype(jnp.float32))
     tok, logp, top_ids, top_lp = sample(logits, samp)
     query = None
     if query_tail:
@@ -61,7 +65,7 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
         at = jnp.clip(inp.n_valid[:, None] - query_tail + jnp.arange(query_tail)[None], 0, t - 1)  # [B, Q]
         query = jnp.stack([jnp.take_along_axis(q, at[:, :, None, None], axis=1) for q in qs], axis=2)
         query = query.astype(jnp.float32)  # [B, Q, L, H, hd]
-    return EngineState(kv=kv, rec=rec), dkv, StepOutput(tok, logp, top_ids, top_lp, query)
+    return EngineState(kv=kv, rec=rec, pen=pen), dkv, StepOutput(tok, logp, top_ids, top_lp, query)
 
 
 def step_fn(cfg: TargetConfig, dcfg: DrafterConfig | None = None, query_tail: int = 0):

@@ -254,7 +254,7 @@ class KVFlashDevice:
                 slabs += [self._zero()] * (b - len(part))
                 tensors = self._in_fn(b)(tensors, tuple(slabs), idx)
         kv, d = _split(tensors, self.n_k, self.has_draft, self.n_dk)
-        return EngineState(kv=kv, rec=state.rec), d
+        return EngineState(kv=kv, rec=state.rec, pen=state.pen), d
 
     def summaries(self, state: EngineState, phys: Sequence[int]) -> np.ndarray:
         """[n, L*Hkv*D] float32 mean target keys of the given physical pages (blocks until ready)."""

@@ -99,10 +99,13 @@ class Server:
     def _sampling(self, req, stops: tuple[str, ...]) -> SamplingParams:
         max_tokens = req.max_completion_tokens or req.max_tokens or 16
         wants_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else bool(req.logprobs)
+        req.check_response_format()
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
                               top_p=req.top_p, seed=req.seed, stop=stops,
                               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                              min_tokens=req.min_tokens, logprobs=wants_logprobs)
+                              min_tokens=req.min_tokens, logprobs=wants_logprobs,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_pairs())
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -204,9 +207,10 @@ class Server:
         if req.echo or req.suffix:
             raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
         stops = req.stop_list()
+        sp = self._sampling(req, stops)
         prompt = self._completion_prompt(req)
         effective, prep = await self._prepare(prompt, tools=False)
-        subs = await self._start(effective, self._sampling(req, stops), req.n)
+        subs = await self._start(effective, sp, req.n)
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -236,11 +240,12 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         stops = req.stop_list()
+        sp = self._sampling(req, stops)
         # a tool-calling request (tools offered, or tool turns in the history) is never compressed (issue: "requests
         # with tools are never prompt-compressed"), whatever --prefill-compression says
         tool_request = bool(req.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
         effective, prep = await self._prepare(prompt, tools=tool_request)
-        subs = await self._start(effective, self._sampling(req, stops), req.n)
+        subs = await self._start(effective, sp, req.n)
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:

@@ -43,6 +43,33 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
+    # OpenAI's penalties and logit_bias ({"token id": bias}), vLLM's repetition_penalty; requests with any of them
+    # decode without speculation
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not implemented
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; 400 for keys that are not token ids or values out of range."""
+        out = []
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+            if not -100.0 <= v <= 100.0:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {v} for {k}", param="logit_bias")
+            out.append((t, float(v)))
+        return tuple(out)
+
+    def check_response_format(self) -> None:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain output "
+                                "to JSON (structured output); omit response_format or use {\"type\": \"text\"}",
+                           param="response_format")
 
     def stop_list(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
