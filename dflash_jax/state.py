@@ -78,27 +78,35 @@ class SlotPenalties:
     null); written at admission for requests that use them (``set_row``), counted by every decode step.
 
     counts: [n_slots, V] int32 tokens the request has generated (frequency / presence / repetition penalties);
-    prompt: [n_slots, V] bool tokens of its prompt (repetition penalty); bias: [n_slots, V] float32 its logit_bias.
+    prompt: [n_slots, V] bool tokens of its prompt (repetition penalty); bias: [n_slots, V] float32 its logit_bias;
+    allow: [n_slots, ceil(V / 32)] uint32 bitmask of the tokens its structured-output automaton allows next (bit
+    i % 32 of word i // 32; all set for an unconstrained request).
     """
 
     counts: jax.Array
     prompt: jax.Array
     bias: jax.Array
+    allow: jax.Array
 
     @classmethod
     def zeros(cls, n_slots: int, vocab: int) -> "SlotPenalties":
         return cls(counts=jnp.zeros((n_slots, vocab), jnp.int32), prompt=jnp.zeros((n_slots, vocab), jnp.bool_),
-                   bias=jnp.zeros((n_slots, vocab), jnp.float32))
+                   bias=jnp.zeros((n_slots, vocab), jnp.float32),
+                   allow=jnp.full((n_slots, -(-vocab // 32)), 0xFFFFFFFF, jnp.uint32))
 
     @staticmethod
     def bytes_per_slot(vocab: int) -> int:
-        return vocab * (4 + 1 + 4)
+        return vocab * (4 + 1 + 4) + 4 * -(-vocab // 32)
 
-    def set_row(self, at: tuple, prompt: jax.Array, bias: jax.Array) -> "SlotPenalties":
+    def set_row(self, at: tuple, prompt: jax.Array, bias: jax.Array, allow: jax.Array) -> "SlotPenalties":
         """Start a request in row ``at`` (``(slot,)``, or ``(replica, slot)`` with a leading replica axis): no
-        tokens generated, ``prompt [V]`` bool, ``bias [V]`` float32."""
+        tokens generated, ``prompt [V]`` bool, ``bias [V]`` float32, ``allow [V / 32]`` uint32."""
         return SlotPenalties(counts=self.counts.at[at].set(0), prompt=self.prompt.at[at].set(prompt),
-                             bias=self.bias.at[at].set(bias))
+                             bias=self.bias.at[at].set(bias), allow=self.allow.at[at].set(allow))
+
+    def set_allow(self, at: tuple, allow: jax.Array) -> "SlotPenalties":
+        """The tokens row ``at``'s automaton allows next (``[V / 32]`` uint32 bitmask)."""
+        return dataclasses.replace(self, allow=self.allow.at[at].set(allow))
 
 
 @_pytree

@@ -233,6 +233,27 @@ def test_logit_bias_and_penalties_reach_the_sampler(client):
     assert streamed == repeat
 
 
+def test_structured_output_through_the_api(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+              "required": ["ok", "size"]}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a size."}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert isinstance(obj["ok"], bool) and obj["size"] in ("S", "M", "L") and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].telemetry["spec_mode"] == "ar"
+    c = client.completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=0.8, seed=2,
+                                  extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert c.choices[0].text in ("yes", "no", "maybe")
+    rx = client.completions.create(model=MODEL, prompt="id:", max_tokens=8, temperature=0,
+                                   extra_body={"guided_regex": "[a-c]{3}[0-9]"})
+    assert re.fullmatch("[a-c]{3}[0-9]", rx.choices[0].text)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a size."}], max_tokens=40, temperature=0,
+        stream=True, response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
+
+
 BAD = [
     ("post", "/v1/completions", b"{not json", 400, "JSON"),
     ("json", "/v1/completions", {"model": "nope", "prompt": [1], "max_tokens": 2}, 404, "does not exist"),
@@ -253,7 +274,18 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "presence_penalty": 3}, 400, "presence_penalty"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                      "response_format": {"type": "json_object"}}, 400, "response_format"),
+                                      "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "response_format": {"type": "json_schema"}}, 400, "json_schema"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400,
+     "at most one"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "response_format": {"type": "json_object"},
+                                      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     400, "tools"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "guided_regex": "(unclosed"}, 400, "automaton"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "guided_choice": []}, 400, "guided_choice"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
@@ -291,6 +323,11 @@ _FIELDS = {"model": st.sampled_from([MODEL, "other", "", None]),
            "repetition_penalty": st.floats(-1, 12),
            "logit_bias": st.dictionaries(st.one_of(st.integers(-2, 600).map(str), st.text(max_size=3)),
                                          st.floats(-150, 150), max_size=4),
+           "guided_choice": st.lists(st.text(max_size=3), max_size=3),
+           "guided_regex": st.sampled_from(["[ab]{2}", "(", "x*", ""]),
+           "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                               {"type": "json_schema", "json_schema": {"schema": {"enum": ["a"]}}},
+                                               {"type": 3}]),
            "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x", "tool"]),
                                                        "content": st.one_of(st.text(max_size=20), st.none())}),
                                 max_size=3)}

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import threading
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -29,6 +30,7 @@ from dflash_jax.engine.hostpack import Packing
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
 from dflash_jax.engine.steps import StepOutput, step
+from dflash_jax.engine.structured import Constraint, Matcher, Structured, StructuredError
 from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.kv.kvflash import DEVICE_SCORINGS, KVFlashOptions, Plan, Residency, resolve_pool_tokens
 from dflash_jax.kv import quant as kv_quant
@@ -70,11 +72,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # structured output: the text must match this (engine/structured.py); such requests decode AR too
+    constraint: Constraint | None = None
 
     @property
     def penalized(self) -> bool:
+        """Whether the request needs its row of the slots' penalty tables (penalties, biases or a constraint)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.constraint is not None)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -183,6 +188,7 @@ class _Request:
     text: str | None = None  # set when a stop string ended the request: the text before it
     finish: FinishReason | None = None
     emitted: int = 0  # tokens handed to the caller so far
+    matcher: Matcher | None = None  # structured output: where the request's text is in its automaton
     kv_wait: float = 0.0  # seconds of KVFlash residency work (planning + transfer dispatch) in its steps
 
     @property
@@ -405,6 +411,8 @@ class Engine:
         self._packings: dict[tuple[str, int], Packing] = {}  # (kind, bucket) -> layout of its host inputs
         self._exec: dict[tuple[str, int], Callable] = {}
         self._inflight: _InFlight | None = None  # overlap: the decode / speculative step not yet applied
+        self.structured: Structured | None = None  # structured output's automata (built at the first constraint)
+        self._structured_lock = threading.Lock()
         # shared with a background device user (the PFlash scorer) so that they take turns (engine/turns.py)
         self.turns: DeviceTurns | None = None
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -761,7 +769,8 @@ class Engine:
             return key, exe, time.perf_counter() - t0
 
         if self.state.pen is not None:
-            self._penalty_writer()
+            self._penalty_writer("set_row")
+            self._penalty_writer("set_allow")
         if self.kvf is not None and "kvflash" not in self.warmup_report:
             t0 = time.perf_counter()
             self.kvf.warmup(self.state, self.dkv)
@@ -812,6 +821,7 @@ class Engine:
                                "repetition / frequency / presence penalties and logit_bias are not available")
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < v for t, _ in sampling.logit_bias):
             raise RequestError(f"logit_bias keys must be token ids in [0, {v})")
+        matcher = self.start_constraint(sampling.constraint) if sampling.constraint is not None else None
         if sampling.min_tokens and len(self._banned(sampling)) > MAX_BANNED:
             raise RequestError(f"min_tokens bans the stop and EOS token ids until it is reached, which works for at "
                                f"most {MAX_BANNED} distinct ids; this request has {len(self._banned(sampling))}")
@@ -828,8 +838,21 @@ class Engine:
         # min_tokens bans, per-token logprobs and penalties exist on the AR path only
         if self.spec_cfg is not None and not sampling.min_tokens and not sampling.logprobs and not sampling.penalized:
             stats.spec_mode = "ddtree"
-        self.waiting.append(_Request(rid, ids, sampling, seed, stats))
+        self.waiting.append(_Request(rid, ids, sampling, seed, stats, matcher=matcher))
         return rid
+
+    def start_constraint(self, c: Constraint) -> Matcher:
+        """A fresh matcher of ``c`` (its automaton is built on first use and cached: the server builds it off the
+        engine thread first). Raises RequestError for a constraint that cannot be built."""
+        if self.tokenizer is None:
+            raise RequestError("structured output needs the model's tokenizer (tokenizer.json)")
+        try:
+            with self._structured_lock:
+                if self.structured is None:
+                    self.structured = Structured(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids)
+            return self.structured.start(c)
+        except StructuredError as e:
+            raise RequestError(str(e)) from None
 
     def _banned(self, sp: SamplingParams) -> tuple[int, ...]:
         """Token ids that end the request (banned from sampling until min_tokens), without duplicates."""
@@ -981,21 +1004,42 @@ class Engine:
         bias = np.zeros(v, np.float32)
         for t, b in r.sp.logit_bias:
             bias[t] += b
-        at = np.array([r.slot] if self.dp == 1 else [r.replica, r.slot], np.int32)
-        self.state = dataclasses.replace(self.state, pen=self._penalty_writer()(self.state.pen, at, prompt, bias))
+        allow = r.matcher.mask() if r.matcher is not None else np.full(-(-v // 32), 0xFFFFFFFF, np.uint32)
+        self.state = dataclasses.replace(self.state, pen=self._penalty_writer("set_row")(
+            self.state.pen, self._pen_at(r), prompt, bias, allow))
 
-    def _penalty_writer(self) -> Callable:
-        """``SlotPenalties.set_row`` compiled for this engine's tables (``(pen, at, prompt, bias) -> pen'``; kept with
-        the step executables as ``("penalties", 1)``)."""
-        fn = self._exec.get(("penalties", 1))
+    def _pen_at(self, r: _Request) -> np.ndarray:
+        return np.array([r.slot] if self.dp == 1 else [r.replica, r.slot], np.int32)
+
+    def _advance_constraint(self, r: _Request, tok: int) -> None:
+        """Move a constrained request's automaton past ``tok`` and write what it allows next."""
+        try:
+            r.matcher.advance(tok)
+            allow = r.matcher.mask()
+        except Exception as e:  # noqa: BLE001 - a token the automaton refuses: fail this request alone
+            self._fail(r, f"structured output: the automaton refused token {tok}: {e}")
+            return
+        self.state = dataclasses.replace(self.state, pen=self._penalty_writer("set_allow")(
+            self.state.pen, self._pen_at(r), allow))
+
+    def _penalty_writer(self, which: str) -> Callable:
+        """``SlotPenalties.set_row`` (``(pen, at, prompt, bias, allow) -> pen'``) or ``.set_allow`` (``(pen, at,
+        allow) -> pen'``) compiled for this engine's tables (kept with the step executables as ``(which, 1)``)."""
+        fn = self._exec.get((which, 1))
         if fn is None:
             pen = self.state.pen
             sh = None if self.layout is None else self.layout.state(self.state).pen
-            fn = jax.jit(lambda pen, at, p, b: pen.set_row(tuple(at), p, b), donate_argnums=(0,), out_shardings=sh)
             v = self.cfg.vocab_size
-            fn = self._exec[("penalties", 1)] = fn.lower(
-                pen, jax.ShapeDtypeStruct((1 if self.dp == 1 else 2,), jnp.int32),
-                jax.ShapeDtypeStruct((v,), jnp.bool_), jax.ShapeDtypeStruct((v,), jnp.float32)).compile()
+            at = jax.ShapeDtypeStruct((1 if self.dp == 1 else 2,), jnp.int32)
+            allow = jax.ShapeDtypeStruct((-(-v // 32),), jnp.uint32)
+            if which == "set_row":
+                f = lambda pen, at, p, b, a: pen.set_row(tuple(at), p, b, a)  # noqa: E731
+                args = (jax.ShapeDtypeStruct((v,), jnp.bool_), jax.ShapeDtypeStruct((v,), jnp.float32), allow)
+            else:
+                f = lambda pen, at, a: pen.set_allow(tuple(at), a)  # noqa: E731
+                args = (allow,)
+            fn = self._exec[(which, 1)] = jax.jit(f, donate_argnums=(0,), out_shardings=sh).lower(
+                pen, at, *args).compile()
         return fn
 
     def _free(self, r: _Request) -> None:
@@ -1135,6 +1179,8 @@ class Engine:
                 or (want == "spec" and self.options.cohort_yield_min > 0
                     and any(r.stats.spec_steps == r.stats.probe_base for r in dec))
                 or any((r.stats.spec_mode == "ddtree") != (want == "spec") for r in dec)
+                # a constrained request's next mask follows from the token in flight
+                or any(r.matcher is not None for r in dec)
                 or (self.options.cohort_reprobe_tokens and want == "decode" and any(
                     r.stats.spec_mode == "yielded" and len(r.tokens) + self.ahead - r.stats.yielded_at
                     >= r.stats.reprobe_after for r in dec))):
@@ -1313,6 +1359,10 @@ class Engine:
         r.tokens.append(tok)
         r.logprobs.append(logprob)
         r.top.append(top)
+        if r.matcher is not None:
+            self._advance_constraint(r, tok)
+            if r.finish is not None:
+                return
         if r.sp.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(r.tokens)
             hits = [i for i in (text.find(s) for s in r.sp.stop) if i >= 0]

@@ -106,8 +106,9 @@ def penalize(pen, slots: jax.Array, last: jax.Array, counted: jax.Array, sa: Sam
     newest generated token (a decode step's input), counted where ``counted`` [B] bool; logits [B, V] float32.
     For a penalized row, over the tokens its request has generated (``counts``) and, for the repetition penalty,
     its prompt's too (vLLM's and transformers' rules): ``l / r`` where ``l > 0`` else ``l * r`` (repetition
-    ``r``), then ``l - frequency * count - presence * (count > 0)`` (OpenAI's), then ``+ bias``. Other rows are
-    untouched, and the whole adjustment is skipped when no row is penalized. Returns ``(pen', logits')``.
+    ``r``), then ``l - frequency * count - presence * (count > 0)`` (OpenAI's), then ``+ bias``, then -inf for
+    the tokens its ``allow`` bitmask leaves out (structured output). Other rows are untouched, and the whole
+    adjustment is skipped when no row is penalized. Returns ``(pen', logits')``.
     """
     counts = pen.counts.at[slots, last].add(counted.astype(jnp.int32), mode="drop")
     pen = dataclasses.replace(pen, counts=counts)
@@ -119,6 +120,9 @@ def penalize(pen, slots: jax.Array, last: jax.Array, counted: jax.Array, sa: Sam
         out = jnp.where(gen | pen.prompt[slots], jnp.where(logits > 0, logits / rep, logits * rep), logits)
         out = out - sa.frequency[:, None] * c.astype(jnp.float32) - sa.presence[:, None] * gen.astype(jnp.float32)
         out = out + pen.bias[slots]
+        v = jnp.arange(logits.shape[-1], dtype=jnp.uint32)
+        bit = (jnp.take(pen.allow[slots], v // 32, axis=1) >> (v % 32)) & 1  # [B, V]
+        out = jnp.where(bit == 1, out, -jnp.inf)
         return jnp.where(sa.penalized[:, None], out, logits)
 
     return pen, jax.lax.cond(jnp.any(sa.penalized), adjust, lambda l: l, logits)

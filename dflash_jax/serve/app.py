@@ -99,13 +99,21 @@ class Server:
     def _sampling(self, req, stops: tuple[str, ...]) -> SamplingParams:
         max_tokens = req.max_completion_tokens or req.max_tokens or 16
         wants_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else bool(req.logprobs)
-        req.check_response_format()
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
                               top_p=req.top_p, seed=req.seed, stop=stops,
                               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                               min_tokens=req.min_tokens, logprobs=wants_logprobs,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                              repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_pairs())
+                              repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_pairs(),
+                              constraint=req.constraint())
+
+    async def _build_constraint(self, sp: SamplingParams) -> None:
+        """Build a constrained request's automaton off the engine thread (it is cached: submit finds it)."""
+        if sp.constraint is not None:
+            try:
+                await asyncio.to_thread(self.engine.start_constraint, sp.constraint)
+            except RequestError as e:
+                raise APIError(400, str(e), param="response_format") from e
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -208,6 +216,7 @@ class Server:
             raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
         stops = req.stop_list()
         sp = self._sampling(req, stops)
+        await self._build_constraint(sp)
         prompt = self._completion_prompt(req)
         effective, prep = await self._prepare(prompt, tools=False)
         subs = await self._start(effective, sp, req.n)
@@ -231,7 +240,14 @@ class Server:
         if tok is None:
             raise APIError(400, "this model has no tokenizer/chat template; use /v1/completions with token ids")
         kwargs = req.chat_template_kwargs or {}
-        thinking = bool(kwargs.get("enable_thinking", self.default_thinking))
+        stops = req.stop_list()
+        sp = self._sampling(req, stops)
+        if sp.constraint is not None and req.tools:
+            raise APIError(400, "structured output (response_format / guided_*) cannot be combined with tools",
+                           param="response_format")
+        # a constrained reply is the answer itself: no reasoning block before it (the thinking-off template)
+        thinking = bool(kwargs.get("enable_thinking", self.default_thinking)) and sp.constraint is None
+        await self._build_constraint(sp)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         sel = self._tool_selection(req, thinking)
         try:
@@ -239,8 +255,6 @@ class Server:
                                              assistant_prefix=sel.forced)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
-        stops = req.stop_list()
-        sp = self._sampling(req, stops)
         # a tool-calling request (tools offered, or tool turns in the history) is never compressed (issue: "requests
         # with tools are never prompt-compressed"), whatever --prefill-compression says
         tool_request = bool(req.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_jax.engine.structured import Constraint
 
 MAX_STOP = 16
 
@@ -49,7 +52,12 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not implemented
+    # structured output: OpenAI's response_format (text / json_object / json_schema) or vLLM's guided_json /
+    # guided_regex / guided_choice; at most one
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; 400 for keys that are not token ids or values out of range."""
@@ -64,12 +72,37 @@ class _Common(BaseModel):
             out.append((t, float(v)))
         return tuple(out)
 
-    def check_response_format(self) -> None:
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain output "
-                                "to JSON (structured output); omit response_format or use {\"type\": \"text\"}",
-                           param="response_format")
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint the request asks for (None: free text); 400 for a malformed one."""
+        found: list[tuple[str, Constraint]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", Constraint("json_object")))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, 'response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                                        '{...}}}', param="response_format")
+                found.append(("response_format", Constraint("json_schema", json.dumps(schema))))
+            elif kind != "text":
+                raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                               param="response_format")
+        if self.guided_json is not None:
+            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            found.append(("guided_json", Constraint("json_schema", schema)))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", Constraint("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            if not self.guided_choice or not all(self.guided_choice):
+                raise APIError(400, "guided_choice needs a non-empty list of non-empty strings", param="guided_choice")
+            found.append(("guided_choice", Constraint("choice", json.dumps(self.guided_choice))))
+        if len(found) > 1:
+            raise APIError(400, f"at most one of response_format, guided_json, guided_regex and guided_choice, got "
+                                f"{[n for n, _ in found]}", param=found[1][0])
+        return found[0][1] if found else None
 
     def stop_list(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
