@@ -254,6 +254,22 @@ def test_structured_output_through_the_api(client):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
 
 
+def test_tokenize_and_detokenize(server, client):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server["base"] + "/tokenize", json={"model": MODEL, "prompt": "def add(a, b):"}, headers=h).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 256
+    back = httpx.post(server["base"] + "/detokenize", json={"tokens": r["tokens"]}, headers=h).json()
+    assert back["prompt"] == "def add(a, b):"
+    msgs = [{"role": "user", "content": "Hello world"}]
+    chat = httpx.post(server["base"] + "/tokenize", json={"messages": msgs}, headers=h).json()
+    done = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert chat["count"] == done.usage.prompt_tokens  # the prompt the chat endpoint bills
+    for body, path in (({"tokens": [99999]}, "/detokenize"), ({"prompt": "a", "messages": msgs}, "/tokenize"),
+                       ({}, "/tokenize"), ({"prompt": "a", "model": "nope"}, "/tokenize")):
+        e = httpx.post(server["base"] + path, json=body, headers=h)
+        assert e.status_code in (400, 404) and e.json()["error"]["message"], (body, e.text)
+
+
 BAD = [
     ("post", "/v1/completions", b"{not json", 400, "JSON"),
     ("json", "/v1/completions", {"model": "nope", "prompt": [1], "max_tokens": 2}, 404, "does not exist"),

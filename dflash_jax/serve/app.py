@@ -31,7 +31,7 @@ from dflash_jax.engine.loop import Engine, RequestError, RequestOutput, Sampling
 from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.kv.pages import RequestTooLarge
 from dflash_jax.serve.metrics import Metrics
-from dflash_jax.serve.protocol import APIError, ChatRequest, CompletionRequest
+from dflash_jax.serve.protocol import APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from dflash_jax.serve.runner import EngineRunner
 
 log = logging.getLogger("dflash_jax.serve")
@@ -232,6 +232,36 @@ class Server:
             choices.append(c)
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(len(prompt), outs)}
+
+    # ---- /tokenize, /detokenize -------------------------------------------------------------------
+    def _tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (tokenizer.json): token ids only")
+        return self.engine.tokenizer
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt)
+        else:
+            thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking", self.default_thinking))
+            try:
+                ids = tok.apply_chat_template(req.messages, enable_thinking=thinking,
+                                              add_generation_prompt=req.add_generation_prompt)
+            except (ValueError, TypeError, KeyError) as e:
+                raise APIError(400, f"messages: {e}", param="messages") from e
+        return {"count": len(ids), "max_model_len": self.engine.options.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        v = self.engine.cfg.vocab_size
+        if any(not 0 <= t < v for t in req.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {v})", param="tokens")
+        return {"prompt": tok.decode(list(req.tokens), skip_special_tokens=False)}
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
     async def chat(self, request: Request, req: ChatRequest):
@@ -551,6 +581,18 @@ def build_app(server: Server) -> FastAPI:
     async def chat(request: Request, body: ChatRequest):
         out = await server.chat(request, body)
         server.metrics.requests.labels("/v1/chat/completions", "200").inc()
+        return out
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        out = server.tokenize(body)
+        server.metrics.requests.labels("/tokenize", "200").inc()
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        out = server.detokenize(body)
+        server.metrics.requests.labels("/detokenize", "200").inc()
         return out
 
     return app
