@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import dflash_jax as dj
@@ -98,6 +98,7 @@ def test_qmatmul_equals_matmul_with_dequantized_weight(out, inn, tokens, block, 
 @settings(max_examples=25, deadline=None)
 @given(out=st.integers(1, 16), inn=st.sampled_from([32, 40, 96]), tokens=st.integers(1, 5), seed=st.integers(0, 999),
        many=st.booleans(), log_range=st.floats(-3, 3))
+@example(out=9, inn=96, tokens=1, seed=654, many=False, log_range=0.0)  # an element a few ulps past half a step
 def test_int8_blocks_round_trip_requantize_exactly_and_multiply_like_the_dequantized_weight(out, inn, tokens, seed,
                                                                                            many, log_range):
     """Q8_0's layout: int8 with a scale per 32 inputs of a row; each element within half a step of its block;
@@ -109,7 +110,8 @@ def test_int8_blocks_round_trip_requantize_exactly_and_multiply_like_the_dequant
     assert q.data.dtype == jnp.int8 and q.block == quant.INT8_BLOCK and q.scale.shape == (out, -(-inn // 32))
     sfull = np.asarray(quant.block_scale_full(q.scale, q.block, q.shape))
     d = np.asarray(quant.dequantize(q))
-    assert np.all(np.abs(d - np.asarray(w)) <= sfull / 2 * (1 + 1e-6))
+    # half a step, plus the float32 rounding of q * scale (a weight at a step's midpoint can land a few ulps over)
+    assert np.all(np.abs(d - np.asarray(w)) <= sfull / 2 * (1 + 1e-6) + 4 * np.spacing(np.abs(np.asarray(w))))
     assert np.abs(np.asarray(q.data)).max() == 127
     again = quant.quantize_int8(jnp.asarray(d))
     np.testing.assert_array_equal(np.asarray(again.data), np.asarray(q.data))
