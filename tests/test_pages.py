@@ -212,6 +212,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a: PageAllocator | None = None
         self.next_id = 0
         self.model: dict[int, dict] = {}  # seq_id -> {"tokens", "limit"}
+        self.holds: list[tuple[int, ...]] = []  # pages held (as the prefix cache holds a cached prefix's)
 
     @precondition(lambda self: self.a is None)
     @rule(n_pages=st.integers(2, 40), page_size=st.sampled_from([1, 2, 3, 16]))
@@ -300,6 +301,43 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.a.release(sid)
 
     @precondition(lambda self: self.a is not None)
+    @rule(sid=seqs, frac=st.floats(0, 1))
+    def hold(self, sid, frac):
+        if sid not in self.model:
+            return
+        full = self.model[sid]["tokens"] // self.a.page_size
+        pages = self.a.pages_of(sid)[: int(frac * full)]
+        if pages:
+            self.a.hold(pages)
+            self.holds.append(pages)
+
+    @precondition(lambda self: self.a is not None and self.holds)
+    @rule(i=st.integers(0, 1000))
+    def drop(self, i):
+        pages = self.holds.pop(i % len(self.holds))
+        free_before = self.a.num_free
+        self.a.drop(pages)
+        still = {p for s in self.model for p in self.a.pages_of(s)} | {p for h in self.holds for p in h}
+        assert self.a.num_free == free_before + sum(p not in still for p in pages)
+
+    @precondition(lambda self: self.a is not None and self.holds)
+    @rule(target=seqs, i=st.integers(0, 1000), extra=st.integers(0, 40))
+    def admit_over_prefix(self, i, extra):
+        a = self.a
+        prefix = self.holds[i % len(self.holds)]
+        n = len(prefix) * a.page_size + extra
+        sid, self.next_id = self.next_id, self.next_id + 1
+        if n > a.capacity_tokens or a.pages_needed(n) - len(prefix) > a.num_free:
+            assert not a.can_admit(n, len(prefix))
+            return sid
+        free_before = a.num_free
+        a.admit(sid, n, prefix)
+        assert a.pages_of(sid) == prefix and a.num_tokens(sid) == len(prefix) * a.page_size
+        assert a.num_free == free_before - (a.pages_needed(n) - len(prefix))
+        self.model[sid] = {"tokens": len(prefix) * a.page_size, "limit": n, "guaranteed": True}
+        return sid
+
+    @precondition(lambda self: self.a is not None)
     @rule(width=st.integers(0, 40))
     def tables(self, width):
         ids = sorted(self.model)
@@ -325,6 +363,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         for sid in list(self.model):
             self.a.release(sid)
+        self.a.check_invariants()
+        assert self.a.num_held == len({p for h in self.holds for p in h})
+        for pages in self.holds:
+            self.a.drop(pages)
         self.a.check_invariants()
         assert self.a.num_free == self.a.n_pages - 1
         assert self.a.num_used == 0 and self.a.num_reserved == 0

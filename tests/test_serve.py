@@ -630,6 +630,27 @@ def test_ddtree_flags_start_a_speculative_server(tmp_path):
         proc.wait(60)
 
 
+def test_prefix_cache_flag_reuses_prompt_prefixes(tmp_path, client):
+    """--prefix-cache: a prompt sharing a cached prefix reports it in usage and answers as the server without."""
+    model = _model_dir(str(tmp_path))
+    proc, base = _spawn(["--model", model, "--max-concurrency", "2", "--max-model-len", "128", "--page-size", "8",
+                         "--prefill-chunk", "16", "--prefix-cache", "2"])
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        head = list(range(20, 60))
+        kw = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        first = c.completions.create(prompt=head + [3, 4], **kw)
+        again = c.completions.create(prompt=head + [7, 8, 9], **kw)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == 32
+        assert again.choices[0].text == client.completions.create(prompt=head + [7, 8, 9], **kw).choices[0].text
+        m = httpx.get(base + "/metrics").text
+        assert "dflash_prefix_cache_hits_total 1.0" in m and "dflash_prefix_cache_tokens_total 32.0" in m
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
 def test_prefill_compression_bills_raw_and_prefills_effective(tmp_path):
     """--prefill-compression always: a long prompt is compressed once before admission; usage stays raw."""
     import jax

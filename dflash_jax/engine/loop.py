@@ -35,9 +35,10 @@ from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.kv.kvflash import DEVICE_SCORINGS, KVFlashOptions, Plan, Residency, resolve_pool_tokens
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
+from dflash_jax.kv.prefix_cache import PrefixCache
 from dflash_jax.models import quant, qwen36
 from dflash_jax.models.tokenizer import Tokenizer
-from dflash_jax.state import DraftKV, EngineState, SlotPenalties, StepInput
+from dflash_jax.state import DraftKV, EngineState, RecurrentSlots, SlotPenalties, StepInput
 from dflash_jax.sharding import Layout, to_host
 from dflash_jax.target import Target, load_target, shard_target
 
@@ -124,6 +125,7 @@ class RequestStats:
     reprobe_after: int = 0  # AR tokens before the next re-probe (doubles after each failed probe)
     kv: dict | None = None  # KVFlash residency telemetry (None when residency is unbounded)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache (not prefilled)
 
     def as_dict(self, n_out: int) -> dict:
         ttft = None if self.first_token is None else self.first_token - self.arrival
@@ -131,7 +133,7 @@ class RequestStats:
                else (self.finished - self.first_token) / (n_out - 1))
         return {"ttft_s": ttft, "tpot_s": dec, "queue_s": None if self.admitted is None else self.admitted - self.arrival,
                 "prefill_chunks": self.prefill_chunks, "decode_steps": self.decode_steps,
-                "e2e_s": None if self.finished is None else self.finished - self.arrival,
+                "cached_tokens": self.cached_tokens, "e2e_s": None if self.finished is None else self.finished - self.arrival,
                 "spec_mode": self.spec_mode, "draft_steps": self.spec_steps, "draft_nodes": self.draft_nodes,
                 "accepted_tokens": self.accepted_tokens,
                 "mean_accept_len": self.emitted_spec / self.spec_steps if self.spec_steps else None,
@@ -265,6 +267,11 @@ class EngineOptions:
     # (state.SlotPenalties: 9 bytes a vocabulary entry a slot, e.g. 145 MB for the 27B at 64 sequences); off:
     # requests that ask for them are refused
     sampling_penalties: bool = True
+    # prompt-prefix caching (kv/prefix_cache.py): this many recurrent-state snapshots (0 = off), each with the KV
+    # pages of a prompt prefix up to a prefill-chunk boundary; a request whose prompt starts with a cached prefix
+    # is admitted over its pages and prefills only the rest. One replica, without KVFlash; prefill_chunk must be a
+    # multiple of page_size
+    prefix_cache: int = 0
     # one matmul for the input projections that read the same activations (qwen36.fuse_projections), for an unsharded
     # target: the engine fuses a copy (the caller's Target is untouched; Target.fuse_projections() fuses one in place,
     # as the serve and bench entry points do, so the matrices are never held twice)
@@ -376,8 +383,19 @@ class Engine:
             self.pools = [self._residency(n_pages - 1)]
             n_pages = self.pools[0].n_pages
         self.replica_slots = [list(range(1, per_replica + 1)) for _ in range(dp)]  # free slots of each replica
+        self.prefix_cache: PrefixCache | None = None
+        if o.prefix_cache:
+            if o.prefix_cache < 0:
+                raise ValueError(f"prefix_cache must be >= 0 (snapshots kept), got {o.prefix_cache}")
+            if dp != 1 or self.kvflash_pool_tokens is not None:
+                raise ValueError("prefix caching runs with one replica and every page resident: it cannot be combined "
+                                 "with data_parallel > 1 or KVFlash; drop one of them")
+            # the slots past the requests' hold the snapshots
+            self.prefix_cache = PrefixCache(self.pools[0], o.prefill_chunk,
+                                            range(per_replica + 1, per_replica + 1 + o.prefix_cache))
         self._state_zeros = functools.partial(EngineState.zeros, self.cfg, n_pages=n_pages, page_size=o.page_size,
-                                              n_slots=per_replica + 1, dtype=self.dtype, kv_dtype=kv_dtype,
+                                              n_slots=per_replica + 1 + o.prefix_cache, dtype=self.dtype,
+                                              kv_dtype=kv_dtype,
                                               penalties=o.sampling_penalties)
         self.state = self.zero_state()
         self.dkv = None
@@ -768,6 +786,8 @@ class Engine:
             exe = lowered[key].compile()
             return key, exe, time.perf_counter() - t0
 
+        if self.prefix_cache is not None:
+            self.state = self._copy_slot(0, 0)  # compiles it (the null slot onto itself)
         if self.state.pen is not None:
             self._penalty_writer("set_row")
             self._penalty_writer("set_allow")
@@ -983,14 +1003,23 @@ class Engine:
             with_slot = [k for k in range(self.dp) if self.replica_slots[k]]
             if not with_slot:
                 break
-            fits = [k for k in with_slot if self.pools[k].can_admit(need)]
+            hit = self.prefix_cache.lookup(r.prompt) if self.prefix_cache is not None else None
+            n_prefix = len(hit.pages) if hit is not None else 0
+            fits = [k for k in with_slot if self.pools[k].can_admit(need, n_prefix)]
+            if not fits and self.prefix_cache is not None and self.prefix_cache.make_room(need, keep=hit):
+                fits = with_slot  # one replica: cached prefixes gave their pages back
             if not fits:
                 self.counters["admission_deferred"] += 1
                 break  # FIFO: wait for pages to free up
             k = max(fits, key=lambda k: (len(self.replica_slots[k]), -k))  # the least loaded replica
             self.waiting.popleft()
-            self.pools[k].admit(r.rid, need)
+            self.pools[k].admit(r.rid, need, hit.pages if hit is not None else ())
             r.replica, r.slot = k, self.replica_slots[k].pop(0)
+            if hit is not None:  # start from the cached prefix: its pages, and its state copied into the slot
+                self.state = self._copy_slot(hit.snapshot, r.slot)
+                r.cursor = r.stats.cached_tokens = hit.n_tokens
+                self.counters["prefix_cache_hits"] += 1
+                self.counters["prefix_cached_tokens"] += hit.n_tokens
             if r.sp.penalized:
                 self._start_penalties(r)
             r.stats.admitted = time.perf_counter()
@@ -1304,6 +1333,29 @@ class Engine:
         self.kvb.push(query, slots, counts)
         self.step_seconds["kv_query"] += time.perf_counter() - t0
 
+    def _cache_prefix(self, r: _Request) -> None:
+        """Cache ``r``'s prompt up to its cursor when that is a chunk boundary not cached yet: hold its pages and
+        snapshot its slot (the copy runs after the step that wrote them)."""
+        key = self.prefix_cache.wants(r.prompt, r.cursor)
+        if key is None:
+            return
+        snap = self.prefix_cache.insert(key, r.cursor, self.pools[r.replica].pages_of(r.rid))
+        if snap is not None:
+            self.state = self._copy_slot(r.slot, snap)
+
+    def _copy_slot(self, src: int, dst: int) -> EngineState:
+        """The state with recurrent slot ``dst`` a copy of ``src`` (conv and SSM state of every GDN layer)."""
+        fn = self._exec.get(("copy_slot", 1))
+        if fn is None:
+            rec = self.state.rec
+            sh = None if self.layout is None else self.layout.state(self.state).rec
+            cp = lambda rec, s, d: RecurrentSlots(tuple(c.at[d].set(c[s]) for c in rec.conv),  # noqa: E731
+                                                 tuple(x.at[d].set(x[s]) for x in rec.ssm))
+            i32 = jax.ShapeDtypeStruct((), jnp.int32)
+            fn = self._exec[("copy_slot", 1)] = jax.jit(cp, donate_argnums=(0,), out_shardings=sh).lower(
+                rec, i32, i32).compile()
+        return dataclasses.replace(self.state, rec=fn(self.state.rec, np.int32(src), np.int32(dst)))
+
     def _chunk_end(self, r: _Request) -> int:
         """End of ``r``'s next prefill chunk. With bounds / shadow scoring the prompt's last token runs as a chunk of
         its own: the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in
@@ -1338,6 +1390,8 @@ class Engine:
         for i, r in enumerate(rows):
             r.cursor += int(nv[i])
             r.stats.prefill_chunks += 1
+            if self.prefix_cache is not None:
+                self._cache_prefix(r)
             if r.cursor == len(r.prompt):  # the chunk's last logits give the first generated token
                 r.stats.first_token = time.perf_counter()
                 self._accept(r, out, i)

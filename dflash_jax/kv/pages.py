@@ -8,6 +8,10 @@ page ``pages[i]``), a token count, and a *reservation*: pages promised at admiss
 Reserved pages stay on the free list but are not counted in ``num_free``, so once a sequence is admitted its
 reservation can always be materialised by ``grow`` regardless of what other sequences do.
 
+Pages can be shared (a cached prompt prefix, ``kv/prefix_cache.py``): every page counts its holders, the sequences
+whose lists contain it plus ``hold`` references; it returns to the free list when the last one lets go. A sequence
+admitted over shared ``prefix`` pages starts with them (read-only: it only ever writes past them).
+
 Allocation is deterministic: the free list is a min-heap, so the lowest free page is always handed out first.
 Pure Python + numpy; no JAX.
 """
@@ -51,6 +55,8 @@ class PageAllocator:
         self._free: list[int] = list(range(1, n_pages))  # sorted, hence already a valid min-heap
         self._seqs: dict[int, _Seq] = {}
         self._reserved_total = 0
+        self._refs: dict[int, int] = {}  # page -> holders (sequences + holds), for pages not on the free list
+        self._held: dict[int, int] = {}  # page -> ``hold`` references
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     def pages_needed(self, n_tokens: int) -> int:
@@ -80,12 +86,14 @@ class PageAllocator:
         return (self.n_pages - 1) * self.page_size
 
     # ---- admission ---------------------------------------------------------------------------------------------
-    def can_admit(self, n_tokens: int) -> bool:
-        """Whether ``admit(_, n_tokens)`` would succeed right now."""
-        return n_tokens <= self.capacity_tokens and self.pages_needed(n_tokens) <= self.num_free
+    def can_admit(self, n_tokens: int, n_prefix_pages: int = 0) -> bool:
+        """Whether ``admit(_, n_tokens)`` (over ``n_prefix_pages`` shared pages) would succeed right now."""
+        return (n_tokens <= self.capacity_tokens
+                and self.pages_needed(n_tokens) - n_prefix_pages <= self.num_free)
 
-    def admit(self, seq_id: int, reserve_tokens: int) -> None:
-        """Register ``seq_id`` with no pages and reserve enough pages for ``reserve_tokens`` tokens."""
+    def admit(self, seq_id: int, reserve_tokens: int, prefix: Sequence[int] = ()) -> None:
+        """Register ``seq_id`` and reserve enough pages for ``reserve_tokens`` tokens; with ``prefix`` (full pages
+        in use elsewhere: a cached prompt prefix) it starts holding those, ``len(prefix) * page_size`` tokens."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already admitted")
         if reserve_tokens > self.capacity_tokens:
@@ -93,11 +101,51 @@ class PageAllocator:
                 f"request needs {reserve_tokens} tokens but the whole KV pool holds at most {self.capacity_tokens} "
                 f"tokens ({self.n_pages - 1} pages x {self.page_size})"
             )
-        need = self.pages_needed(reserve_tokens)
+        if any(self._refs.get(p, 0) < 1 for p in prefix):
+            raise ValueError(f"prefix pages {list(prefix)} must be in use (held by the prefix cache)")
+        need = max(0, self.pages_needed(reserve_tokens) - len(prefix))
         if need > self.num_free:
             raise OutOfPages(f"admitting sequence {seq_id} needs {need} pages but only {self.num_free} are free")
-        self._seqs[seq_id] = _Seq(pages=[], n_tokens=0, reserved=need)
+        for p in prefix:
+            self._refs[p] += 1
+        self._seqs[seq_id] = _Seq(pages=list(prefix), n_tokens=len(prefix) * self.page_size, reserved=need)
         self._reserved_total += need
+
+    # ---- shared pages --------------------------------------------------------------------------------------------
+    def hold(self, pages: Sequence[int]) -> None:
+        """Take a reference on pages in use (they stay allocated until ``drop``, whoever else lets go)."""
+        if any(self._refs.get(p, 0) < 1 for p in pages):
+            raise ValueError(f"hold of pages not in use: {[p for p in pages if self._refs.get(p, 0) < 1]}")
+        for p in pages:
+            self._refs[p] += 1
+            self._held[p] = self._held.get(p, 0) + 1
+
+    def drop(self, pages: Sequence[int]) -> None:
+        """Let go of ``hold`` references; pages with no holder left return to the free list."""
+        for p in pages:
+            if self._held.get(p, 0) < 1:
+                raise ValueError(f"drop of page {p}, which is not held")
+            self._held[p] -= 1
+            if not self._held[p]:
+                del self._held[p]
+            self._unref(p)
+
+    @property
+    def num_held(self) -> int:
+        """Pages held (by the prefix cache) that no sequence holds too: what dropping every hold would free."""
+        in_seqs = {p for s in self._seqs.values() for p in s.pages}
+        return sum(1 for p in self._held if p not in in_seqs)
+
+    def _take(self) -> int:
+        p = heapq.heappop(self._free)
+        self._refs[p] = 1
+        return p
+
+    def _unref(self, p: int) -> None:
+        self._refs[p] -= 1
+        if not self._refs[p]:
+            del self._refs[p]
+            heapq.heappush(self._free, p)
 
     # ---- growth / rollback -------------------------------------------------------------------------------------
     def grow(self, seq_id: int, new_total_tokens: int) -> list[int]:
@@ -118,7 +166,7 @@ class PageAllocator:
                 f"growing sequence {seq_id} to {new_total_tokens} tokens needs {need} new pages "
                 f"({from_reservation} reserved) but only {self.num_free} unreserved pages are free"
             )
-        new = [heapq.heappop(self._free) for _ in range(need)]
+        new = [self._take() for _ in range(need)]
         s.reserved -= from_reservation
         self._reserved_total -= from_reservation
         s.pages.extend(new)
@@ -139,7 +187,7 @@ class PageAllocator:
         del s.pages[keep:]
         s.n_tokens = n_tokens
         for p in freed:
-            heapq.heappush(self._free, p)
+            self._unref(p)
         if keep_reservation:
             s.reserved += len(freed)
             self._reserved_total += len(freed)
@@ -149,7 +197,7 @@ class PageAllocator:
         """Finish or abort ``seq_id``: return its pages and its unused reservation to the pool."""
         s = self._get(seq_id)
         for p in s.pages:
-            heapq.heappush(self._free, p)
+            self._unref(p)
         self._reserved_total -= s.reserved
         del self._seqs[seq_id]
 
@@ -191,15 +239,22 @@ class PageAllocator:
         for p in self._free:
             assert p not in owner, f"page {p} is on the free list twice"
             owner[p] = "free"
+        holders: dict[int, int] = dict(self._held)
         for sid, s in self._seqs.items():
+            assert len(set(s.pages)) == len(s.pages), f"sequence {sid} lists a page twice"
             for p in s.pages:
-                assert p not in owner, f"page {p} of sequence {sid} is also {owner[p]}"
+                assert owner.get(p) != "free", f"page {p} of sequence {sid} is also free"
                 owner[p] = f"owned by sequence {sid}"
+                holders[p] = holders.get(p, 0) + 1
             assert len(s.pages) == self.pages_needed(s.n_tokens), (
                 f"sequence {sid} holds {s.n_tokens} tokens in {len(s.pages)} pages, "
                 f"expected {self.pages_needed(s.n_tokens)}"
             )
             assert s.reserved >= 0, f"sequence {sid} has negative reservation {s.reserved}"
+        for p in self._held:
+            assert owner.get(p) != "free", f"held page {p} is also free"
+            owner.setdefault(p, "held")
+        assert holders == self._refs, f"page reference counts {self._refs} != holders {holders}"
         assert NULL_PAGE not in owner, f"NULL page 0 is {owner.get(NULL_PAGE)}"
         missing = set(range(1, self.n_pages)) - owner.keys()
         assert not missing, f"pages {sorted(missing)} are neither free nor owned"

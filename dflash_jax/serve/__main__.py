@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                     help="dispatch each decode / speculative step from the device outputs of the one in flight, "
                          "before its tokens reach the host (one replica, no KVFlash)")
+    ap.add_argument("--prefix-cache", type=int, default=None, metavar="N",
+                    help="cache prompt prefixes at prefill-chunk boundaries: N recurrent-state snapshots, each with "
+                         "its prefix's KV pages (0 = off; one replica, not with --kvflash)")
     ap.add_argument("--cohort-yield-min", type=float, default=None,
                     help="a cohort whose first DDTree round emits fewer tokens per request continues AR (0 = never)")
     ap.add_argument("--cohort-reprobe-tokens", type=int, default=None,
@@ -117,7 +120,8 @@ DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_
             "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False,
             "prefill_compression": "off", "kvflash": "off",
             "kvflash_scoring": "shadow", "kvflash_max_page_in": 64,
-            "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1}
+            "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1,
+            "prefix_cache": 0}
 
 
 def read_preset(path: str, known: set[str] | None = None) -> dict:
@@ -198,6 +202,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.kvflash_max_page_in < 0:
         raise StartupError(f"--kvflash-max-page-in {ns.kvflash_max_page_in}: must be >= 0 (0 = only the pages a "
                            "step writes)")
+    try:
+        ns.prefix_cache = int(ns.prefix_cache)
+    except (TypeError, ValueError):
+        raise StartupError(f"--prefix-cache must be an integer, got {ns.prefix_cache!r}") from None
+    if ns.prefix_cache < 0:
+        raise StartupError(f"--prefix-cache {ns.prefix_cache}: must be >= 0 (0 = off)")
+    if ns.prefix_cache and ns.kvflash is not None:
+        raise StartupError("--prefix-cache and --kvflash cannot be combined (a cached prefix's pages stay resident)")
     if ns.kvflash is not None and ns.kvflash_scoring == "drafter" and not ns.ddtree:
         raise StartupError("--kvflash-scoring drafter ranks pages by the DFlash drafter's queries: it needs --ddtree "
                            "(use keys or lru without a drafter)")
@@ -335,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                                        kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
                                        kvflash_max_page_in=int(args.kvflash_max_page_in),
                                        kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp,
-                                       overlap=args.overlap),
+                                       overlap=args.overlap, prefix_cache=args.prefix_cache),
                          drafter=drafter)
         except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
             raise StartupError(str(e)) from e

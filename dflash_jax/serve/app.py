@@ -185,9 +185,13 @@ class Server:
         self.metrics.kv_pages_in.inc(o.stats.get("kv_pages_in", 0))
         self.metrics.kv_pages_out.inc(o.stats.get("kv_pages_out", 0))
 
-    def _usage(self, prompt_len: int, outs: list[RequestOutput]) -> dict[str, int]:
+    def _usage(self, prompt_len: int, outs: list[RequestOutput]) -> dict[str, Any]:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied (of the
+        first choice: the others share its prompt)."""
         c = sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": prompt_len, "completion_tokens": c, "total_tokens": prompt_len + c}
+        cached = (outs[0].stats or {}).get("cached_tokens", 0) if outs else 0
+        return {"prompt_tokens": prompt_len, "completion_tokens": c, "total_tokens": prompt_len + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # ---- /v1/completions -------------------------------------------------------------------------
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -510,6 +514,11 @@ class Server:
         m.sync(m.engine_faults, self.runner.faults)
         m.sync(m.cohort_yield, eng.counters["cohort_yield"])
         m.sync(m.cohort_reprobes, eng.counters["cohort_reprobe"])
+        m.sync(m.prefix_hits, eng.counters["prefix_cache_hits"])
+        m.sync(m.prefix_tokens, eng.counters["prefix_cached_tokens"])
+        if eng.prefix_cache is not None:
+            m.prefix_entries.set(len(eng.prefix_cache))
+            m.prefix_pages.set(eng.pages.num_held)
         if eng.turns is not None:
             st = eng.turns.stats()
             m.sync(m.scorer_turn_waits, st["waits"])

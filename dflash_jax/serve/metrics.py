@@ -40,6 +40,13 @@ class Metrics:
                                          "PFlash scorer dispatches that waited for an engine step", registry=r)
         self.scorer_turn_wait_seconds = Counter("dflash_pflash_scorer_turn_wait_seconds",
                                                 "Seconds the PFlash scorer waited for engine steps", registry=r)
+        self.prefix_hits = Counter("dflash_prefix_cache_hits", "Requests admitted over a cached prompt prefix",
+                                   registry=r)
+        self.prefix_tokens = Counter("dflash_prefix_cache_tokens", "Prompt tokens the prefix cache supplied (not "
+                                     "prefilled)", registry=r)
+        self.prefix_entries = Gauge("dflash_prefix_cache_entries", "Cached prompt prefixes", registry=r)
+        self.prefix_pages = Gauge("dflash_prefix_cache_pages", "KV pages only the prefix cache holds (freed on "
+                                  "demand)", registry=r)
         self._seen: dict[int, float] = {}
 
     def sync(self, counter: Counter, total: float) -> None:

@@ -1,0 +1,116 @@
+"""Prompt-prefix caching for a hybrid model: KV pages shared by reference, recurrent state restored from a snapshot.
+
+Attention layers can reuse any cached prefix page by page, but a Gated DeltaNet layer's state after a prefix exists
+only where it was saved. So a prefix is cached at prefill-chunk boundaries (``chunk`` tokens, a multiple of the page
+size): when a request's prefill reaches a boundary ``L`` (``L`` < its prompt length), the engine copies its
+recurrent slot into a snapshot slot and the cache holds the pages of ``[0, L)``. A later request whose prompt starts
+with those ``L`` tokens (and is longer) is admitted over the shared pages, its slot restored from the snapshot, and
+prefills from ``L`` on: the same chunks at the same positions as without the cache, so the same numbers.
+
+Keys are a hash chain over the chunks (``key(L) = blake2b(key(L - chunk) || tokens[L - chunk: L])``), so finding
+the longest cached prefix of a prompt costs one pass over it. Entries are evicted least recently used: when a
+snapshot slot is needed, and when admission needs pages that only cached prefixes hold. Host-side bookkeeping only;
+the copies between slots are the engine's (``Engine._copy_slot``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+from dflash_jax.kv.pages import PageAllocator
+
+
+def chunk_keys(tokens: Sequence[int], chunk: int, limit: int) -> list[tuple[int, bytes]]:
+    """``[(L, key(L))]`` for every boundary ``L = chunk, 2 chunk, ... <= limit``."""
+    out, h = [], b""
+    arr = np.asarray(tokens, np.int64)
+    for end in range(chunk, min(limit, len(arr)) + 1, chunk):
+        h = hashlib.blake2b(h + arr[end - chunk: end].tobytes(), digest_size=16).digest()
+        out.append((end, h))
+    return out
+
+
+@dataclasses.dataclass
+class Entry:
+    n_tokens: int
+    pages: tuple[int, ...]  # physical pages of [0, n_tokens), held by the cache
+    snapshot: int  # recurrent slot holding the state after n_tokens tokens
+
+
+class PrefixCache:
+    """Cached prompt prefixes over ``alloc``'s pages, one recurrent snapshot slot each (``snapshot_slots``)."""
+
+    def __init__(self, alloc: PageAllocator, chunk: int, snapshot_slots: Sequence[int]) -> None:
+        if chunk % alloc.page_size:
+            raise ValueError(f"prefix caching needs prefill_chunk ({chunk}) to be a multiple of page_size "
+                             f"({alloc.page_size}): a cached prefix is whole pages")
+        if not snapshot_slots:
+            raise ValueError("prefix caching needs at least one snapshot slot")
+        self.alloc, self.chunk = alloc, chunk
+        self._free_slots = list(snapshot_slots)
+        self._entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()  # least recent first
+        self.counters = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt: Sequence[int]) -> Entry | None:
+        """The longest cached prefix of ``prompt`` that leaves at least one token to prefill (marked used)."""
+        best = None
+        for _, key in chunk_keys(prompt, self.chunk, len(prompt) - 1):
+            if key in self._entries:
+                best = key
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        return self._entries[best]
+
+    def wants(self, prompt: Sequence[int], n_tokens: int) -> bytes | None:
+        """The key to cache ``prompt[:n_tokens]`` under, or None (not a boundary, the whole prompt, or cached)."""
+        if n_tokens % self.chunk or not 0 < n_tokens < len(prompt):
+            return None
+        key = chunk_keys(prompt, self.chunk, n_tokens)[-1][1]
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return None
+        return key
+
+    def insert(self, key: bytes, n_tokens: int, pages: Sequence[int]) -> int | None:
+        """Cache a prefix (its pages are in use by the sequence that computed them); returns the snapshot slot to
+        copy the sequence's state into, or None when no slot can be had."""
+        if not self._free_slots and not self.evict_one():
+            return None
+        slot = self._free_slots.pop()
+        pages = tuple(pages[: n_tokens // self.alloc.page_size])
+        self.alloc.hold(pages)
+        self._entries[key] = Entry(n_tokens, pages, slot)
+        self.counters["inserted"] += 1
+        return slot
+
+    def evict_one(self, keep: Entry | None = None) -> bool:
+        """Drop the least recently used entry (not ``keep``); False when there is none."""
+        for key, e in self._entries.items():
+            if e is not keep:
+                del self._entries[key]
+                self.alloc.drop(e.pages)
+                self._free_slots.append(e.snapshot)
+                self.counters["evicted"] += 1
+                return True
+        return False
+
+    def make_room(self, n_tokens: int, keep: Entry | None = None) -> bool:
+        """Evict entries until ``alloc`` can admit ``n_tokens`` over ``keep``'s pages; whether it can."""
+        n_prefix = len(keep.pages) if keep is not None else 0
+        while not self.alloc.can_admit(n_tokens, n_prefix):
+            if not self.evict_one(keep):
+                return False
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
