@@ -141,6 +141,21 @@ def test_kvflash_case_proves_residency_per_request(tmp_path, capsys):
             assert (r["kv_pages_in"] is not None) == bounded
 
 
+def test_prefix_cache_case_proves_cached_heads_and_compares_with_uncached(tmp_path, capsys):
+    rc = main(_args(tmp_path, "--prefix-cache", "2", "--shared-prefix", "40", "--prefix-cache-compare",
+                    "--concurrency", "2", "--repeats", "1"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("concurrency_") and p.suffix == ".json"]
+    figs = json.loads(res.read_text())["figures"]
+    assert figs["c2.ar.prefix_cached_tokens"] == 32 and figs["c2.ddtree.prefix_cached_tokens"] == 32
+    assert "c2.ar_uncached.prefix_cached_tokens" not in figs
+    assert figs["c2.ar.prefix_cache_speedup"] > 0 and figs["c2.ar.prefix_cache_ttft_ratio"] > 0
+    assert figs["repro.modes_mismatches"] == 0  # the cached and uncached AR cases give the same tokens
+    assert "| c2.ar_uncached |" in out
+    assert main(_args(tmp_path, "--prefix-cache-compare")) == 2  # needs --prefix-cache
+
+
 def test_kvflash_drafter_scoring_runs_ddtree_cases_only(tmp_path, capsys):
     kv = ("--kvflash", "48", "--kvflash-scoring", "drafter", "--prompt-len-min", "40", "--prompt-len-max", "60",
           "--concurrency", "2", "--repeats", "1")

@@ -32,7 +32,7 @@ def test_keys_chain_over_chunks():
     assert chunk_keys(list(range(40)), 16, 31) == a[:1]  # only boundaries within the limit
 
 
-def test_lookup_insert_and_least_recently_used_eviction():
+def test_lookup_insert_and_eviction_by_use_then_recency():
     alloc = PageAllocator(1 + 12, 4)
     cache = PrefixCache(alloc, 8, snapshot_slots=[10, 11])
     with pytest.raises(ValueError, match="multiple of page_size"):
@@ -50,17 +50,17 @@ def test_lookup_insert_and_least_recently_used_eviction():
     alloc.release(1)
     assert alloc.num_held == 4 and alloc.num_free == 12 - 4
     alloc.check_invariants()
-    # a third prefix takes the least recently used slot (the 8-token prefix was used last: the 16 one goes)
+    # a third prefix takes the slot of the entry fewest prompts used: the 8-token prefix (2 uses; the 16 one has 4)
     q = list(range(200, 230))
     alloc.admit(2, 30)
     alloc.grow(2, 8)
-    assert cache.insert(cache.wants(q, 8), 8, alloc.pages_of(2)) == 10
-    assert cache.lookup(p).n_tokens == 8 and cache.lookup(q).n_tokens == 8
+    assert cache.insert(cache.wants(q, 8), 8, alloc.pages_of(2)) == 11
+    assert cache.lookup(p).n_tokens == 16 and cache.lookup(q).n_tokens == 8
     alloc.release(2)
-    # room for a large admission: entries go, oldest first, but never the one to be used
+    # room for the whole pool over p's 4 pages: q's prefix has to go, the one to be used stays
     keep = cache.lookup(p)
-    assert cache.make_room(12 * 4, keep=keep)  # 10 pages past keep's 2: q's prefix had to go
-    assert cache.lookup(p) is keep and cache.lookup(q) is None and alloc.num_free == 10
+    assert cache.make_room(12 * 4, keep=keep)
+    assert cache.lookup(p) is keep and cache.lookup(q) is None and alloc.num_free == 8
     assert not cache.make_room(13 * 4) and len(cache) == 0  # more than the pool: everything went, still no room
     cache.clear()
     alloc.check_invariants()

@@ -54,6 +54,12 @@ Method (the engine API, not the HTTP server):
   page outscores a resident one). ``--kvflash-compare`` adds an unbounded AR case per C (mode ``ar_unbounded``) for the
   ``kvflash_vs_unbounded`` figure. Page-in bandwidth through the engine's page-in path and a plain pinned
   host->device copy are measured once per case on the idle engine (``kv_page_in_gbs``, ``kv_page_in_ratio``).
+* Prefix caching (``--prefix-cache N``): every case runs with N cached-prefix snapshots; ``--shared-prefix L`` puts
+  the same L random tokens (default_rng(seed + 7)) in front of every prompt, warm-up prompts included, so the
+  measured requests find the shared head cached, as a common system prompt would be. Per request, when L >=
+  ``--prefill-chunk``, the proof is ``cached_tokens`` > 0; ``prefix_cached_tokens`` is the mean per request.
+  ``--prefix-cache-compare`` adds an AR case without the cache per C (mode ``ar_uncached``, meant to give the same
+  tokens) for ``prefix_cache_speedup`` (tok/s) and ``prefix_cache_ttft_ratio`` (TTFT p50, cached / uncached).
 * Oracle draft (``--oracle-tau T``, FORCED ACCEPTANCE, labelled so in every table and the JSON): for shapes without
   a trained pair (random weights), every ddtree round verifies, instead of the drafter's tree, the target's own greedy
   continuation as recorded by the same concurrency's ar case (same prompts), each position kept with the probability q
@@ -169,6 +175,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-buckets", action="store_true",
                    help="compile every serving batch bucket per case (default: only the case's concurrency, which "
                         "every batch of the case runs in)")
+    p.add_argument("--prefix-cache", type=int, default=0, metavar="N",
+                   help="cached prompt prefixes (recurrent-state snapshots) per engine; 0 = off")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="L",
+                   help="the same L random tokens in front of every prompt (a shared system prompt)")
+    p.add_argument("--prefix-cache-compare", action="store_true",
+                   help="with --prefix-cache: also run an AR case without it per concurrency (mode ar_uncached)")
     p.add_argument("--kvflash-compare", action="store_true",
                    help="with --kvflash: also run an unbounded AR case per concurrency (mode ar_unbounded)")
     p.add_argument("--require-reproducible", action="store_true",
@@ -370,7 +382,7 @@ def prove(mode: str, stats: dict) -> str | None:
     if missing:
         return f"stats lack {missing}"
     sm, ds = stats["spec_mode"], stats["draft_steps"]
-    if mode in ("ar", "ar_unbounded"):
+    if mode in ("ar", "ar_unbounded", "ar_uncached"):
         if sm != "ar" or ds != 0:
             return f"AR not proved: spec_mode={sm!r}, draft_steps={ds!r} (want 'ar', 0)"
         return None
@@ -589,7 +601,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
                          kvflash_scoring=args.kvflash_scoring, kvflash_max_page_in=args.kvflash_max_page_in,
                          kv_dtype=args.kv_dtype, batch_buckets=None if args.all_buckets else replica_buckets([c], args.data_parallel),
                          spec_oracle=oracle if mode == "ddtree" else None, overlap=args.overlap,
-                         **parallel_options(args))
+                         prefix_cache=args.prefix_cache if mode != "ar_uncached" else 0, **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
     t0 = time.perf_counter()
     eng.warmup()
@@ -615,6 +627,10 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
             why = prove_pflash(r, args.pflash_min_tokens) if prep is not None else None
             if why:
                 case["proof"].append(f"repeat {rep} request {r['index']}: {why}")
+            if (eng.prefix_cache is not None and args.shared_prefix >= args.prefill_chunk
+                    and not r["stats"].get("cached_tokens")):
+                case["proof"].append(f"repeat {rep} request {r['index']}: prefix cache not proved: no cached tokens "
+                                     f"under a shared {args.shared_prefix}-token head")
         if prep is not None and not any(r["pflash"].get("pflash") == "compressed" for r in b["requests"]):
             case["proof"].append(f"repeat {rep}: PFlash not proved: no prompt of the batch was compressed (lengths "
                                  f"{[r['prompt_len'] for r in b['requests']]}, --pflash-min-tokens "
@@ -643,6 +659,9 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     case["figures"]["cohort_yield_events"] = int(ev) if ev is not None and float(ev).is_integer() else ev
     case["n_requests"] = len(prompts) * args.repeats
     case["figures"].update(step_time_figures(eng.step_seconds - seconds0, eng.counters - counters0, args.repeats))
+    if eng.prefix_cache is not None:
+        case["figures"]["prefix_cached_tokens"] = _median(
+            [float(np.mean([r["stats"].get("cached_tokens", 0) for r in b["requests"]])) for b in case["batches"]])
     if eng.kvf is not None:
         rep_ = eng.kvflash_report()
         case["kvflash"] = rep_
@@ -691,7 +710,7 @@ def feature_matrix(plan: list[tuple[int, str]], cases: dict, unavailable: dict[s
     lines = ["| case | requests | ar | ddtree | kvflash | pflash | accounting |", "|---|---|---|---|---|---|---|"]
     for c, mode in plan:
         cs = cases.get((c, mode))
-        ar_like = mode in ("ar", "ar_unbounded")
+        ar_like = mode in ("ar", "ar_unbounded", "ar_uncached")
         kv_on = kvflash is not None and mode != "ar_unbounded"
         if cs is None or "error" in cs:
             run_cell = "not run" if cs is None else "ERROR"
@@ -811,6 +830,12 @@ def _check_args(args) -> str | None:
         return f"--kvflash {args.kvflash}: the resident pool must hold at least one page ({args.page_size} tokens)"
     if args.kvflash_compare and args.kvflash is None:
         return "--kvflash-compare needs --kvflash N"
+    if args.prefix_cache_compare and not args.prefix_cache:
+        return "--prefix-cache-compare needs --prefix-cache N"
+    if args.prefix_cache < 0 or args.shared_prefix < 0:
+        return "--prefix-cache and --shared-prefix must be >= 0"
+    if args.prefix_cache and args.kvflash is not None:
+        return "--prefix-cache cannot be combined with --kvflash (the engine refuses it)"
     if args.kvflash_max_page_in < 0:
         return f"--kvflash-max-page-in {args.kvflash_max_page_in}: must be >= 0 (0 = only the pages a step writes)"
     if args.kvflash is not None and args.kvflash_scoring == "drafter" and set(args.modes) != {"ddtree"}:
@@ -850,6 +875,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     conc = sorted(dict.fromkeys(args.concurrency))
     modes = tuple(m for m in MODES if m in args.modes)
     modes += ("ar_unbounded",) if args.kvflash is not None and args.kvflash_compare else ()
+    modes += ("ar_uncached",) if args.prefix_cache and args.prefix_cache_compare else ()
     plan = [(c, m) for c in conc for m in modes]
     bad = _check_args(args)
     if bad:
@@ -879,7 +905,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     jax.block_until_ready((target.params, drafter[1]))
     load_s = time.perf_counter() - t0
     cfg = target.config
-    max_len = args.max_model_len or args.prompt_len_max + args.output_len
+    max_len = args.max_model_len or args.prompt_len_max + args.shared_prefix + args.output_len
     if args.prompts == "held-out":
         text, names = prompt_text_ids(args.model, args.prompt_files)
         prompts = text_prompt_set(text, args.requests or max(conc), args.prompt_len_min, args.prompt_len_max,
@@ -896,6 +922,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         dist = (f"prompt lengths ~ uniform integers in [{args.prompt_len_min}, {args.prompt_len_max}], token ids ~ "
                 f"uniform in [0, {cfg.vocab_size}), request i from numpy default_rng([{args.seed}, i]); "
                 f"warm-up prompts: default_rng([{args.seed + 1}, i])")
+    if args.shared_prefix:
+        head = np.random.default_rng(args.seed + 7).integers(0, cfg.vocab_size, args.shared_prefix).tolist()
+        prompts = [head + p for p in prompts]
+        warm_prompts = [head + p for p in warm_prompts]
+        dist += f"; every prompt after the same {args.shared_prefix} tokens (default_rng({args.seed + 7}))"
     print(f"loaded in {load_s:.1f}s; {dist}")
     print(f"prompt lengths (request i at every C): {[len(p) for p in prompts]}", flush=True)
     prep = None
@@ -975,6 +1006,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         u = figures.get(f"c{c}.ar_unbounded.tok_s")
         if u:
             figures[f"c{c}.ar.kvflash_vs_unbounded"] = a / u if a is not None else None
+        nc = figures.get(f"c{c}.ar_uncached.tok_s")
+        if nc:
+            figures[f"c{c}.ar.prefix_cache_speedup"] = a / nc if a is not None else None
+            t_c, t_u = figures.get(f"c{c}.ar.ttft_p50_s"), figures.get(f"c{c}.ar_uncached.ttft_p50_s")
+            figures[f"c{c}.ar.prefix_cache_ttft_ratio"] = t_c / t_u if t_c is not None and t_u else None
     case_list = [cases[k] for k in plan]
     repro = reproducibility(case_list)
     n_mis = {k: len(v) for k, v in repro.items()}

@@ -8,8 +8,9 @@ with those ``L`` tokens (and is longer) is admitted over the shared pages, its s
 prefills from ``L`` on: the same chunks at the same positions as without the cache, so the same numbers.
 
 Keys are a hash chain over the chunks (``key(L) = blake2b(key(L - chunk) || tokens[L - chunk: L])``), so finding
-the longest cached prefix of a prompt costs one pass over it. Entries are evicted least recently used: when a
-snapshot slot is needed, and when admission needs pages that only cached prefixes hold. Host-side bookkeeping only;
+the longest cached prefix of a prompt costs one pass over it. When a snapshot slot is needed, or admission needs
+pages that only cached prefixes hold, the entry evicted is the one fewest prompts have passed through (a shared head
+outlives the deeper boundaries of the prompts that pass it), the least recently used among those. Host-side bookkeeping only;
 the copies between slots are the engine's (``Engine._copy_slot``).
 """
 
@@ -40,6 +41,7 @@ class Entry:
     n_tokens: int
     pages: tuple[int, ...]  # physical pages of [0, n_tokens), held by the cache
     snapshot: int  # recurrent slot holding the state after n_tokens tokens
+    uses: int = 1  # prompts that reached this boundary (the one that computed it, and later ones)
 
 
 class PrefixCache:
@@ -68,6 +70,7 @@ class PrefixCache:
         if best is None:
             return None
         self._entries.move_to_end(best)
+        self._entries[best].uses += 1
         return self._entries[best]
 
     def wants(self, prompt: Sequence[int], n_tokens: int) -> bytes | None:
@@ -75,8 +78,9 @@ class PrefixCache:
         if n_tokens % self.chunk or not 0 < n_tokens < len(prompt):
             return None
         key = chunk_keys(prompt, self.chunk, n_tokens)[-1][1]
-        if key in self._entries:
+        if key in self._entries:  # another prompt through the same boundary
             self._entries.move_to_end(key)
+            self._entries[key].uses += 1
             return None
         return key
 
@@ -93,15 +97,18 @@ class PrefixCache:
         return slot
 
     def evict_one(self, keep: Entry | None = None) -> bool:
-        """Drop the least recently used entry (not ``keep``); False when there is none."""
-        for key, e in self._entries.items():
-            if e is not keep:
-                del self._entries[key]
-                self.alloc.drop(e.pages)
-                self._free_slots.append(e.snapshot)
-                self.counters["evicted"] += 1
-                return True
-        return False
+        """Drop the entry fewest prompts used, least recently used among those (not ``keep``); False when there is
+        none."""
+        order = {k: i for i, k in enumerate(self._entries)}  # least recent first
+        cands = [k for k, e in self._entries.items() if e is not keep]
+        if not cands:
+            return False
+        key = min(cands, key=lambda k: (self._entries[k].uses, order[k]))
+        e = self._entries.pop(key)
+        self.alloc.drop(e.pages)
+        self._free_slots.append(e.snapshot)
+        self.counters["evicted"] += 1
+        return True
 
     def make_room(self, n_tokens: int, keep: Entry | None = None) -> bool:
         """Evict entries until ``alloc`` can admit ``n_tokens`` over ``keep``'s pages; whether it can."""
