@@ -46,11 +46,13 @@ def test_lookup_insert_and_eviction_by_use_then_recency():
     assert cache.wants(p, 16) is None  # cached already
     assert cache.lookup(p).n_tokens == 16 and cache.lookup(p[:17]).n_tokens == 16
     assert cache.lookup(p[:16]).n_tokens == 8  # a prompt must keep a token to prefill
+    cache.use(cache.lookup(p))
+    cache.use(cache.lookup(p[:16]))
     assert cache.lookup([1] + p) is None
     alloc.release(1)
     assert alloc.num_held == 4 and alloc.num_free == 12 - 4
     alloc.check_invariants()
-    # a third prefix takes the slot of the entry fewest prompts used: the 8-token prefix (2 uses; the 16 one has 4)
+    # a third prefix takes the slot of the entry fewest prompts used: the 8-token prefix (2 uses; the 16 one has 3)
     q = list(range(200, 230))
     alloc.admit(2, 30)
     alloc.grow(2, 8)

@@ -1016,6 +1016,7 @@ class Engine:
             self.pools[k].admit(r.rid, need, hit.pages if hit is not None else ())
             r.replica, r.slot = k, self.replica_slots[k].pop(0)
             if hit is not None:  # start from the cached prefix: its pages, and its state copied into the slot
+                self.prefix_cache.use(hit)
                 self.state = self._copy_slot(hit.snapshot, r.slot)
                 r.cursor = r.stats.cached_tokens = hit.n_tokens
                 self.counters["prefix_cache_hits"] += 1

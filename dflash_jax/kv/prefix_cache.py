@@ -62,16 +62,22 @@ class PrefixCache:
         return len(self._entries)
 
     def lookup(self, prompt: Sequence[int]) -> Entry | None:
-        """The longest cached prefix of ``prompt`` that leaves at least one token to prefill (marked used)."""
+        """The longest cached prefix of ``prompt`` that leaves at least one token to prefill (``use`` it when it
+        is taken: a request still waiting for pages may look again)."""
         best = None
         for _, key in chunk_keys(prompt, self.chunk, len(prompt) - 1):
             if key in self._entries:
                 best = key
-        if best is None:
-            return None
-        self._entries.move_to_end(best)
-        self._entries[best].uses += 1
-        return self._entries[best]
+        return None if best is None else self._entries[best]
+
+    def use(self, entry: Entry) -> None:
+        """A request was admitted over ``entry``: one more use, and the most recent."""
+        for key, e in self._entries.items():
+            if e is entry:
+                self._entries.move_to_end(key)
+                e.uses += 1
+                self.counters["hits"] += 1
+                return
 
     def wants(self, prompt: Sequence[int], n_tokens: int) -> bytes | None:
         """The key to cache ``prompt[:n_tokens]`` under, or None (not a boundary, the whole prompt, or cached)."""
