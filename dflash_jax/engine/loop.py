@@ -1005,7 +1005,8 @@ class Engine:
                 break
             hit = self.prefix_cache.lookup(r.prompt) if self.prefix_cache is not None else None
             n_prefix = len(hit.pages) if hit is not None else 0
-            fits = [k for k in with_slot if self.pools[k].can_admit(need, n_prefix)]
+            fits = [k for k in with_slot
+                    if (self.pools[k].can_admit(need, n_prefix) if hit is not None else self.pools[k].can_admit(need))]
             if not fits and self.prefix_cache is not None and self.prefix_cache.make_room(need, keep=hit):
                 fits = with_slot  # one replica: cached prefixes gave their pages back
             if not fits:
@@ -1013,7 +1014,10 @@ class Engine:
                 break  # FIFO: wait for pages to free up
             k = max(fits, key=lambda k: (len(self.replica_slots[k]), -k))  # the least loaded replica
             self.waiting.popleft()
-            self.pools[k].admit(r.rid, need, hit.pages if hit is not None else ())
+            if hit is not None:
+                self.pools[k].admit(r.rid, need, hit.pages)
+            else:
+                self.pools[k].admit(r.rid, need)
             r.replica, r.slot = k, self.replica_slots[k].pop(0)
             if hit is not None:  # start from the cached prefix: its pages, and its state copied into the slot
                 self.prefix_cache.use(hit)
