@@ -77,8 +77,9 @@ def target():
 
 @pytest.fixture(scope="module")
 def engines(target):
-    plain = Engine(target, None, EngineOptions(**OPTS))
-    cached = Engine(target, None, EngineOptions(prefix_cache=3, **OPTS))
+    opts = {**OPTS, "batch_buckets": (1, 4)}  # alone and the four prompts together
+    plain = Engine(target, None, EngineOptions(**opts))
+    cached = Engine(target, None, EngineOptions(prefix_cache=3, **opts))
     plain.warmup()
     cached.warmup()
     return plain, cached
@@ -131,7 +132,8 @@ def test_ddtree_over_a_cached_prefix_equals_ar(target):
 
     dcfg = drafter_cfg(target.config)
     dparams = dflash.init_params(dcfg, jax.random.key(3), target.params["embed"].dtype)
-    opts = EngineOptions(prefix_cache=2, spec=SpecConfig(budget=6), cohort_yield_min=0.0, **OPTS)
+    one = {**OPTS, "max_batch": 1, "prefill_batch": 1}  # one bucket: the speculative step compiles once
+    opts = EngineOptions(prefix_cache=2, spec=SpecConfig(budget=6), cohort_yield_min=0.0, **one)
     eng = Engine(target, None, opts, drafter=(dcfg, dparams))
     ps = _prompts(target, seed=1)
     for p in ps[:3]:
