@@ -108,3 +108,16 @@ def test_automata_are_cached_per_pattern(eng):
     s: Structured = eng.structured
     assert s.index(c) is s.index(Constraint("choice", json.dumps(["a", "b"])))
     assert s.start(c).mask().shape == (-(-eng.cfg.vocab_size // 32),)
+
+
+def test_the_mask_holds_exactly_the_tokens_the_automaton_allows(eng):
+    eng.start_constraint(Constraint("json_object"))
+    m = eng.structured.start(Constraint("json_schema", json.dumps(SCHEMA)))
+    for tok in _ids(eng, '{"ok": true'):
+        bits = np.unpackbits(m.mask().view(np.uint8), bitorder="little")[: eng.cfg.vocab_size]
+        allowed = set(m.guide.get_tokens())
+        assert set(np.nonzero(bits)[0].tolist()) == allowed | (set(eng.eos_token_ids) if eng.eos_token_ids[0] in allowed
+                                                                 else set())
+        if tok not in allowed:
+            break
+        m.advance(tok)

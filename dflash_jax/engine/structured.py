@@ -161,11 +161,16 @@ class Matcher:
         automaton may end."""
         o = self.owner
         words = np.zeros(o.words, np.uint32)
-        allowed = np.asarray(self.guide.get_tokens(), np.int64)
-        allowed = allowed[allowed < o.n_vocab]
-        if allowed.size and o.eos[0] in set(allowed.tolist()):
-            allowed = np.concatenate([allowed, np.asarray(o.eos, np.int64)])
-        np.bitwise_or.at(words, allowed // 32, (np.uint32(1) << (allowed % 32).astype(np.uint32)))
+        try:  # the automaton writes its bitmask itself (a large vocabulary: no id list)
+            self.guide.write_mask_into(words.ctypes.data, words.size, 4)
+        except Exception:  # noqa: BLE001 - a mask size it does not take: from the allowed ids
+            allowed = np.asarray(self.guide.get_tokens(), np.int64)
+            allowed = allowed[allowed < o.n_vocab]
+            np.bitwise_or.at(words, allowed // 32, np.left_shift(np.uint32(1), (allowed % 32).astype(np.uint32)))
+        e = o.eos[0]
+        if (words[e // 32] >> np.uint32(e % 32)) & 1:  # the automaton may end: every EOS id ends it
+            for t in o.eos:
+                words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
         return words
 
     def advance(self, token: int) -> None:
