@@ -147,3 +147,17 @@ def test_prefix_caching_refuses_what_it_cannot_serve(target):
         Engine(target, None, EngineOptions(prefix_cache=1, **{**OPTS, "prefill_chunk": 12}))
     with pytest.raises(ValueError, match="KVFlash"):
         Engine(target, None, EngineOptions(prefix_cache=1, kvflash=64, **OPTS))
+
+
+def test_a_state_reset_drops_the_cached_prefixes(engines, target):
+    """After a faulted step the server rebuilds the device state (``reset_state``): the cache, whose pages and
+    snapshots were in it, goes too, and the next requests are served as before."""
+    plain, cached = engines
+    p = _prompts(target, seed=2)[0]
+    sp = SamplingParams(max_tokens=6)
+    cached.generate([p], sp)
+    assert len(cached.prefix_cache) > 0
+    cached.reset_state()
+    assert len(cached.prefix_cache) == 0 and cached.pages.num_free == cached.pages.n_pages - 1
+    out = cached.generate([p], sp)[0]
+    assert out.stats["cached_tokens"] == 0 and out.token_ids == plain.generate([p], sp)[0].token_ids

@@ -647,6 +647,13 @@ class Engine:
         """A fresh device state (empty pages and slots), created directly on its shards."""
         return self._replicas(self._state_zeros, lambda lay, shapes: lay.state(shapes))
 
+    def reset_state(self) -> None:
+        """Rebuild the device state from zeros (after a faulted step, with no request running): cached prefixes
+        go too, since their pages and snapshots were in it."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.state = self.zero_state()
+
     def _replicas(self, zeros: Callable, shardings: Callable):
         """``zeros()`` with a leading ``[dp]`` replica axis when dp > 1, made on the device(s) under the layout's
         ``shardings(layout, shapes)``."""

@@ -117,4 +117,4 @@ class EngineRunner:
             eng.abort(rid)
             self._publish(rid, EngineFault(f"engine fault: {type(err).__name__}: {err}"))
             self._subs.pop(rid, None)
-        eng.state = eng.zero_state()
+        eng.reset_state()
