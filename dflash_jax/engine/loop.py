@@ -793,11 +793,14 @@ class Engine:
             exe = lowered[key].compile()
             return key, exe, time.perf_counter() - t0
 
+        # the slot writers, compiled by a harmless write of the null slot (padding rows: never read)
         if self.prefix_cache is not None:
-            self.state = self._copy_slot(0, 0)  # compiles it (the null slot onto itself)
+            self._copy_slot(0, 0)
         if self.state.pen is not None:
-            self._penalty_writer("set_row")
-            self._penalty_writer("set_allow")
+            v, null = self.cfg.vocab_size, np.zeros(1 if self.dp == 1 else 2, np.int32)
+            allow = np.full(-(-v // 32), 0xFFFFFFFF, np.uint32)
+            self._set_penalty_row(null, np.zeros(v, np.bool_), np.zeros(v, np.float32), allow)
+            self._set_allow(null, allow)
         if self.kvf is not None and "kvflash" not in self.warmup_report:
             t0 = time.perf_counter()
             self.kvf.warmup(self.state, self.dkv)
@@ -1028,7 +1031,7 @@ class Engine:
             r.replica, r.slot = k, self.replica_slots[k].pop(0)
             if hit is not None:  # start from the cached prefix: its pages, and its state copied into the slot
                 self.prefix_cache.use(hit)
-                self.state = self._copy_slot(hit.snapshot, r.slot)
+                self._copy_slot(hit.snapshot, r.slot)
                 r.cursor = r.stats.cached_tokens = hit.n_tokens
                 self.counters["prefix_cache_hits"] += 1
                 self.counters["prefix_cached_tokens"] += hit.n_tokens
@@ -1046,8 +1049,7 @@ class Engine:
         for t, b in r.sp.logit_bias:
             bias[t] += b
         allow = r.matcher.mask() if r.matcher is not None else np.full(-(-v // 32), 0xFFFFFFFF, np.uint32)
-        self.state = dataclasses.replace(self.state, pen=self._penalty_writer("set_row")(
-            self.state.pen, self._pen_at(r), prompt, bias, allow))
+        self._set_penalty_row(self._pen_at(r), prompt, bias, allow)
 
     def _pen_at(self, r: _Request) -> np.ndarray:
         return np.array([r.slot] if self.dp == 1 else [r.replica, r.slot], np.int32)
@@ -1060,28 +1062,27 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a token the automaton refuses: fail this request alone
             self._fail(r, f"structured output: the automaton refused token {tok}: {e}")
             return
-        self.state = dataclasses.replace(self.state, pen=self._penalty_writer("set_allow")(
-            self.state.pen, self._pen_at(r), allow))
+        self._set_allow(self._pen_at(r), allow)
 
-    def _penalty_writer(self, which: str) -> Callable:
-        """``SlotPenalties.set_row`` (``(pen, at, prompt, bias, allow) -> pen'``) or ``.set_allow`` (``(pen, at,
-        allow) -> pen'``) compiled for this engine's tables (kept with the step executables as ``(which, 1)``)."""
-        fn = self._exec.get((which, 1))
-        if fn is None:
-            pen = self.state.pen
-            sh = None if self.layout is None else self.layout.state(self.state).pen
-            v = self.cfg.vocab_size
-            at = jax.ShapeDtypeStruct((1 if self.dp == 1 else 2,), jnp.int32)
-            allow = jax.ShapeDtypeStruct((-(-v // 32),), jnp.uint32)
-            if which == "set_row":
-                f = lambda pen, at, p, b, a: pen.set_row(tuple(at), p, b, a)  # noqa: E731
-                args = (jax.ShapeDtypeStruct((v,), jnp.bool_), jax.ShapeDtypeStruct((v,), jnp.float32), allow)
-            else:
-                f = lambda pen, at, a: pen.set_allow(tuple(at), a)  # noqa: E731
-                args = (allow,)
-            fn = self._exec[(which, 1)] = jax.jit(f, donate_argnums=(0,), out_shardings=sh).lower(
-                pen, at, *args).compile()
-        return fn
+    def _update(self, name: str, part: str, fn: Callable, args: tuple) -> None:
+        """Replace ``self.state.<part>`` by ``fn(part, *args)``, compiled once per engine (kept with the step
+        executables as ``(name, 1)``), the part donated and kept in its sharding."""
+        exe = self._exec.get((name, 1))
+        old = getattr(self.state, part)
+        if exe is None:
+            sh = None if self.layout is None else getattr(self.layout.state(self.state), part)
+            specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), args)
+            exe = self._exec[(name, 1)] = jax.jit(fn, donate_argnums=(0,), out_shardings=sh).lower(
+                old, *specs).compile()
+        self.state = dataclasses.replace(self.state, **{part: exe(old, *args)})
+
+    def _set_penalty_row(self, at: np.ndarray, prompt: np.ndarray, bias: np.ndarray, allow: np.ndarray) -> None:
+        """``SlotPenalties.set_row`` of row ``at`` (``[slot]`` or ``[replica, slot]``)."""
+        self._update("set_row", "pen", lambda pen, at, p, b, a: pen.set_row(tuple(at), p, b, a),
+                     (at, prompt, bias, allow))
+
+    def _set_allow(self, at: np.ndarray, allow: np.ndarray) -> None:
+        self._update("set_allow", "pen", lambda pen, at, a: pen.set_allow(tuple(at), a), (at, allow))
 
     def _free(self, r: _Request) -> None:
         if r.rid in self.running:
@@ -1353,20 +1354,13 @@ class Engine:
             return
         snap = self.prefix_cache.insert(key, r.cursor, self.pools[r.replica].pages_of(r.rid))
         if snap is not None:
-            self.state = self._copy_slot(r.slot, snap)
+            self._copy_slot(r.slot, snap)
 
-    def _copy_slot(self, src: int, dst: int) -> EngineState:
-        """The state with recurrent slot ``dst`` a copy of ``src`` (conv and SSM state of every GDN layer)."""
-        fn = self._exec.get(("copy_slot", 1))
-        if fn is None:
-            rec = self.state.rec
-            sh = None if self.layout is None else self.layout.state(self.state).rec
-            cp = lambda rec, s, d: RecurrentSlots(tuple(c.at[d].set(c[s]) for c in rec.conv),  # noqa: E731
-                                                 tuple(x.at[d].set(x[s]) for x in rec.ssm))
-            i32 = jax.ShapeDtypeStruct((), jnp.int32)
-            fn = self._exec[("copy_slot", 1)] = jax.jit(cp, donate_argnums=(0,), out_shardings=sh).lower(
-                rec, i32, i32).compile()
-        return dataclasses.replace(self.state, rec=fn(self.state.rec, np.int32(src), np.int32(dst)))
+    def _copy_slot(self, src: int, dst: int) -> None:
+        """Recurrent slot ``dst`` becomes a copy of ``src`` (conv and SSM state of every GDN layer)."""
+        self._update("copy_slot", "rec", lambda rec, s, d: RecurrentSlots(
+            tuple(c.at[d].set(c[s]) for c in rec.conv), tuple(x.at[d].set(x[s]) for x in rec.ssm)),
+            (np.int32(src), np.int32(dst)))
 
     def _chunk_end(self, r: _Request) -> int:
         """End of ``r``'s next prefill chunk. With bounds / shadow scoring the prompt's last token runs as a chunk of

@@ -38,6 +38,7 @@ def chunk_keys(tokens: Sequence[int], chunk: int, limit: int) -> list[tuple[int,
 
 @dataclasses.dataclass
 class Entry:
+    key: bytes
     n_tokens: int
     pages: tuple[int, ...]  # physical pages of [0, n_tokens), held by the cache
     snapshot: int  # recurrent slot holding the state after n_tokens tokens
@@ -72,12 +73,9 @@ class PrefixCache:
 
     def use(self, entry: Entry) -> None:
         """A request was admitted over ``entry``: one more use, and the most recent."""
-        for key, e in self._entries.items():
-            if e is entry:
-                self._entries.move_to_end(key)
-                e.uses += 1
-                self.counters["hits"] += 1
-                return
+        self._entries.move_to_end(entry.key)
+        entry.uses += 1
+        self.counters["hits"] += 1
 
     def wants(self, prompt: Sequence[int], n_tokens: int) -> bytes | None:
         """The key to cache ``prompt[:n_tokens]`` under, or None (not a boundary, the whole prompt, or cached)."""
@@ -98,7 +96,7 @@ class PrefixCache:
         slot = self._free_slots.pop()
         pages = tuple(pages[: n_tokens // self.alloc.page_size])
         self.alloc.hold(pages)
-        self._entries[key] = Entry(n_tokens, pages, slot)
+        self._entries[key] = Entry(key, n_tokens, pages, slot)
         self.counters["inserted"] += 1
         return slot
 
