@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                                  max_model_len=args.max_model_len, warmup=False)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed)
+                        top_p=args.top_p, min_p=args.min_p, seed=args.seed)
     try:
         outs = eng.generate(prompts, sp)
     except RequestError as e:

@@ -370,6 +370,8 @@ def test_requests_that_can_never_be_served_are_rejected_at_submit(small):
         ("top_p", dict(top_p=0.0)),
         ("top_p", dict(top_p=1.5)),
         ("top_k", dict(top_k=-1)),
+        ("min_p", dict(min_p=-0.1)),
+        ("min_p", dict(min_p=1.5)),
         ("min_tokens", dict(min_tokens=17)),
         ("min_tokens", dict(min_tokens=-1)),
         ("max_tokens", dict(max_tokens=0)),
@@ -479,7 +481,7 @@ def test_sampling_seeds_top_k_and_logprobs(eng):
     assert outs[3].token_ids == other.token_ids
     assert outs[0].token_ids == greedy_golden(A, 1)  # greedy rows unaffected by sampled ones
 
-    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5)):
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5), dict(min_p=1.0)):
         out = alone(eng, p, SamplingParams(max_tokens=16, temperature=1.0, seed=99, **kw))
         assert out.token_ids == gr, kw
 

@@ -214,6 +214,11 @@ def test_sampling_is_reproducible_with_a_seed(client):
     assert a.choices[0].text == b.choices[0].text
     n = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=8, temperature=1.0, seed=5, n=3)
     assert len(n.choices) == 3 and n.usage.completion_tokens == 24
+    # min_p = 1 keeps only the most likely token: temperature-1 sampling becomes greedy
+    kw = dict(model=MODEL, prompt=[3, 4], max_tokens=8)
+    greedy = client.completions.create(temperature=0, extra_body={"ignore_eos": True}, **kw).choices[0].text
+    kept = client.completions.create(temperature=1.0, seed=9, extra_body={"ignore_eos": True, "min_p": 1.0}, **kw)
+    assert kept.choices[0].text == greedy
 
 
 def test_logit_bias_and_penalties_reach_the_sampler(client):
@@ -277,6 +282,7 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "temperature": 7}, 400, "temperature"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "top_p": 0}, 400, "top_p"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 0}, 400, "n"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "min_p": 1.5}, 400, "min_p"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 5000}, 400, "max_model_len"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1] * 300, "max_tokens": 2}, 400, "max_model_len"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
@@ -332,6 +338,7 @@ _FIELDS = {"model": st.sampled_from([MODEL, "other", "", None]),
            "max_tokens": st.one_of(st.integers(-3, 8), st.just(5000), st.none(), st.text(max_size=3)),
            "temperature": st.one_of(st.floats(-1, 5), st.none()),
            "top_p": st.one_of(st.floats(-1, 2), st.none()), "top_k": st.integers(-3, 50),
+           "min_p": st.floats(-0.5, 1.5),
            "n": st.integers(-1, 4), "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=20)),
            "seed": st.one_of(st.integers(-2, 2**40), st.none()), "logprobs": st.one_of(st.integers(-1, 12), st.none()),
            "min_tokens": st.integers(-1, 8), "stop_token_ids": st.lists(st.integers(-5, 2**33), max_size=10),

@@ -182,31 +182,46 @@ def test_sample_per_slot_top_k_top_p():
     assert set(np.unique(tk)) == {1, 3}
     tp = np.asarray(sample(const_logits(p), jnp.ones(NB), jnp.zeros(NB, jnp.int32), jnp.full(NB, 0.75), seeds, step))
     assert set(np.unique(tp)) == {1, 3, 4}  # 0.4 + 0.3 < 0.75 -> the third-ranked token is kept too
+    # top-p over what top-k left, renormalised (vLLM's and transformers' order): 0.4 / 0.7 >= 0.55 -> one token
+    kp = np.asarray(sample(const_logits(p), jnp.ones(NB), jnp.full(NB, 2, jnp.int32), jnp.full(NB, 0.55), seeds, step))
+    assert set(np.unique(kp)) == {1}
+    # min-p: p >= 0.35 x 0.4 = 0.14 keeps ranks 0-2; top-p 0.85 over (0.4, 0.3, 0.15) / 0.85 keeps all three
+    mp = np.asarray(sample(const_logits(p), jnp.ones(NB), jnp.zeros(NB, jnp.int32), jnp.full(NB, 0.85), seeds, step,
+                           jnp.full(NB, 0.35)))
+    assert set(np.unique(mp)) == {1, 3, 4}
+    # min-p after temperature: at T=0.5 the ratios square (0.3/0.4)^2 = 0.5625 -> 0.6 keeps only the top token
+    mt = np.asarray(sample(const_logits(p), jnp.full(NB, 0.5), jnp.zeros(NB, jnp.int32), jnp.ones(NB), seeds, step,
+                           jnp.full(NB, 0.6)))
+    assert set(np.unique(mt)) == {1}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # losslessness of the sampled walk
 
 
-def transform(p, temperature, top_k, top_p):
-    """The distribution sample_per_slot draws from, given target probabilities p [..., V] (numpy)."""
+def transform(p, temperature, top_k, top_p, min_p=0.0):
+    """The distribution sample_per_slot draws from, given target probabilities p [..., V] (numpy): temperature,
+    then min-p and top-k, then top-p over what is left."""
     lg = np.log(p) / temperature
     q = np.exp(lg - lg.max(-1, keepdims=True))
     q /= q.sum(-1, keepdims=True)
     order = np.argsort(-q, -1, kind="stable")
     srt = np.take_along_axis(q, order, -1)
-    before = np.cumsum(srt, -1) - srt
     rank = np.arange(p.shape[-1])
-    keep = (before < top_p) | (rank == 0)
+    keep = srt >= min_p * srt[..., :1]
     if top_k > 0:
         keep &= rank < top_k
+    left = np.where(keep, srt, 0)
+    left = left / left.sum(-1, keepdims=True)
+    before = np.cumsum(left, -1) - left
+    keep &= (before < top_p) | (rank == 0)
     srt = np.where(keep, srt, 0)
     out = np.zeros_like(q)
     np.put_along_axis(out, order, srt, -1)
     return out / out.sum(-1, keepdims=True)
 
 
-def emitted_first_two(T, tree, root, temperature, top_k, top_p, seeds):
+def emitted_first_two(T, tree, root, temperature, top_k, top_p, min_p, seeds):
     """Run up to two verify rounds of the sampled walk against a fixed target and return the first two tokens.
 
     The target is a position-dependent Markov chain: p(x_{k+1} | x_<=k) = T[k, x_k], independent of the draft. Slot i
@@ -218,12 +233,13 @@ def emitted_first_two(T, tree, root, temperature, top_k, top_p, seeds):
     depth = np.asarray(tree.depth)
     args = (jnp.full(nb, temperature, jnp.float32), jnp.full(nb, top_k, jnp.int32), jnp.full(nb, top_p, jnp.float32),
             jnp.asarray(seeds, jnp.uint32))
+    mp = jnp.full(nb, min_p, jnp.float32)
     rows = np.arange(nb)
 
     def one_round(k0, root_tok, step):
         tok[:, 0] = root_tok
         logits = jnp.log(jnp.asarray(T[k0[:, None] + depth, tok], jnp.float32))  # [nb, N, V]
-        y = sample(logits, *args, jnp.asarray(step, jnp.int32))
+        y = sample(logits, *args, jnp.asarray(step, jnp.int32), mp)
         slots, n_acc, bonus = (np.asarray(x) for x in sampled_walk(tree, y))
         # emitted tokens: the accepted nodes after the root, then the bonus
         emitted = np.full((nb, slots.shape[1]), -1)
@@ -251,8 +267,9 @@ def chi2_pvalue(counts, probs):
     return stats.chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 0.95)])
-def test_sampled_walk_is_lossless(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 3, 0.95, 0.0),
+                                                           (1.3, 0, 0.9, 0.15)])
+def test_sampled_walk_is_lossless(temperature, top_k, top_p, min_p):
     V, L, budget, nb, root = 5, 3, 6, 20000, 2
     rng = np.random.default_rng(1234)
     T = rng.dirichlet(np.full(V, 1.5), size=(2 * (L + 1), V))  # [positions, prev token, next token]
@@ -261,11 +278,11 @@ def test_sampled_walk_is_lossless(temperature, top_k, top_p):
     guess = np.log(T.mean(1))[1:L + 1]
     draft = guess[None] + 0.7 * rng.normal(size=(nb, L, V))
     tree = build(jnp.asarray(jax.nn.log_softmax(jnp.asarray(draft, jnp.float32), -1)), budget, None, False)
-    first, second, n1 = emitted_first_two(T, tree, root, temperature, top_k, top_p, rng.integers(0, 2**32, nb))
+    first, second, n1 = emitted_first_two(T, tree, root, temperature, top_k, top_p, min_p, rng.integers(0, 2**32, nb))
     assert 0.3 < (n1 > 1).mean() and (n1 > 2).mean() > 0.05, "the test must exercise acceptance"
 
-    p1 = transform(T[0, root], temperature, top_k, top_p)  # [V]
-    p12 = p1[:, None] * transform(T[1], temperature, top_k, top_p)  # [V, V]
+    p1 = transform(T[0, root], temperature, top_k, top_p, min_p)  # [V]
+    p12 = p1[:, None] * transform(T[1], temperature, top_k, top_p, min_p)  # [V, V]
     c1 = np.bincount(first, minlength=V)
     c12 = np.bincount(first * V + second, minlength=V * V)
     assert chi2_pvalue(c1, p1) > 1e-3

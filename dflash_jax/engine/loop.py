@@ -61,6 +61,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (after temperature)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -91,6 +92,8 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -1174,7 +1177,7 @@ class Engine:
             [RowSampling() if r is None else
              RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
                          self._banned(r.sp), r.sp.repetition_penalty, r.sp.frequency_penalty, r.sp.presence_penalty,
-                         r.sp.penalized) for r in rows], b)
+                         r.sp.penalized, r.sp.min_p) for r in rows], b)
 
     def _dispatch_spec(self, rows: list[_Request]) -> "_InFlight | None":
         """Dispatch one speculative round for every row (KVFlash may defer some: None when none runs)."""

@@ -1,4 +1,4 @@
-"""Per-row sampling on the device: greedy, temperature, top-k, top-p, each row its own seed; the penalties
+"""Per-row sampling on the device: greedy, temperature, min-p, top-k, top-p, each row its own seed; the penalties
 (repetition, frequency, presence) and ``logit_bias`` over the slot's ``SlotPenalties`` (``penalize``).
 
 Every per-request value is an array, never a static argument, so one compiled step serves any mix.
@@ -18,11 +18,12 @@ import numpy as np
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    """[B] arrays. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+    """[B] arrays. temperature 0 = greedy; top_k 0 = off; top_p 1 = off; min_p 0 = off."""
 
     temperature: jax.Array  # float32
     top_k: jax.Array  # int32
     top_p: jax.Array  # float32
+    min_p: jax.Array  # float32
     seed: jax.Array  # uint32
     step: jax.Array  # int32, tokens generated so far by the row's request
     banned: jax.Array  # [B, MAX_BANNED] int32 token ids (-1 = none) that may not be drawn ...
@@ -40,6 +41,7 @@ class SamplingArrays:
         t = np.zeros(batch, np.float32)
         k = np.zeros(batch, np.int32)
         p = np.ones(batch, np.float32)
+        mp = np.zeros(batch, np.float32)
         s = np.zeros(batch, np.uint32)
         n = np.zeros(batch, np.int32)
         ban = np.full((batch, MAX_BANNED), -1, np.int32)
@@ -50,8 +52,8 @@ class SamplingArrays:
             t[i], k[i], p[i], s[i], n[i], until[i] = r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, r.step, r.min_tokens
             ids = r.banned[:MAX_BANNED]
             ban[i, :len(ids)] = ids
-            rep[i], freq[i], pres[i], pen[i] = r.repetition, r.frequency, r.presence, r.penalized
-        return cls(temperature=t, top_k=k, top_p=p, seed=s, step=n, banned=ban, ban_until=until, repetition=rep,
+            rep[i], freq[i], pres[i], pen[i], mp[i] = r.repetition, r.frequency, r.presence, r.penalized, r.min_p
+        return cls(temperature=t, top_k=k, top_p=p, min_p=mp, seed=s, step=n, banned=ban, ban_until=until, repetition=rep,
                    frequency=freq, presence=pres, penalized=pen)
 
 
@@ -73,20 +75,35 @@ class RowSampling:
     frequency: float = 0.0
     presence: float = 0.0
     penalized: bool = False
+    min_p: float = 0.0
+
+
+def filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                    min_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The distribution a sampled row draws from, in vLLM's order: ``logits`` [B, ..., V] float32 and per-row
+    settings [B] -> (order [B, ..., V] token ids by descending logit, the kept scaled logits in that order, -inf
+    where dropped).
+
+    Temperature first; then min-p (tokens whose probability is below ``min_p`` times the most likely one's) and
+    top-k; then top-p over what is left, renormalised (the smallest set of leading tokens whose mass reaches
+    ``top_p``). The most likely token is always kept. Used by both AR sampling and the speculative verify, so
+    acceptance draws from exactly this distribution.
+    """
+    col = (slice(None),) + (None,) * (logits.ndim - 1)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[col]
+    order = jnp.argsort(-scaled, axis=-1)
+    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(logits.shape[-1])
+    keep = srt >= srt[..., :1] + jnp.log(min_p)[col]  # p / p_max >= min_p; log(0) = -inf keeps all
+    keep &= (top_k[col] <= 0) | (rank < top_k[col])
+    probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # kept mass strictly before each rank
+    keep &= (before < top_p[col]) | (rank == 0)
+    return order, jnp.where(keep, srt, -jnp.inf)
 
 
 def _sample_rows(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
-    v = logits.shape[-1]
-    temp = jnp.maximum(sa.temperature, 1e-6)[:, None]
-    scaled = logits / temp
-    order = jnp.argsort(-scaled, axis=-1)
-    srt = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(srt, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each rank
-    rank = jnp.arange(v)[None, :]
-    keep = (before < sa.top_p[:, None]) | (rank == 0)
-    keep &= (sa.top_k[:, None] <= 0) | (rank < sa.top_k[:, None])
-    masked = jnp.where(keep, srt, -jnp.inf)
+    order, masked = filtered_sorted(logits, sa.temperature, sa.top_k, sa.top_p, sa.min_p)
 
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.key(seed), step)

@@ -149,7 +149,7 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
                     page_table=inp.page_table)
     h, scratch, feats = qwen36.forward_tree(params, cfg, tin, state.kv, state.rec, layers)
     logits = qwen36.lm_logits(params, h)  # [B, N, V]
-    y = verify.sample_per_slot(logits, samp.temperature, samp.top_k, samp.top_p, samp.seed, samp.step)
+    y = verify.sample_per_slot(logits, samp.temperature, samp.top_k, samp.top_p, samp.seed, samp.step, samp.min_p)
     slots, n_acc, bonus = verify.accept_sampled(tree, y)
     n_acc = jnp.where(inp.active, n_acc, 0)
     kv, rec = qwen36.commit_tree(cfg, state.kv, state.rec, tin, scratch, slots, n_acc, fast_rollback)

@@ -100,7 +100,7 @@ class Server:
         max_tokens = req.max_completion_tokens or req.max_tokens or 16
         wants_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else bool(req.logprobs)
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
-                              top_p=req.top_p, seed=req.seed, stop=stops,
+                              top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=stops,
                               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                               min_tokens=req.min_tokens, logprobs=wants_logprobs,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

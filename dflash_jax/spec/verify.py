@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.engine.sampling import filtered_sorted
 from dflash_jax.spec.ddtree import Tree
 
 
@@ -70,27 +71,13 @@ def accept_sampled(tree: Tree, target_samples: jax.Array) -> tuple[jax.Array, ja
     return _walk(tree, target_samples)
 
 
-def _masked_sorted(logits: jax.Array, temperature, top_k, top_p):
-    """[B, N, V] -> (order, masked scaled logits in sorted order); the same rules as engine.sampling."""
-    v = logits.shape[-1]
-    temp = jnp.maximum(temperature, 1e-6)[:, None, None]
-    scaled = logits / temp
-    order = jnp.argsort(-scaled, axis=-1)
-    srt = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(srt, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each rank
-    rank = jnp.arange(v)[None, None, :]
-    keep = (before < top_p[:, None, None]) | (rank == 0)
-    keep &= (top_k[:, None, None] <= 0) | (rank < top_k[:, None, None])
-    return order, jnp.where(keep, srt, -jnp.inf)
-
-
 def sample_per_slot(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                    seed: jax.Array, step: jax.Array) -> jax.Array:
+                    seed: jax.Array, step: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
     """One target draw per slot: ``logits`` [B, N, V] -> tokens [B, N] int32.
 
-    Per-row ``temperature`` (0 = greedy: argmax), ``top_k`` (0 = off), ``top_p`` (1 = off), ``seed`` (uint32) and
-    ``step`` (int32, tokens generated so far), all [B] — the conventions of ``engine.sampling``. Slot j of row b
+    Per-row ``temperature`` (0 = greedy: argmax), ``top_k`` (0 = off), ``top_p`` (1 = off), ``seed`` (uint32),
+    ``step`` (int32, tokens generated so far) and ``min_p`` (0 = off; None: off for every row), all [B]: the
+    distribution of ``engine.sampling.filtered_sorted``. Slot j of row b
     draws with ``fold_in(fold_in(key(seed_b), step_b), j)``: independent across slots (what makes the
     sampled walk lossless) and independent of the rest of the batch.
     """
@@ -98,13 +85,14 @@ def sample_per_slot(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     temperature = jnp.asarray(temperature, jnp.float32)
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
+    min_p = jnp.zeros_like(top_p) if min_p is None else jnp.asarray(min_p, jnp.float32)
     seed = jnp.asarray(seed, jnp.uint32)
     step = jnp.asarray(step, jnp.int32)
     n = logits.shape[1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def drawn(logits):
-        order, masked = _masked_sorted(logits, temperature, top_k, top_p)
+        order, masked = filtered_sorted(logits, temperature, top_k, top_p, min_p)
 
         def row(seed, step, m):
             base = jax.random.fold_in(jax.random.key(seed), step)
