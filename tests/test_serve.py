@@ -64,7 +64,8 @@ def server(tmp_path_factory):
     port = _free_port()
     model = _model_dir(str(tmp_path_factory.mktemp("serve")))
     cmd = [sys.executable, "-m", "dflash_jax.serve", "--model", model, "--port", str(port), "--max-concurrency", "4",
-           "--max-model-len", "256", "--page-size", "8", "--prefill-chunk", "32", "--api-key", KEY]
+           "--max-model-len", "256", "--page-size", "8", "--prefill-chunk", "32", "--api-key", KEY,
+           "--enable-prompt-logprobs"]
     log = open(os.path.join(str(tmp_path_factory.getbasetemp()), "serve.log"), "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -147,6 +148,43 @@ def test_streaming_equals_non_streaming_and_usage_is_exact(client):
     assert text == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 10
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client):
+    import jax
+
+    import dflash_jax as dj
+
+    ids = [5, 6, 7, 8, 40, 41, 42, 9, 10, 11] * 4  # two prefill chunks of 32
+    ref = np.asarray(jax.nn.log_softmax(dj.load_target(os.path.join(FIXTURES, "qwen36_tiny_b")).logits(ids), -1))
+    # scoring only (max_tokens 0, as evaluation harnesses ask): the prompt, its logprobs, nothing generated
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-3)
+    assert all(max(d.values()) == pytest.approx(float(ref[j - 1].max()), abs=1e-3)
+               for j, d in enumerate(lp.top_logprobs) if j)
+    assert c.text == "".join(lp.tokens) and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    # echo + generation: the prompt's entries, then exactly what the same request without echo returns
+    kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=5, temperature=0, logprobs=1)
+    plain = client.completions.create(**kw).choices[0]
+    echoed = client.completions.create(echo=True, **kw).choices[0]
+    assert echoed.text == "def add(a, b):" + plain.text
+    n = len(echoed.logprobs.tokens) - 5
+    assert echoed.logprobs.tokens[n:] == plain.logprobs.tokens
+    assert echoed.logprobs.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert echoed.logprobs.text_offset == sorted(echoed.logprobs.text_offset)
+    # streamed: the prompt comes first, and the chunks join to the same text and logprobs
+    chunks = [ch.choices[0] for ch in client.completions.create(echo=True, stream=True, **kw) if ch.choices]
+    assert chunks[0].text.startswith("def add(a, b):")
+    assert "".join(ch.text for ch in chunks) == echoed.text
+    assert sum((ch.logprobs.tokens for ch in chunks if ch.logprobs), []) == echoed.logprobs.tokens
+    # echo without logprobs needs no scoring
+    assert client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, echo=True).choices[0].text.startswith(
+        "".join(lp.tokens[:2]))
 
 
 def test_stop_strings_and_stop_token_ids(client):
@@ -289,7 +327,10 @@ BAD = [
     ("json", "/v1/completions", {"model": MODEL, "prompt": [99999], "max_tokens": 2}, 400, "token ids"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "stop": ["a"] * 17}, 400, "stop"),
     ("json", "/v1/completions", {"model": MODEL}, 400, "prompt"),
-    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "echo": True}, 400, "echo"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "suffix": "x"}, 400, "suffix"),
+    ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ("json", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                      "max_tokens": 0}, 400, "max_tokens"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("json", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"99999": 1}}, 400, "logit_bias"),
@@ -338,7 +379,7 @@ _FIELDS = {"model": st.sampled_from([MODEL, "other", "", None]),
            "max_tokens": st.one_of(st.integers(-3, 8), st.just(5000), st.none(), st.text(max_size=3)),
            "temperature": st.one_of(st.floats(-1, 5), st.none()),
            "top_p": st.one_of(st.floats(-1, 2), st.none()), "top_k": st.integers(-3, 50),
-           "min_p": st.floats(-0.5, 1.5),
+           "min_p": st.floats(-0.5, 1.5), "echo": st.booleans(),
            "n": st.integers(-1, 4), "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=20)),
            "seed": st.one_of(st.integers(-2, 2**40), st.none()), "logprobs": st.one_of(st.integers(-1, 12), st.none()),
            "min_tokens": st.integers(-1, 8), "stop_token_ids": st.lists(st.integers(-5, 2**33), max_size=10),

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.engine import compile as compile_mod
-from dflash_jax.engine.sampling import MAX_BANNED, RowSampling, SamplingArrays
+from dflash_jax.engine.sampling import MAX_BANNED, TOP_LOGPROBS, RowSampling, SamplingArrays
 from dflash_jax.engine.hostpack import Packing
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
@@ -76,6 +76,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # structured output: the text must match this (engine/structured.py); such requests decode AR too
     constraint: Constraint | None = None
+    # prompt log-probabilities: each prompt token's under the model given the tokens before it (the first has none)
+    # and, per position, this many most likely tokens (0 to 8); None = off. Needs EngineOptions.prompt_logprobs;
+    # such a prompt prefills alone, from its first token (never from a cached prefix)
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -105,6 +109,8 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(not -100.0 <= float(b) <= 100.0 for _, b in self.logit_bias):
             raise RequestError("logit_bias values must be in [-100, 100]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= TOP_LOGPROBS:
+            raise RequestError(f"prompt_logprobs must be in [0, {TOP_LOGPROBS}], got {self.prompt_logprobs}")
 
 
 @dataclasses.dataclass
@@ -158,6 +164,10 @@ class RequestOutput:
     logprobs: list[float]
     stats: dict
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: per prompt token its log-probability (None for the first) and the most
+    # likely tokens at its position ([] for the first); complete once the prompt is prefilled
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -167,7 +177,7 @@ class _InFlight:
     step (host or device arrays), from which a chained step's inputs are computed; ``take`` reorders outputs
     across replicas (data parallelism)."""
 
-    kind: str  # "prefill" | "decode" | "spec"
+    kind: str  # "prefill" | "score" | "decode" | "spec"
     b: int
     rows: list
     out: Any
@@ -194,6 +204,8 @@ class _Request:
     finish: FinishReason | None = None
     emitted: int = 0  # tokens handed to the caller so far
     matcher: Matcher | None = None  # structured output: where the request's text is in its automaton
+    prompt_lp: list[float | None] | None = None  # prompt logprobs so far (SamplingParams.prompt_logprobs)
+    prompt_top: list[list[tuple[int, float]]] | None = None
     kv_wait: float = 0.0  # seconds of KVFlash residency work (planning + transfer dispatch) in its steps
 
     @property
@@ -279,6 +291,9 @@ class EngineOptions:
     # target: the engine fuses a copy (the caller's Target is untouched; Target.fuse_projections() fuses one in place,
     # as the serve and bench entry points do, so the matrices are never held twice)
     fuse_projections: bool = True
+    # compile a prefill step that also returns prompt log-probabilities (one row per replica, bucket 1), for requests
+    # with SamplingParams.prompt_logprobs (the API's echo + logprobs); off: such requests are refused
+    prompt_logprobs: bool = False
 
 
 def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -724,7 +739,7 @@ class Engine:
 
     def _shapes(self, kind: str, b: int):
         """One replica's host inputs ``(inp, samp)`` of a ``kind`` step at bucket ``b`` (shapes and dtypes)."""
-        t = self.options.prefill_chunk if kind == "prefill" else 1
+        t = self.options.prefill_chunk if kind in ("prefill", "score") else 1
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         if kind == "spec":
             inp = SpecInput(root=i32(b), start=i32(b), slots=i32(b), active=jax.ShapeDtypeStruct((b,), jnp.bool_),
@@ -735,7 +750,8 @@ class Engine:
                             page_table=i32(b, self.width))
         samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       SamplingArrays.from_rows([], b))
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (inp, samp))
+        shapes = (inp, samp) + ((i32(b, t),) if kind == "score" else ())  # a scoring step's targets
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
 
     def packing(self, kind: str, b: int) -> Packing:
         """The layout of a ``kind`` step's host inputs at bucket ``b`` in its one int32 buffer."""
@@ -744,9 +760,10 @@ class Engine:
             self._packings[key] = Packing.of(self._shapes(kind, b))
         return self._packings[key]
 
-    def pack(self, kind: str, b: int, inp, samp) -> np.ndarray:
-        """A step's host inputs -> the int32 buffer its executable takes (``[size]``, or ``[dp, size]``)."""
-        return self.packing(kind, b).pack((inp, samp))
+    def pack(self, kind: str, b: int, *inputs) -> np.ndarray:
+        """A step's host inputs ``(inp, samp[, targets])`` -> the int32 buffer its executable takes (``[size]``, or
+        ``[dp, size]``)."""
+        return self.packing(kind, b).pack(tuple(inputs))
 
     @property
     def spec_budgets(self) -> dict[int, int]:
@@ -769,6 +786,8 @@ class Engine:
 
     def _kinds(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         kinds = (("prefill", self.prefill_buckets), ("decode", self.decode_buckets))
+        if self.options.prompt_logprobs:
+            kinds += (("score", (1,)),)
         if self.spec_cfg is not None:
             kinds += (("spec", self.decode_buckets),)
         if self.overlap:  # the device-side carries of chained steps (tiny)
@@ -854,6 +873,9 @@ class Engine:
                                "repetition / frequency / presence penalties and logit_bias are not available")
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < v for t, _ in sampling.logit_bias):
             raise RequestError(f"logit_bias keys must be token ids in [0, {v})")
+        if sampling.prompt_logprobs is not None and not self.options.prompt_logprobs:
+            raise RequestError("prompt logprobs need an engine built with prompt_logprobs=True "
+                               "(serve: --enable-prompt-logprobs)")
         matcher = self.start_constraint(sampling.constraint) if sampling.constraint is not None else None
         if sampling.min_tokens and len(self._banned(sampling)) > MAX_BANNED:
             raise RequestError(f"min_tokens bans the stop and EOS token ids until it is reached, which works for at "
@@ -871,7 +893,10 @@ class Engine:
         # min_tokens bans, per-token logprobs and penalties exist on the AR path only
         if self.spec_cfg is not None and not sampling.min_tokens and not sampling.logprobs and not sampling.penalized:
             stats.spec_mode = "ddtree"
-        self.waiting.append(_Request(rid, ids, sampling, seed, stats, matcher=matcher))
+        r = _Request(rid, ids, sampling, seed, stats, matcher=matcher)
+        if sampling.prompt_logprobs is not None:
+            r.prompt_lp, r.prompt_top = [None], [[]]
+        self.waiting.append(r)
         return rid
 
     def start_constraint(self, c: Constraint) -> Matcher:
@@ -925,19 +950,20 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         self._admit()
         changed: dict[int, _Request] = {}
-        pre, last = self._prefill_rows()
+        pre, last, score = self._prefill_rows()
         if self._inflight is not None:
-            nxt = None if (pre or last) else self._chain()
+            nxt = None if (pre or last or score) else self._chain()
             for r in self._apply(self._inflight, chained=nxt is not None):
                 changed[r.rid] = r
             self._inflight = nxt
             if nxt is not None:
                 return self._outputs(changed)
         first: set[int] = set()  # rows whose prefill ended this step (their first token): they decode next step
-        if pre:
-            for r in self._prefill(pre):
-                changed[r.rid] = r
-                first.add(r.rid)
+        for kind, rows in (("prefill", pre), ("score", score)):
+            if rows:
+                for r in self._prefill(rows, kind):
+                    changed[r.rid] = r
+                    first.add(r.rid)
         dec = [r for r in self.running.values() if r.decoding and r.rid not in first]
         last = [r for r in last if r.finish is None and self.running.get(r.rid) is r]  # a failed prefill frees rows
         if self.options.cohort_reprobe_tokens:
@@ -963,14 +989,18 @@ class Engine:
                         changed[r.rid] = r
         return self._outputs(changed)
 
-    def _prefill_rows(self) -> tuple[list[_Request], list[_Request]]:
-        """(rows for this step's prefill call, prompts' last tokens for the AR decode call).
+    def _prefill_rows(self) -> tuple[list[_Request], list[_Request], list[_Request]]:
+        """(rows for this step's prefill call, prompts' last tokens for the AR decode call, rows for its scoring
+        call).
 
         Rows with more than one prompt token left come first, a prefill bucket's worth per replica. A prompt's last
         token (T = 1; under bounds / shadow scoring every prompt ends with one, see ``_chunk_end``) rides in the
         prefill call only in a row its bucket pads anyway; otherwise it runs in the decode call, where a row costs
-        one token rather than a prefill chunk's worth of positions."""
+        one token rather than a prefill chunk's worth of positions. Prompts whose logprobs are wanted prefill in the
+        scoring call, one per replica, until their last token (whose logits give no prompt logprob)."""
         todo = [r for r in self.running.values() if r.cursor < len(r.prompt)]
+        scoring = [r for r in todo if r.prompt_lp is not None and len(r.prompt) - r.cursor > 1]
+        todo = [r for r in todo if not (r.prompt_lp is not None and len(r.prompt) - r.cursor > 1)]
         pre = self._take([r for r in todo if len(r.prompt) - r.cursor > 1], self.prefill_buckets[-1])
         per = collections.Counter(r.replica for r in pre)
         spare = {k: self._bucket(self.prefill_buckets, n) - n for k, n in per.items()}
@@ -982,7 +1012,7 @@ class Engine:
                     pre.append(r)
                 else:
                     last.append(r)
-        return pre, self._take(last, self.decode_buckets[-1])
+        return pre, self._take(last, self.decode_buckets[-1]), self._take(scoring, 1)
 
     def _outputs(self, changed: dict[int, "_Request"]) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -1016,7 +1046,8 @@ class Engine:
             with_slot = [k for k in range(self.dp) if self.replica_slots[k]]
             if not with_slot:
                 break
-            hit = self.prefix_cache.lookup(r.prompt) if self.prefix_cache is not None else None
+            hit = (self.prefix_cache.lookup(r.prompt)
+                   if self.prefix_cache is not None and r.prompt_lp is None else None)
             n_prefix = len(hit.pages) if hit is not None else 0
             fits = [k for k in with_slot
                     if (self.pools[k].can_admit(need, n_prefix) if hit is not None else self.pools[k].can_admit(need))]
@@ -1118,8 +1149,9 @@ class Engine:
         return next(b for b in buckets if b >= n)
 
     def _run(self, kind: str, rows: list[_Request], tokens: np.ndarray, n_valid: np.ndarray,
-             start: np.ndarray) -> "_InFlight":
-        """Dispatch a prefill chunk or decode step over ``rows`` (not waiting for it)."""
+             start: np.ndarray, targets: np.ndarray | None = None) -> "_InFlight":
+        """Dispatch a prefill chunk, scoring chunk (``targets`` [rows, T]: each position's next prompt token, -1
+        none) or decode step over ``rows`` (not waiting for it)."""
         t = tokens.shape[1]
 
         def make(k: int, g: list[int], b: int):
@@ -1134,16 +1166,22 @@ class Engine:
             slots[:n] = [rows[i].slot for i in g]
             table = self.pools[k].page_tables([rows[i].rid for i in g] + [None] * (b - n), self.width)
             inp = StepInput(tokens=tok, positions=pos, n_valid=nv, slots=slots, page_table=table)
-            return inp, self._row_sampling([rows[i] for i in g], b)
+            if targets is None:
+                return inp, self._row_sampling([rows[i] for i in g], b)
+            tg = np.full((b, t), -1, np.int32)
+            tg[:n] = targets[g]
+            return inp, self._row_sampling([rows[i] for i in g], b), tg
 
-        b, (inp, samp), take = self._by_replica(rows, self.prefill_buckets if kind == "prefill" else
-                                                self.decode_buckets, make)
-        return self._dispatch(kind, b, rows, inp, samp, take)
+        buckets = {"prefill": self.prefill_buckets, "score": (1,)}.get(kind, self.decode_buckets)
+        b, inputs, take = self._by_replica(rows, buckets, make)
+        return self._dispatch(kind, b, rows, *inputs, take=take)
 
-    def _dispatch(self, kind: str, b: int, rows: list["_Request | None"], inp, samp, take=None) -> "_InFlight":
+    def _dispatch(self, kind: str, b: int, rows: list["_Request | None"], inp, samp, targets=None,
+                  take=None) -> "_InFlight":
         """Dispatch a step from its host inputs (one packed transfer)."""
         start = inp.start if kind == "spec" else inp.positions[..., 0]
-        return self._dispatch_packed(kind, b, rows, self.pack(kind, b, inp, samp), start, samp.step, take)
+        inputs = (inp, samp) if targets is None else (inp, samp, targets)
+        return self._dispatch_packed(kind, b, rows, self.pack(kind, b, *inputs), start, samp.step, take)
 
     def _dispatch_packed(self, kind: str, b: int, rows: list["_Request | None"], buf, start, step,
                          take=None) -> "_InFlight":
@@ -1199,7 +1237,7 @@ class Engine:
             return inp, self._row_sampling(rs, b)
 
         b, (inp, samp), take = self._by_replica(rows, self.decode_buckets, make)
-        return self._dispatch("spec", b, rows, inp, samp, take)
+        return self._dispatch("spec", b, rows, inp, samp, take=take)
 
     def _dispatch_decode(self, rows: list[_Request]) -> "_InFlight | None":
         rows = self._reside(rows, [(r.n_cached, r.n_cached + 1) for r in rows])
@@ -1374,11 +1412,12 @@ class Engine:
             end -= 1
         return end
 
-    def _prefill(self, rows: list[_Request]) -> list[_Request]:
+    def _prefill(self, rows: list[_Request], kind: str = "prefill") -> list[_Request]:
         """One prefill chunk of every row. When no row has more than one token in its chunk (under bounds / shadow
         scoring, a prompt two tokens from its end: ``_chunk_end`` splits them; prompts' last tokens go to the decode
         call, see ``_prefill_rows``), it runs on the decode executable (T = 1, the same step function) instead of the
-        prefill one, whose ``prefill_chunk`` positions would all be computed for one."""
+        prefill one, whose ``prefill_chunk`` positions would all be computed for one. ``kind`` "score": the chunk also
+        returns the log-probabilities of the prompt tokens that follow its positions (prompt logprobs)."""
         c = self.options.prefill_chunk
         rows = self._reside(rows, [(r.cursor, self._chunk_end(r)) for r in rows])
         if not rows:
@@ -1390,13 +1429,26 @@ class Engine:
             part = r.prompt[r.cursor: self._chunk_end(r)]
             toks[i, : len(part)] = part
             nv[i] = len(part)
-        one = int(nv.max()) == 1
-        out = self._fetch(self._run("decode", rows, toks[:, :1], nv, start) if one else
-                          self._run("prefill", rows, toks, nv, start))
+        if kind == "score":
+            targets = np.full((len(rows), c), -1, np.int32)
+            for i, r in enumerate(rows):
+                nxt = r.prompt[r.cursor + 1: r.cursor + int(nv[i]) + 1]
+                targets[i, : len(nxt)] = nxt
+            out = self._fetch(self._run("score", rows, toks, nv, start, targets))
+        elif int(nv.max()) == 1:
+            out = self._fetch(self._run("decode", rows, toks[:, :1], nv, start))
+        else:
+            out = self._fetch(self._run("prefill", rows, toks, nv, start))
         done = []
         if self.query_tail:
             self._push_queries(out.query, [(i, r, int(nv[i])) for i, r in enumerate(rows)], rescore=True)
         for i, r in enumerate(rows):
+            if kind == "score":
+                k = r.sp.prompt_logprobs
+                for j in range(min(int(nv[i]), len(r.prompt) - 1 - r.cursor)):
+                    r.prompt_lp.append(float(out.prompt_logprobs[i, j]))
+                    r.prompt_top.append([(int(t), float(lp)) for t, lp in
+                                         zip(out.prompt_top_ids[i, j, :k], out.prompt_top_logprobs[i, j, :k])])
             r.cursor += int(nv[i])
             r.stats.prefill_chunks += 1
             if self.prefix_cache is not None:
@@ -1460,7 +1512,9 @@ class Engine:
         if self.tokenizer is not None:
             text = r.text if r.text is not None else self.tokenizer.decode(r.tokens)
         return RequestOutput(r.rid, r.prompt, list(r.tokens), text, r.finish, list(r.logprobs),
-                             r.stats.as_dict(len(r.tokens)), list(r.top))
+                             r.stats.as_dict(len(r.tokens)), list(r.top),
+                             None if r.prompt_lp is None else list(r.prompt_lp),
+                             None if r.prompt_top is None else list(r.prompt_top))
 
     # ---- convenience APIs -------------------------------------------------------------------------
     def generate(self, prompts: Iterable[str | Sequence[int]],

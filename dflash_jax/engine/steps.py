@@ -26,22 +26,31 @@ class StepOutput:
 
     query: with ``query_tail`` Q > 0, the rotated queries of each row's last min(Q, T) real positions (oldest
     first; a row with fewer repeats its first one) over the target's attention layers, ``[B, Q, L, H, hd]`` float32
-    (KVFlash ``bounds`` scoring); else None."""
+    (KVFlash ``bounds`` scoring); else None.
+
+    prompt_logprobs / prompt_top_ids / prompt_top_logprobs: a scoring step's (``targets`` given) log-probability of
+    each position's next prompt token ``[B, T]`` float32 (0 where there is none), and the K most likely tokens
+    after each position ``[B, T, K]``; else None."""
 
     tokens: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
     query: jax.Array | None = None
+    prompt_logprobs: jax.Array | None = None
+    prompt_top_ids: jax.Array | None = None
+    prompt_top_logprobs: jax.Array | None = None
 
 
 def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: EngineState, dkv: DraftKV | None,
-         inp: StepInput, samp: SamplingArrays, query_tail: int = 0):
+         inp: StepInput, samp: SamplingArrays, targets: jax.Array | None = None, query_tail: int = 0):
     """Run ``inp`` ([B, T] tokens) through the target and sample each row's next token.
 
     With a drafter (``dcfg`` set), the drafter's context cache is extended with these positions too, so a
     sequence can draft from any point. ``query_tail``: also return the queries of each row's last that many
-    positions (``StepOutput.query``). Returns ``(state', dkv', StepOutput)``.
+    positions (``StepOutput.query``). ``targets`` [B, T] int32 (a scoring step: prompt logprobs): each position's
+    next prompt token (-1: none); the step also returns their log-probabilities under the model's distribution
+    and each position's most likely tokens. Returns ``(state', dkv', StepOutput)``.
     """
     layers = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
     qs: list | None = [] if query_tail else None
@@ -58,6 +67,7 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
         counted = (inp.n_valid > 0) & (samp.step > 0) if inp.tokens.shape[1] == 1 else jnp.zeros_like(samp.penalized)
         pen, logits = penalize(pen, inp.slots, inp.tokens[:, 0], counted, samp, logits.astype(jnp.float32))
     tok, logp, top_ids, top_lp = sample(logits, samp)
+    scored = (None, None, None) if targets is None else prompt_scores(params, h, targets, top_ids.shape[-1])
     query = None
     if query_tail:
         t = inp.tokens.shape[1]
@@ -65,7 +75,22 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
         at = jnp.clip(inp.n_valid[:, None] - query_tail + jnp.arange(query_tail)[None], 0, t - 1)  # [B, Q]
         query = jnp.stack([jnp.take_along_axis(q, at[:, :, None, None], axis=1) for q in qs], axis=2)
         query = query.astype(jnp.float32)  # [B, Q, L, H, hd]
-    return EngineState(kv=kv, rec=rec, pen=pen), dkv, StepOutput(tok, logp, top_ids, top_lp, query)
+    return EngineState(kv=kv, rec=rec, pen=pen), dkv, StepOutput(tok, logp, top_ids, top_lp, query, *scored)
+
+
+def prompt_scores(params, h: jax.Array, targets: jax.Array, k: int):
+    """h [B, T, D] final hidden states, targets [B, T] int32 (-1: none) -> (log p(target) [B, T] float32, 0 where
+    none; top ids [B, T, k] int32; top log-probabilities [B, T, k]), one row at a time (a row's ``[T, V]``
+    float32 log-probabilities are the largest buffer)."""
+
+    def row(args):
+        hr, tr = args
+        logp = jax.nn.log_softmax(qwen36.lm_logits(params, hr).astype(jnp.float32), axis=-1)  # [T, V]
+        lp = jnp.take_along_axis(logp, jnp.clip(tr, 0)[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logp, k)
+        return jnp.where(tr >= 0, lp, 0.0), top_ids.astype(jnp.int32), top_lp
+
+    return jax.lax.map(row, (h, targets))
 
 
 def step_fn(cfg: TargetConfig, dcfg: DrafterConfig | None = None, query_tail: int = 0):

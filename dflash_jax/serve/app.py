@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -69,6 +70,12 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def _scored_only(o: RequestOutput) -> RequestOutput:
+    """A completion with ``max_tokens`` 0 (echo: the prompt scored): the one token generated is left out."""
+    return dataclasses.replace(o, token_ids=[], text="", logprobs=[], top_logprobs=[],
+                               finish_reason=None if o.finish_reason is None else "length")
+
+
 def _holdback(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that could start a stop string (not streamed yet)."""
     keep = 1 if text.endswith("\ufffd") else 0  # an incomplete UTF-8 sequence
@@ -97,9 +104,16 @@ class Server:
 
     # ---- request -> engine -----------------------------------------------------------------------
     def _sampling(self, req, stops: tuple[str, ...]) -> SamplingParams:
-        max_tokens = req.max_completion_tokens or req.max_tokens or 16
-        wants_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else bool(req.logprobs)
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
+        """The engine's SamplingParams of a request; a completion's ``max_tokens`` 0 (echo only) generates one token,
+        which the response leaves out."""
+        max_tokens = req.max_completion_tokens or (req.max_tokens if req.max_tokens is not None else 16)
+        completion = isinstance(req, CompletionRequest)
+        wants_logprobs = req.logprobs is not None if completion else bool(req.logprobs)
+        if max_tokens == 0 and not (completion and req.echo):
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing "
+                                "generated)", param="max_tokens")
+        prompt_logprobs = req.logprobs if completion and req.echo and req.logprobs is not None else None
+        return SamplingParams(max_tokens=max(max_tokens, 1), prompt_logprobs=prompt_logprobs, temperature=req.temperature, top_k=max(req.top_k, 0),
                               top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=stops,
                               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                               min_tokens=req.min_tokens, logprobs=wants_logprobs,
@@ -120,11 +134,12 @@ class Server:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            type_="not_found_error", param="model", code="model_not_found")
 
-    async def _prepare(self, prompt: list[int], tools: bool) -> tuple[list[int], dict[str, Any]]:
+    async def _prepare(self, prompt: list[int], tools: bool, scored: bool = False) -> tuple[list[int], dict[str, Any]]:
         """Prompt compression, once per request before admission, off the event loop and the engine thread.
         Returns the effective prompt and its telemetry; billing stays on the raw prompt. Only prompts the scorer
-        must read wait for its thread (one at a time); the others are answered here at once."""
-        if self.pflash is None:
+        must read wait for its thread (one at a time); the others are answered here at once. A prompt whose
+        logprobs are wanted (``scored``) is never compressed: they are of the prompt as sent."""
+        if self.pflash is None or scored:
             return prompt, {"raw_prompt_tokens": len(prompt), "pflash": "off"}
         from dflash_jax.prefill.pflash import compress, protected_mask, skip_reason
 
@@ -216,24 +231,35 @@ class Server:
 
     async def completions(self, request: Request, req: CompletionRequest):
         self._check_model(req.model)
-        if req.echo or req.suffix:
-            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
         stops = req.stop_list()
         sp = self._sampling(req, stops)
+        if sp.prompt_logprobs is not None and not self.engine.options.prompt_logprobs:
+            raise APIError(400, "echo with logprobs needs the prompt scored: start the server with "
+                                "--enable-prompt-logprobs", param="echo")
         await self._build_constraint(sp)
         prompt = self._completion_prompt(req)
-        effective, prep = await self._prepare(prompt, tools=False)
+        effective, prep = await self._prepare(prompt, tools=False, scored=sp.prompt_logprobs is not None)
         subs = await self._start(effective, sp, req.n)
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"cmpl-{uuid.uuid4().hex}"
+        echo = self._echo_text(req, prompt) if req.echo else None
         if req.stream:
-            return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, prep, chat=False))
+            return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, prep, chat=False,
+                                     echo=echo))
         outs = await self._gather(request, subs, prep)
+        if req.max_tokens == 0:
+            outs = [_scored_only(o) for o in outs]
         choices = []
         for i, o in enumerate(outs):
-            c = {"index": i, "text": self._text(o), "finish_reason": o.finish_reason, "telemetry": _telemetry(o, prep),
-                 "logprobs": self._completion_logprobs(o, req.logprobs) if req.logprobs is not None else None}
-            choices.append(c)
+            lp = None
+            if req.logprobs is not None:
+                lp = (self._echo_logprobs(o, req.logprobs) if echo is not None
+                      else self._completion_logprobs(o, req.logprobs))
+            text = self._text(o) if echo is None else echo + self._text(o)
+            choices.append({"index": i, "text": text, "finish_reason": o.finish_reason,
+                            "telemetry": _telemetry(o, prep), "logprobs": lp})
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(len(prompt), outs)}
 
@@ -382,14 +408,47 @@ class Server:
         tok = self.engine.tokenizer
         return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
 
-    def _completion_logprobs(self, o: RequestOutput, k: int) -> dict[str, Any]:
+    def _completion_logprobs(self, o: RequestOutput, k: int, start: int = 0) -> dict[str, Any]:
+        """OpenAI's completion logprobs of the generated tokens; ``text_offset`` counted from ``start``."""
         toks = [self._tok_str(t) for t in o.token_ids]
-        offsets, pos = [], 0
+        offsets, pos = [], start
         for s in toks:
             offsets.append(pos)
             pos += len(s)
         return {"tokens": toks, "token_logprobs": o.logprobs, "text_offset": offsets,
-                "top_logprobs": [{self._tok_str(t): lp for t, lp in alts[:k]} for alts in o.top_logprobs] if k else None}
+                "top_logprobs": [self._top_dict(alts[:k]) for alts in o.top_logprobs] if k else None}
+
+    def _top_dict(self, alts: list[tuple[int, float]]) -> dict[str, float]:
+        """Alternatives keyed by token text, most likely first; ids that decode alike (partial UTF-8) keep the
+        likeliest's logprob."""
+        out: dict[str, float] = {}
+        for t, lp in alts:
+            out.setdefault(self._tok_str(t), lp)
+        return out
+
+    def _echo_text(self, req: CompletionRequest, prompt: list[int]) -> str:
+        """The prompt as echoed: the text as sent, or token ids decoded."""
+        p = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)) \
+            else req.prompt
+        if isinstance(p, str):
+            return p
+        tok = self.engine.tokenizer
+        return tok.decode(prompt, skip_special_tokens=False) if tok is not None else " ".join(map(str, prompt)) + " "
+
+    def _echo_logprobs(self, o: RequestOutput, k: int) -> dict[str, Any]:
+        """Echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
+        toks = [self._tok_str(t) for t in o.prompt_token_ids]
+        offsets, pos = [], 0
+        for s in toks:
+            offsets.append(pos)
+            pos += len(s)
+        gen = self._completion_logprobs(o, k, pos)
+        top = None
+        if k:
+            top = [None] + [self._top_dict(alts[:k]) for alts in o.prompt_top_logprobs[1:]]
+            top += gen["top_logprobs"]
+        return {"tokens": toks + gen["tokens"], "token_logprobs": list(o.prompt_logprobs) + gen["token_logprobs"],
+                "text_offset": offsets + gen["text_offset"], "top_logprobs": top}
 
     def _chat_logprobs(self, o: RequestOutput, k: int, start: int = 0) -> dict[str, Any]:
         content = []
@@ -403,15 +462,17 @@ class Server:
     async def _stream(self, request: Request, cid: str, obj: str, prompt: list[int], subs, stops, req,
                       prep: dict[str, Any], *,
                       chat: bool, thinking: bool = False,
-                      sel: ToolSelection = ToolSelection(None, "")) -> AsyncIterator[str]:
+                      sel: ToolSelection = ToolSelection(None, ""), echo: str | None = None) -> AsyncIterator[str]:
         """SSE chunks. Chat deltas are cut from ``partial_assistant`` of the text so far (after the forced prefix of
         an enforced ``tool_choice``) and, at the end, from the final message, so the joined deltas equal the
-        non-streamed message exactly."""
+        non-streamed message exactly. ``echo``: a completion's first chunk starts with this prompt text (and, with
+        logprobs, the prompt's)."""
         from dflash_jax.models.chat import partial_assistant
 
         created = int(time.time())
         sent_text = [0] * len(subs)
         sent_tok = [0] * len(subs)
+        echoed = [echo is None] * len(subs)  # the echoed prompt went out (in a choice's first chunk)
         finals: dict[int, RequestOutput] = {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -448,7 +509,7 @@ class Server:
                 if isinstance(item, BaseException):
                     yield json.dumps(APIError(500, str(item), type_="server_error").body())
                     return
-                o = item
+                o = _scored_only(item) if not chat and req.max_tokens == 0 else item
                 text = self._text(o)
                 done = o.finish_reason is not None
                 upto = len(text) if done else len(text) - _holdback(text, stops)
@@ -456,13 +517,19 @@ class Server:
                 lp = None
                 if chat and req.logprobs and len(o.token_ids) > sent_tok[i]:
                     lp = self._chat_logprobs(o, req.top_logprobs or 0, sent_tok[i])
-                elif not chat and req.logprobs is not None and len(o.token_ids) > sent_tok[i]:
-                    full = self._completion_logprobs(o, req.logprobs)
-                    lp = {k: (v[sent_tok[i]:] if isinstance(v, list) else v) for k, v in full.items()}
+                elif not chat and req.logprobs is not None and (len(o.token_ids) > sent_tok[i] or not echoed[i]):
+                    if echo is None:
+                        full, skip = self._completion_logprobs(o, req.logprobs), sent_tok[i]
+                    else:  # the prompt's entries go out with the first chunk
+                        full = self._echo_logprobs(o, req.logprobs)
+                        skip = sent_tok[i] + len(o.prompt_token_ids) if echoed[i] else 0
+                    lp = {k: (v[skip:] if isinstance(v, list) else v) for k, v in full.items()}
                 sent_tok[i] = len(o.token_ids)
                 if not chat:
                     piece = visible[sent_text[i]:]
                     sent_text[i] = max(sent_text[i], len(visible))
+                    if not echoed[i]:
+                        piece, echoed[i] = (echo or "") + piece, True
                     if piece or done or lp:
                         yield chunk(i, piece, o.finish_reason if done else None, o if done else None, lp)
                 else:

@@ -116,8 +116,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (with echo)
     logprobs: int | None = Field(default=None, ge=0, le=8)
-    echo: bool = False
+    echo: bool = False  # the prompt comes back in front of the completion (and, with logprobs, its logprobs)
     suffix: str | None = None
 
 
