@@ -187,6 +187,23 @@ def test_echo_returns_the_prompt_and_its_logprobs(client):
         "".join(lp.tokens[:2]))
 
 
+def test_a_batch_of_prompts_gives_choices_in_prompt_order(client):
+    prompts = ["def add(a, b):", "Hello world", "the quick brown"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0) for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2, echo=True)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [p + a.choices[0].text for p, a in zip(prompts, alone) for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    ids = client.completions.create(model=MODEL, prompt=[[5, 6], [7, 8, 9]], max_tokens=3, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    streamed: dict[int, str] = {}
+    for ch in client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}
+
+
 def test_stop_strings_and_stop_token_ids(client):
     base = client.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=12, temperature=0)
     text = base.choices[0].text

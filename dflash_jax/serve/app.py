@@ -32,7 +32,8 @@ from dflash_jax.engine.loop import Engine, RequestError, RequestOutput, Sampling
 from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.kv.pages import RequestTooLarge
 from dflash_jax.serve.metrics import Metrics
-from dflash_jax.serve.protocol import APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from dflash_jax.serve.protocol import (MAX_PROMPTS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest)
 from dflash_jax.serve.runner import EngineRunner
 
 log = logging.getLogger("dflash_jax.serve")
@@ -200,34 +201,37 @@ class Server:
         self.metrics.kv_pages_in.inc(o.stats.get("kv_pages_in", 0))
         self.metrics.kv_pages_out.inc(o.stats.get("kv_pages_out", 0))
 
-    def _usage(self, prompt_len: int, outs: list[RequestOutput]) -> dict[str, Any]:
-        """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied (of the
-        first choice: the others share its prompt)."""
+    def _usage(self, prompt_lens: list[int], outs: list[RequestOutput]) -> dict[str, Any]:
+        """OpenAI's usage over ``outs`` (choices in order, ``len(outs) // len(prompt_lens)`` per prompt);
+        ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied (each prompt's first
+        choice: the others share its prompt)."""
         c = sum(len(o.token_ids) for o in outs)
-        cached = (outs[0].stats or {}).get("cached_tokens", 0) if outs else 0
-        return {"prompt_tokens": prompt_len, "completion_tokens": c, "total_tokens": prompt_len + c,
+        n = max(1, len(outs) // max(1, len(prompt_lens)))
+        cached = sum((o.stats or {}).get("cached_tokens", 0) for o in outs[::n])
+        p = sum(prompt_lens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     # ---- /v1/completions -------------------------------------------------------------------------
-    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        """The request's prompts (one, or a batch: a list of strings or of token-id lists) as ``(ids, text as
+        sent or None)``."""
         p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], list):
-            if len(p) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-            p = p[0]
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
-            p = p[0]
-        if isinstance(p, str):
-            if self.engine.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            ids = self.engine.tokenizer.encode(p)
-        else:
-            ids = [int(t) for t in p]
-        if not ids:
-            raise APIError(400, "prompt is empty", param="prompt")
-        return ids
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (list, str)) else [p]
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
+        out = []
+        for one in batch:
+            if isinstance(one, str):
+                if self.engine.tokenizer is None:
+                    raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+                ids = self.engine.tokenizer.encode(one)
+            else:
+                ids = [int(t) for t in one]
+            if not ids:
+                raise APIError(400, "prompt is empty", param="prompt")
+            out.append((ids, one if isinstance(one, str) else None))
+        return out
 
     async def completions(self, request: Request, req: CompletionRequest):
         self._check_model(req.model)
@@ -239,16 +243,25 @@ class Server:
             raise APIError(400, "echo with logprobs needs the prompt scored: start the server with "
                                 "--enable-prompt-logprobs", param="echo")
         await self._build_constraint(sp)
-        prompt = self._completion_prompt(req)
-        effective, prep = await self._prepare(prompt, tools=False, scored=sp.prompt_logprobs is not None)
-        subs = await self._start(effective, sp, req.n)
-        self.metrics.prompt_tokens.inc(len(prompt))
+        prompts = self._completion_prompts(req)
+        subs, preps = [], []
+        try:  # choice index = prompt index * n + j (OpenAI's order)
+            for ids, _ in prompts:
+                effective, prep = await self._prepare(ids, tools=False, scored=sp.prompt_logprobs is not None)
+                subs += await self._start(effective, sp, req.n)
+                preps += [prep] * req.n
+        except BaseException:
+            for rid, _ in subs:
+                self.runner.abort(rid)
+            raise
+        lens = [len(ids) for ids, _ in prompts]
+        self.metrics.prompt_tokens.inc(sum(lens))
         cid = f"cmpl-{uuid.uuid4().hex}"
-        echo = self._echo_text(req, prompt) if req.echo else None
+        echo = [self._echo_text(ids, text) for ids, text in prompts for _ in range(req.n)] if req.echo else None
         if req.stream:
-            return _sse(self._stream(request, cid, "text_completion", prompt, subs, stops, req, prep, chat=False,
+            return _sse(self._stream(request, cid, "text_completion", lens, subs, stops, req, preps, chat=False,
                                      echo=echo))
-        outs = await self._gather(request, subs, prep)
+        outs = await self._gather(request, subs, preps)
         if req.max_tokens == 0:
             outs = [_scored_only(o) for o in outs]
         choices = []
@@ -257,11 +270,11 @@ class Server:
             if req.logprobs is not None:
                 lp = (self._echo_logprobs(o, req.logprobs) if echo is not None
                       else self._completion_logprobs(o, req.logprobs))
-            text = self._text(o) if echo is None else echo + self._text(o)
+            text = self._text(o) if echo is None else echo[i] + self._text(o)
             choices.append({"index": i, "text": text, "finish_reason": o.finish_reason,
-                            "telemetry": _telemetry(o, prep), "logprobs": lp})
+                            "telemetry": _telemetry(o, preps[i]), "logprobs": lp})
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage(len(prompt), outs)}
+                "choices": choices, "usage": self._usage(lens, outs)}
 
     # ---- /tokenize, /detokenize -------------------------------------------------------------------
     def _tokenizer(self):
@@ -323,9 +336,9 @@ class Server:
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._stream(request, cid, "chat.completion.chunk", prompt, subs, stops, req, prep,
-                                     chat=True, thinking=thinking, sel=sel))
-        outs = await self._gather(request, subs, prep)
+            return _sse(self._stream(request, cid, "chat.completion.chunk", [len(prompt)], subs, stops, req,
+                                     [prep] * req.n, chat=True, thinking=thinking, sel=sel))
+        outs = await self._gather(request, subs, [prep] * req.n)
         choices = []
         for i, o in enumerate(outs):
             msg = self._assistant_message(sel.forced + self._text(o), thinking, sel)
@@ -334,7 +347,7 @@ class Server:
                  "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
             choices.append(c)
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage(len(prompt), outs)}
+                "choices": choices, "usage": self._usage([len(prompt)], outs)}
 
     @staticmethod
     def _tool_selection(req: ChatRequest, thinking: bool) -> ToolSelection:
@@ -388,14 +401,14 @@ class Server:
         return msg
 
     # ---- shared pieces ---------------------------------------------------------------------------
-    async def _gather(self, request: Request, subs, prep: dict[str, Any]) -> list[RequestOutput]:
+    async def _gather(self, request: Request, subs, preps: list[dict[str, Any]]) -> list[RequestOutput]:
         try:
             outs = await asyncio.gather(*(self._final(request, rid, q) for rid, q in subs))
         except BaseException:
             for rid, _ in subs:
                 self.runner.abort(rid)
             raise
-        for o in outs:
+        for o, prep in zip(outs, preps):
             self._record(o, prep)
         return list(outs)
 
@@ -426,14 +439,12 @@ class Server:
             out.setdefault(self._tok_str(t), lp)
         return out
 
-    def _echo_text(self, req: CompletionRequest, prompt: list[int]) -> str:
-        """The prompt as echoed: the text as sent, or token ids decoded."""
-        p = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)) \
-            else req.prompt
-        if isinstance(p, str):
-            return p
+    def _echo_text(self, ids: list[int], text: str | None) -> str:
+        """A prompt as echoed: the text as sent, or its token ids decoded."""
+        if text is not None:
+            return text
         tok = self.engine.tokenizer
-        return tok.decode(prompt, skip_special_tokens=False) if tok is not None else " ".join(map(str, prompt)) + " "
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None else " ".join(map(str, ids)) + " "
 
     def _echo_logprobs(self, o: RequestOutput, k: int) -> dict[str, Any]:
         """Echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
@@ -459,14 +470,15 @@ class Server:
                                               "bytes": list(self._tok_str(a).encode())} for a, alp in alts[:k]]})
         return {"content": content}
 
-    async def _stream(self, request: Request, cid: str, obj: str, prompt: list[int], subs, stops, req,
-                      prep: dict[str, Any], *,
+    async def _stream(self, request: Request, cid: str, obj: str, prompt_lens: list[int], subs, stops, req,
+                      preps: list[dict[str, Any]], *,
                       chat: bool, thinking: bool = False,
-                      sel: ToolSelection = ToolSelection(None, ""), echo: str | None = None) -> AsyncIterator[str]:
+                      sel: ToolSelection = ToolSelection(None, ""),
+                      echo: list[str] | None = None) -> AsyncIterator[str]:
         """SSE chunks. Chat deltas are cut from ``partial_assistant`` of the text so far (after the forced prefix of
         an enforced ``tool_choice``) and, at the end, from the final message, so the joined deltas equal the
-        non-streamed message exactly. ``echo``: a completion's first chunk starts with this prompt text (and, with
-        logprobs, the prompt's)."""
+        non-streamed message exactly. ``echo``: per choice, the prompt text its first chunk starts with (and, with
+        logprobs, the prompt's logprobs). ``prompt_lens`` / ``preps``: per prompt / per choice."""
         from dflash_jax.models.chat import partial_assistant
 
         created = int(time.time())
@@ -483,7 +495,7 @@ class Server:
             else:
                 choice["text"] = delta
             if finish is not None and o is not None:
-                choice["telemetry"] = _telemetry(o, prep)
+                choice["telemetry"] = _telemetry(o, preps[i])
             body = {"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
@@ -529,7 +541,7 @@ class Server:
                     piece = visible[sent_text[i]:]
                     sent_text[i] = max(sent_text[i], len(visible))
                     if not echoed[i]:
-                        piece, echoed[i] = (echo or "") + piece, True
+                        piece, echoed[i] = echo[i] + piece, True
                     if piece or done or lp:
                         yield chunk(i, piece, o.finish_reason if done else None, o if done else None, lp)
                 else:
@@ -559,10 +571,10 @@ class Server:
                         yield chunk(i, {}, "tool_calls" if calls else o.finish_reason, o)
                 if done:
                     finals[i] = o
-                    self._record(o, prep)
+                    self._record(o, preps[i])
             if include_usage:
                 yield json.dumps({"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                                  "usage": self._usage(len(prompt), list(finals.values()))})
+                                  "usage": self._usage(prompt_lens, [finals[i] for i in sorted(finals)])})
             yield "[DONE]"
         finally:  # client gone or finished: cancel whatever still runs, at once
             for t in tasks:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dflash_jax.engine.structured import Constraint
 
 MAX_STOP = 16
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch)
 
 
 class APIError(Exception):
