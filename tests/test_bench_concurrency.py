@@ -419,3 +419,12 @@ def test_shipped_pair_on_held_out_text_accepts_more_than_one_token_per_round(tmp
     assert "held-out text" in rec["extra"]["prompt_distribution"]
     # real text: the trained drafter's rounds emit more than the bonus token alone (random ids give ~1.0-1.3)
     assert rec["figures"]["c1.ddtree.accept_per_step"] > 1.3, rec["figures"]
+
+
+def test_batch_invariant_cases_share_one_shape_and_agree_across_concurrencies(tmp_path, capsys):
+    rc = main(_args(tmp_path, "--batch-invariant", "--dtype", "bfloat16", "--modes", "ar", "--concurrency", "1", "3",
+                    "--repeats", "1", "--require-reproducible"))
+    assert rc == 0, capsys.readouterr().out
+    res = _result(tmp_path)
+    assert res["figures"]["repro.concurrency_mismatches"] == 0
+    assert "--batch-invariant" in res["command"]

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-batch", type=int, default=4)
     p.add_argument("--ceiling-iters", type=int, default=20,
                    help="timed iterations of the weight-stream ceiling per concurrency; 0 skips it")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="one decode shape (the largest concurrency's) for every concurrency "
+                        "(EngineOptions.batch_invariant): what invariance costs at low concurrency")
     p.add_argument("--all-buckets", action="store_true",
                    help="compile every serving bucket (powers of two up to the largest concurrency), as the server "
                         "does, so startup_compile_s is the server's start-up figure; default: only the measured "
@@ -85,17 +88,19 @@ def _case(eng: Engine, c: int, prompt_len: int, output_len: int, vocab: int, see
 
 
 def device_step_ms(eng: Engine, c: int, context: int, iters: int = 10) -> float:
-    """Back-to-back decode steps of bucket ``c`` with no host work in between (device time per step)."""
+    """Back-to-back decode steps of ``c`` rows (in the engine's bucket for them) with no host work in between
+    (device time per step)."""
     from dflash_jax.engine.sampling import SamplingArrays
     from dflash_jax.state import StepInput
 
-    w = eng.width
-    inp = StepInput(tokens=np.zeros((c, 1), np.int32), positions=np.full((c, 1), context, np.int32),
-                    n_valid=np.ones(c, np.int32), slots=np.arange(1, c + 1, dtype=np.int32),
-                    page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (c, 1)) % eng.pages.n_pages)
-    samp = SamplingArrays.from_rows([], c)
-    buf = eng.put(eng.pack("decode", c, inp, samp))  # device-resident: no host transfer in the timed loop
-    fn = eng._exec[("decode", c)]
+    w, b = eng.width, next(x for x in eng.decode_buckets if x >= c)
+    live = np.arange(b) < c  # padding rows (batch_invariant) as the engine pads: no tokens, the null slot
+    inp = StepInput(tokens=np.zeros((b, 1), np.int32), positions=np.full((b, 1), context, np.int32),
+                    n_valid=live.astype(np.int32), slots=np.where(live, np.arange(1, b + 1), 0).astype(np.int32),
+                    page_table=np.tile(np.arange(1, w + 1, dtype=np.int32), (b, 1)) % eng.pages.n_pages * live[:, None])
+    samp = SamplingArrays.from_rows([], b)
+    buf = eng.put(eng.pack("decode", b, inp, samp))  # device-resident: no host transfer in the timed loop
+    fn = eng._exec[("decode", b)]
     eng.state, eng.dkv, out = fn(eng.target.params, eng.dparams, eng.state, eng.dkv, buf)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
@@ -128,8 +133,9 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     eng = Engine(target, None, EngineOptions(max_batch=cmax, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk,
                                              prefill_batch=args.prefill_batch, kv_dtype=args.kv_dtype,
-                                             batch_buckets=None if args.all_buckets else
+                                             batch_buckets=None if args.all_buckets or args.batch_invariant else
                                              replica_buckets(args.concurrency, args.data_parallel),
+                                             batch_invariant=args.batch_invariant,
                                              **parallel_options(args)))
     kv_itemsize = sum(x.nbytes for x in eng.state.kv.k) / sum(math.prod(x.shape) for x in eng.state.kv.k)
     print(f"[{quantization}] model loaded in {load_s:.1f}s ({w_itemsize:.3f} bytes/weight); compiling "

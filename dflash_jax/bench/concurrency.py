@@ -183,6 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --prefix-cache: also run an AR case without it per concurrency (mode ar_uncached)")
     p.add_argument("--kvflash-compare", action="store_true",
                    help="with --kvflash: also run an unbounded AR case per concurrency (mode ar_unbounded)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every case's engine runs one shape per step kind, at the largest concurrency's batch "
+                        "(EngineOptions.batch_invariant): a request's tokens must then agree across concurrencies")
     p.add_argument("--require-reproducible", action="store_true",
                    help="fail unless every greedy hash agrees across repeats, concurrencies and modes")
 
@@ -595,11 +598,14 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     spec = (SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens, chain_seed=args.chain_seed)
             if mode == "ddtree" else None)
     kvflash = args.kvflash if mode != "ar_unbounded" else None
-    opts = EngineOptions(max_batch=c, page_size=args.page_size, max_model_len=max_len,
-                         prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, c), spec=spec,
+    inv = bool(getattr(args, "batch_invariant", False))
+    rows = max(args.concurrency) if inv else c  # batch-invariant: every case at the same shapes
+    buckets = None if args.all_buckets or inv else replica_buckets([c], args.data_parallel)
+    opts = EngineOptions(max_batch=rows, page_size=args.page_size, max_model_len=max_len,
+                         prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, rows), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
                          kvflash_scoring=args.kvflash_scoring, kvflash_max_page_in=args.kvflash_max_page_in,
-                         kv_dtype=args.kv_dtype, batch_buckets=None if args.all_buckets else replica_buckets([c], args.data_parallel),
+                         kv_dtype=args.kv_dtype, batch_buckets=buckets, batch_invariant=inv,
                          spec_oracle=oracle if mode == "ddtree" else None, overlap=args.overlap,
                          prefix_cache=args.prefix_cache if mode != "ar_uncached" else 0, **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)

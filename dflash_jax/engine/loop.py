@@ -294,6 +294,12 @@ class EngineOptions:
     # compile a prefill step that also returns prompt log-probabilities (one row per replica, bucket 1), for requests
     # with SamplingParams.prompt_logprobs (the API's echo + logprobs); off: such requests are refused
     prompt_logprobs: bool = False
+    # a request's tokens do not depend on what else runs: every step of a kind runs at one shape (decode at max_batch
+    # / data_parallel rows, prefill at prefill_batch rows) and a prompt's last token always runs in the decode step,
+    # so each row's arithmetic is the same whatever the batch holds (matmuls, attention and sampling are row-wise).
+    # Costs padded rows at low concurrency; not with batch_buckets. Speculative requests are covered while they stay
+    # speculative (the cohort-yield guard can move a cohort to AR, whose arithmetic differs)
+    batch_invariant: bool = False
 
 
 def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -439,10 +445,16 @@ class Engine:
         # KVFlash telemetry of the last 256 device calls: step, rows, deferred, pages_in/out, bytes_in/out, wait_s,
         # resident_pages, occupancy, sequences_changed (empty when residency is unbounded)
         self.kvflash_steps: collections.deque[dict] = collections.deque(maxlen=256)
-        self.decode_buckets = _buckets(per_replica, o.batch_buckets)
         pb = min(o.prefill_batch, per_replica)
-        self.prefill_buckets = (_buckets(pb) if o.batch_buckets is None
-                                else tuple(b for b in self.decode_buckets if b < pb) + (pb,))
+        if o.batch_invariant:
+            if o.batch_buckets is not None and tuple(o.batch_buckets) != (per_replica,):
+                raise ValueError(f"batch_invariant runs one decode bucket ({per_replica}); drop batch_buckets "
+                                 f"{tuple(o.batch_buckets)}")
+            self.decode_buckets, self.prefill_buckets = (per_replica,), (pb,)
+        else:
+            self.decode_buckets = _buckets(per_replica, o.batch_buckets)
+            self.prefill_buckets = (_buckets(pb) if o.batch_buckets is None
+                                    else tuple(b for b in self.decode_buckets if b < pb) + (pb,))
         self.spec_cfg = dataclasses.replace(o.spec, draft_query=True) if self.draft_scoring else o.spec
         self._packings: dict[tuple[str, int], Packing] = {}  # (kind, bucket) -> layout of its host inputs
         self._exec: dict[tuple[str, int], Callable] = {}
@@ -1007,7 +1019,7 @@ class Engine:
         last = []
         for r in todo:
             if len(r.prompt) - r.cursor == 1:
-                if spare.get(r.replica, 0) > 0:
+                if spare.get(r.replica, 0) > 0 and not self.options.batch_invariant:
                     spare[r.replica] -= 1
                     pre.append(r)
                 else:

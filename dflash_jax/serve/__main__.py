@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enable-prompt-logprobs", action=argparse.BooleanOptionalAction, default=False,
                     help="compile a prefill step that also scores the prompt, for completions with echo + logprobs "
                          "(each prompt token's log-probability; scoring prompts prefill one at a time)")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                    help="a request's tokens do not depend on what else runs (one step shape per kind: decode always "
+                         "at --max-concurrency rows); costs padded rows at low load")
     ap.add_argument("--cohort-yield-min", type=float, default=None,
                     help="a cohort whose first DDTree round emits fewer tokens per request continues AR (0 = never)")
     ap.add_argument("--cohort-reprobe-tokens", type=int, default=None,
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                                        kvflash_max_page_in=int(args.kvflash_max_page_in),
                                        kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp,
                                        overlap=args.overlap, prefix_cache=args.prefix_cache,
-                                       prompt_logprobs=bool(args.enable_prompt_logprobs)),
+                                       prompt_logprobs=bool(args.enable_prompt_logprobs),
+                                       batch_invariant=bool(args.batch_invariant)),
                          drafter=drafter)
         except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
             raise StartupError(str(e)) from e
