@@ -12,8 +12,8 @@ decode step that is otherwise weight streaming; here it is one.
 Grid ``(B, n_k_heads)``: a program owns one row's key head ``j``: its q / k conv channels and the ``r = Hv / Hk``
 value heads that read them (their v channels, states and outputs), so every byte of state it writes is its own
 (value heads sharing a key head in one program: no other program reads the q / k conv rows it rewrites). Each
-value head's ``[dk, dv]`` state tile is read, updated and written once. Rows whose slot is 0 (padding) write
-nothing. The checkpoint's channel layout ``[q | k | v]`` only (``groups == 1``); other layouts run the reference.
+value head's ``[dk, dv]`` state tile is read, updated and written once. Rows whose slot is 0 (padding) read and
+write no state (a decode bucket's padding would otherwise read the null slot's state once a row) and output zeros. The checkpoint's channel layout ``[q | k | v]`` only (``groups == 1``); other layouts run the reference.
 """
 
 from __future__ import annotations
@@ -48,6 +48,26 @@ def _kernel(*refs, n_parts, locs, hk, dk, dv, hv, r, kk, eps):
     (w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_ref, cs_ref, s_ref, y_ref, cs_out_ref,
      s_out_ref) = refs[n_parts:]
 
+    i = pl.program_id(0)
+    j = pl.program_id(1)
+    slot = slot_ref[i]
+    heads = [j * r + e for e in range(r)]  # the value heads of key head j
+
+    @pl.when(slot == 0)
+    def _():  # a padding row: no state read or written, zeros out
+        for h in heads:
+            y_ref[i, h] = jnp.zeros((dv,), y_ref.dtype)
+
+    @pl.when(slot > 0)
+    def _():
+        _row(parts, locs, w_ref, alog_ref, dtb_ref, nw_ref, fresh_ref, valid_ref, cs_ref, s_ref, y_ref, cs_out_ref,
+             s_out_ref, i=i, j=j, slot=slot, heads=heads, hk=hk, dk=dk, dv=dv, kk=kk, eps=eps)
+
+
+def _row(parts, locs, w_ref, alog_ref, dtb_ref, nw_ref, fresh_ref, valid_ref, cs_ref, s_ref, y_ref, cs_out_ref,
+         s_out_ref, *, i, j, slot, heads, hk, dk, dv, kk, eps):
+    """Row ``i`` (slot ``slot`` > 0), key head ``j`` and its value heads ``heads``: the step, state written back."""
+
     def seg(name, idx):
         """Element(s) ``idx`` (an int or a ``pl.ds``, relative to the segment) of this row's segment ``name``."""
         part, base = locs[name]
@@ -55,13 +75,9 @@ def _kernel(*refs, n_parts, locs, hk, dk, dv, hv, r, kk, eps):
             return parts[part][i, pl.ds(base + idx.start, idx.size)]
         return parts[part][i, base + idx]
 
-    i = pl.program_id(0)
-    j = pl.program_id(1)
-    slot = slot_ref[i]
     fresh = fresh_ref[i] != 0
     m = (valid_ref[i] != 0).astype(F32)
     key_dim = hk * dk
-    heads = [j * r + e for e in range(r)]  # the value heads of key head j
     # every state tile's load first: r independent 64 KiB reads in flight, not one after another
     states = [s_ref[slot, h] for h in heads]
 
@@ -78,10 +94,8 @@ def _kernel(*refs, n_parts, locs, hk, dk, dv, hv, r, kk, eps):
         return c, new
 
     def store_rows(off, n, new):
-        @pl.when(slot > 0)
-        def _():
-            for t in range(kk - 1):
-                cs_out_ref[slot, t, pl.ds(off, n)] = new[t]
+        for t in range(kk - 1):
+            cs_out_ref[slot, t, pl.ds(off, n)] = new[t]
 
     q, q_rows = conv(j * dk, dk)
     k, k_rows = conv(key_dim + j * dk, dk)
@@ -103,10 +117,7 @@ def _kernel(*refs, n_parts, locs, hk, dk, dv, hv, r, kk, eps):
         read = jnp.sum(s * k[:, None], axis=0)                      # S^T k [dv]
         s = s + k[:, None] * (beta * (v - read))[None, :]
         o = jnp.sum(s * q[:, None], axis=0)                         # S^T q [dv]
-
-        @pl.when(slot > 0)
-        def _():
-            s_out_ref[slot, h] = s.astype(s_out_ref.dtype)
+        s_out_ref[slot, h] = s.astype(s_out_ref.dtype)
 
         z = seg("z", pl.ds(h * dv, dv)).astype(F32)
         ms = jnp.sum(o * o) / dv
