@@ -278,3 +278,32 @@ def test_bucket_budgets_stay_lossless_and_bound_each_round():
     assert alone[0].stats["draft_nodes"] > alone[0].stats["draft_steps"]  # the lone row drafts wider trees
     with pytest.raises(ValueError, match="max_verify_tokens"):
         SpecConfig(max_verify_tokens=1)
+
+
+def test_speculative_rounds_return_the_targets_logprobs():
+    """A request that wants logprobs stays speculative: each emitted token's log-probability (accepted draft tokens
+    and the bonus) and its alternatives are the target's, as an AR step reports them."""
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, t.config.vocab_size - 1, n).tolist() for n in (9, 14)]
+    want = {tuple(p): t.greedy(p, 20) for p in prompts}
+
+    def oracle(prompt, toks):  # proposes the greedy continuation: rounds accept several tokens
+        full = want[tuple(prompt)] + [0] * dcfg.block_size
+        return full[len(toks): len(toks) + dcfg.block_size - 1]
+
+    opts = EngineOptions(max_batch=2, prefill_batch=2, prefill_chunk=16, max_model_len=128, page_size=8,
+                         spec=SpecConfig(budget=6), cohort_yield_min=0.0, spec_oracle=oracle)
+    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=20, logprobs=True), SamplingParams(max_tokens=20)])
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == want[tuple(p)] and o.stats["spec_mode"] == "ddtree"
+        assert o.stats["accepted_tokens"] >= 10
+    p, o = prompts[0], outs[0]
+    ref = np.asarray(jax.nn.log_softmax(t.logits(p + o.token_ids), axis=-1))[len(p) - 1:-1]  # row e: token e
+    np.testing.assert_allclose(o.logprobs, ref[np.arange(20), o.token_ids], atol=1e-4)
+    for e, top in enumerate(o.top_logprobs):
+        ids, lps = zip(*top)
+        assert ids[0] == o.token_ids[e]  # greedy: the emitted token is the most likely
+        np.testing.assert_allclose(lps, np.sort(ref[e])[::-1][:len(lps)], atol=1e-4)
+    assert all(np.isnan(outs[1].logprobs[1:]))  # not asked for (the first token comes from the prefill step)

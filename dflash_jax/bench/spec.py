@@ -196,8 +196,9 @@ def oracle_run(eng: Engine, spec: SpecConfig, prompt_len: int, n_tokens: int, ta
             raise RuntimeError(f"oracle run: more than {max_resyncs} resyncs of the recorded continuation")
         ctx = prompt + history
         left = n_tokens - len(history)
-        # logprobs=True keeps the request on the AR decode path (the engine otherwise decodes it speculatively)
-        rec = eng.generate([ctx], SamplingParams(max_tokens=left + slack, ignore_eos=True, logprobs=True))[0]
+        # min_tokens keeps the request on the AR decode path (the engine otherwise decodes it speculatively); with
+        # ignore_eos and no stop ids it bans nothing
+        rec = eng.generate([ctx], SamplingParams(max_tokens=left + slack, ignore_eos=True, min_tokens=1))[0]
         if rec.stats["spec_mode"] != "ar" or rec.stats["draft_steps"]:
             raise RuntimeError(f"oracle run: the continuation was not recorded by AR decoding ({rec.stats})")
         truth = rec.token_ids

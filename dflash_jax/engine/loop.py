@@ -67,7 +67,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
-    logprobs: bool = False  # per-token logprobs wanted: such requests decode AR (speculative rounds return tokens)
+    logprobs: bool = False  # per-token logprobs (and the most likely alternatives) wanted
     # penalties over the request's generated tokens (repetition: its prompt's too) and additive logit biases
     # ((token id, bias) pairs); requests that use any of them decode AR (sampling.penalize)
     repetition_penalty: float = 1.0
@@ -902,8 +902,8 @@ class Engine:
         rid = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else rid
         stats = RequestStats(time.perf_counter())
-        # min_tokens bans, per-token logprobs and penalties exist on the AR path only
-        if self.spec_cfg is not None and not sampling.min_tokens and not sampling.logprobs and not sampling.penalized:
+        # min_tokens bans and penalties exist on the AR path only
+        if self.spec_cfg is not None and not sampling.min_tokens and not sampling.penalized:
             stats.spec_mode = "ddtree"
         r = _Request(rid, ids, sampling, seed, stats, matcher=matcher)
         if sampling.prompt_logprobs is not None:
@@ -1227,7 +1227,7 @@ class Engine:
             [RowSampling() if r is None else
              RowSampling(r.sp.temperature, r.sp.top_k, r.sp.top_p, r.seed, len(r.tokens), r.sp.min_tokens,
                          self._banned(r.sp), r.sp.repetition_penalty, r.sp.frequency_penalty, r.sp.presence_penalty,
-                         r.sp.penalized, r.sp.min_p) for r in rows], b)
+                         r.sp.penalized, r.sp.min_p, r.sp.logprobs) for r in rows], b)
 
     def _dispatch_spec(self, rows: list[_Request]) -> "_InFlight | None":
         """Dispatch one speculative round for every row (KVFlash may defer some: None when none runs)."""
@@ -1361,14 +1361,17 @@ class Engine:
         for i, r in rows:
             n = int(out.n_accepted[i])
             burst = [int(t) for t in out.accepted[i, 1:n]] + [int(out.bonus[i])]
+            lps = ([float(x) for x in out.logprobs[i, :n]] if r.sp.logprobs else [float("nan")] * n)
+            tops = ([[(int(t), float(lp)) for t, lp in zip(out.top_ids[i, e], out.top_logprobs[i, e])]
+                     for e in range(n)] if r.sp.logprobs else [[]] * n)
             st = r.stats
             st.spec_steps += 1
             st.draft_nodes += int(out.tree_nodes[i])
             st.accepted_tokens += n - 1
             st.emitted_spec += len(burst)
             st.rollback_mode = "fast-rollback" if self.options.spec.fast_rollback else "replay"
-            for tok in burst:  # the decode contract, token by token; nothing past a stop is emitted
-                self._accept_token(r, tok, float("nan"), [])
+            for tok, lp, top in zip(burst, lps, tops):  # the decode contract, token by token; nothing past a stop
+                self._accept_token(r, tok, lp, top)
                 if r.finish is not None:
                     break
             if r.finish is None:

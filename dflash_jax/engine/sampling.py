@@ -34,6 +34,8 @@ class SamplingArrays:
     frequency: jax.Array
     presence: jax.Array
     penalized: jax.Array
+    # [B] bool: the row's request wants per-token logprobs (a speculative round computes them only then)
+    want_logprobs: jax.Array
 
     @classmethod
     def from_rows(cls, rows: list["RowSampling"], batch: int) -> "SamplingArrays":
@@ -48,13 +50,15 @@ class SamplingArrays:
         until = np.zeros(batch, np.int32)
         rep, freq, pres = np.ones(batch, np.float32), np.zeros(batch, np.float32), np.zeros(batch, np.float32)
         pen = np.zeros(batch, np.bool_)
+        want = np.zeros(batch, np.bool_)
         for i, r in enumerate(rows):
             t[i], k[i], p[i], s[i], n[i], until[i] = r.temperature, r.top_k, r.top_p, r.seed & 0xFFFFFFFF, r.step, r.min_tokens
             ids = r.banned[:MAX_BANNED]
             ban[i, :len(ids)] = ids
             rep[i], freq[i], pres[i], pen[i], mp[i] = r.repetition, r.frequency, r.presence, r.penalized, r.min_p
+            want[i] = r.logprobs
         return cls(temperature=t, top_k=k, top_p=p, min_p=mp, seed=s, step=n, banned=ban, ban_until=until, repetition=rep,
-                   frequency=freq, presence=pres, penalized=pen)
+                   frequency=freq, presence=pres, penalized=pen, want_logprobs=want)
 
 
 MAX_BANNED = 8
@@ -76,6 +80,7 @@ class RowSampling:
     presence: float = 0.0
     penalized: bool = False
     min_p: float = 0.0
+    logprobs: bool = False
 
 
 def filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

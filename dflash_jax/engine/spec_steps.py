@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.engine.sampling import SamplingArrays
+from dflash_jax.engine.sampling import TOP_LOGPROBS, SamplingArrays
 from dflash_jax.models import attention, dflash, qwen36
 from dflash_jax.spec import ddtree, verify
 from dflash_jax.state import DraftKV, EngineState, TreeInput
@@ -86,6 +86,12 @@ class SpecOutput:
     bonus: jax.Array
     tree_nodes: jax.Array
     draft_query: jax.Array | None = None
+    # the emitted tokens' log-probabilities under the target [B, L+1] (emitted token e: accepted[e + 1], or bonus at
+    # e = n_accepted - 1) and each one's K most likely alternatives [B, L+1, K]; zeros when no row of the round
+    # wants logprobs (SamplingArrays.want_logprobs)
+    logprobs: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 def write_draft_context(dcfg: DrafterConfig, dparams, dkv: DraftKV, feats: jax.Array, positions: jax.Array,
@@ -160,9 +166,34 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
     keep = jnp.arange(l1)[None] < n_acc[:, None]
     dkv = write_draft_context(dcfg, dparams, dkv, acc_feats, pos, keep, inp.page_table)
     toks = jnp.where(keep, jnp.take_along_axis(tree.tokens, idx, axis=1), -1)
+    lp, top_ids, top_lp = emitted_logprobs(logits, idx, toks, n_acc, bonus, samp.want_logprobs)
     out = SpecOutput(accepted=toks, n_accepted=n_acc, bonus=bonus,
-                     tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32), draft_query=draft_query)
+                     tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32), draft_query=draft_query,
+                     logprobs=lp, top_ids=top_ids, top_logprobs=top_lp)
     return EngineState(kv=kv, rec=rec, pen=state.pen), dkv, out  # penalized requests decode AR
+
+
+def emitted_logprobs(logits: jax.Array, path: jax.Array, toks: jax.Array, n_acc: jax.Array, bonus: jax.Array,
+                     want: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of a round's emitted tokens under the target's distribution (before temperature and
+    filtering, as the AR step reports them): logits [B, N, V], path [B, L+1] the accepted slots (clipped), toks
+    [B, L+1] their tokens, n_acc / bonus [B]. Emitted token e is predicted at path[e]: toks[e + 1] while
+    e + 1 < n_acc, then the bonus. Returns ([B, L+1], top ids [B, L+1, K], top log-probabilities), zeros unless
+    some row ``want``s them."""
+    b, l1 = path.shape
+    k = min(TOP_LOGPROBS, logits.shape[-1])
+
+    def compute(_):
+        e = jnp.arange(l1)[None]
+        nxt = jnp.concatenate([toks[:, 1:], jnp.zeros((b, 1), toks.dtype)], axis=1)
+        emit = jnp.where(e + 1 < n_acc[:, None], nxt, bonus[:, None])
+        logp = jax.nn.log_softmax(jnp.take_along_axis(logits, path[:, :, None], axis=1).astype(jnp.float32), -1)
+        top_lp, top_ids = jax.lax.top_k(logp, k)
+        lp = jnp.take_along_axis(logp, jnp.clip(emit, 0)[:, :, None], axis=-1)[..., 0]
+        return lp, top_ids.astype(jnp.int32), top_lp
+
+    zeros = (jnp.zeros((b, l1), jnp.float32), jnp.zeros((b, l1, k), jnp.int32), jnp.zeros((b, l1, k), jnp.float32))
+    return jax.lax.cond(jnp.any(want), compute, lambda _: zeros, None)
 
 
 def spec_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,
