@@ -126,6 +126,25 @@ def test_release_returns_pages_and_reservation():
     a.check_invariants()
 
 
+def test_attach_shares_a_prefix_and_returns_its_reservation():
+    a = PageAllocator(n_pages=11, page_size=4)
+    a.admit(1, 12)
+    a.grow(1, 10)  # pages 1-3
+    a.admit(2, 16)  # 4 pages reserved
+    assert a.num_free == 10 - 3 - 4
+    a.attach(2, a.pages_of(1)[:2])  # shares 8 tokens: two pages of its reservation go back
+    assert a.pages_of(2) == (1, 2) and a.num_tokens(2) == 8 and a.reserved_of(2) == 2 and a.num_free == 5
+    assert a.grow(2, 13) == [4, 5]  # its own pages after the shared ones
+    a.check_invariants()
+    with pytest.raises(ValueError, match="already holds"):
+        a.attach(2, (3,))
+    a.release(1)  # the shared pages stay with 2
+    assert a.pages_of(2) == (1, 2, 4, 5)
+    a.release(2)
+    assert a.num_free == 10 and a.num_used == 0
+    a.check_invariants()
+
+
 def test_freed_pages_are_reused_lowest_first():
     a = PageAllocator(9, 1)
     for sid in range(4):

@@ -206,6 +206,12 @@ class _Request:
     matcher: Matcher | None = None  # structured output: where the request's text is in its automaton
     prompt_lp: list[float | None] | None = None  # prompt logprobs so far (SamplingParams.prompt_logprobs)
     prompt_top: list[list[tuple[int, float]]] | None = None
+    # a group over one prompt (submit_group): the leader prefills to ``fork_at`` (a page boundary before the prompt's
+    # last token), then its ``siblings`` start there from a copy of its recurrent slot over its KV pages (shared);
+    # until then a sibling is parked (``leader`` set: admitted with the group, not scheduled)
+    fork_at: int = 0
+    siblings: list["_Request"] = dataclasses.field(default_factory=list)
+    leader: "_Request | None" = None
     kv_wait: float = 0.0  # seconds of KVFlash residency work (planning + transfer dispatch) in its steps
 
     @property
@@ -911,6 +917,34 @@ class Engine:
         self.waiting.append(r)
         return rid
 
+    def submit_group(self, prompt: str | Sequence[int], samplings: Sequence[SamplingParams]) -> list[int]:
+        """Queue ``len(samplings)`` requests over one prompt (the API's ``n``); returns their ids. The prompt
+        prefills once: the first request prefills to the last page boundary before the prompt's last token, the
+        others then start there from a copy of its recurrent state over its KV pages (shared, read-only), each
+        prefilling the rest (under a page) itself and sampling with its own settings. The group is admitted
+        together. Requests that cannot share (one request, a prompt under two pages, KVFlash, prompt logprobs, more
+        requests than a replica's slots) are queued as separate submits."""
+        rids: list[int] = []
+        try:
+            for sp in samplings:
+                rids.append(self.submit(prompt, sp))
+        except Exception:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        reqs = list(self.waiting)[-len(rids):] if rids else []
+        ps = self.pools[0].page_size
+        fork_at = (len(reqs[0].prompt) - 1) // ps * ps if reqs else 0
+        if (len(reqs) < 2 or fork_at < ps or self.kvf is not None or len(reqs) > self.options.max_batch // self.dp
+                or any(r.prompt_lp is not None for r in reqs)):
+            return rids
+        leader, sibs = reqs[0], reqs[1:]
+        leader.fork_at, leader.siblings = fork_at, sibs
+        for s in sibs:
+            s.leader = leader
+        self.counters["groups"] += 1
+        return rids
+
     def start_constraint(self, c: Constraint) -> Matcher:
         """A fresh matcher of ``c`` (its automaton is built on first use and cached: the server builds it off the
         engine thread first). Raises RequestError for a constraint that cannot be built."""
@@ -934,6 +968,7 @@ class Engine:
         for r in list(self.waiting):
             if r.rid == rid:
                 self.waiting.remove(r)
+                self._ungroup(r)
                 return True
         r = self.running.get(rid)
         if r is None:
@@ -941,6 +976,16 @@ class Engine:
         r.finish = "abort"
         self._free(r)
         return True
+
+    def _ungroup(self, r: _Request) -> None:
+        """``r`` leaves its group before the fork: a sibling is dropped from its leader's list; a leader's parked
+        siblings go on alone (they were admitted with full reservations: they prefill the whole prompt)."""
+        if r.leader is not None:
+            r.leader.siblings.remove(r)
+            r.leader = None
+        for s in r.siblings:
+            s.leader = None
+        r.siblings = []
 
     def has_work(self) -> bool:
         """Requests are waiting or running (``step()`` has something to do)."""
@@ -1010,7 +1055,7 @@ class Engine:
         prefill call only in a row its bucket pads anyway; otherwise it runs in the decode call, where a row costs
         one token rather than a prefill chunk's worth of positions. Prompts whose logprobs are wanted prefill in the
         scoring call, one per replica, until their last token (whose logits give no prompt logprob)."""
-        todo = [r for r in self.running.values() if r.cursor < len(r.prompt)]
+        todo = [r for r in self.running.values() if r.cursor < len(r.prompt) and r.leader is None]
         scoring = [r for r in todo if r.prompt_lp is not None and len(r.prompt) - r.cursor > 1]
         todo = [r for r in todo if not (r.prompt_lp is not None and len(r.prompt) - r.cursor > 1)]
         pre = self._take([r for r in todo if len(r.prompt) - r.cursor > 1], self.prefill_buckets[-1])
@@ -1050,25 +1095,43 @@ class Engine:
                 out.append(r)
         return out
 
+    def _need(self, r: _Request) -> int:
+        """KV tokens to reserve at admission."""
+        return (len(r.prompt) + r.sp.max_tokens + (self.spec_span if r.stats.spec_mode == "ddtree" else 0)
+                + self.ahead)
+
+    def _fits(self, k: int, needs: list[int], n_prefix: int) -> bool:
+        """Whether replica ``k`` can admit requests of ``needs`` tokens (the first over ``n_prefix`` cached pages)."""
+        pool = self.pools[k]
+        if len(needs) == 1:
+            return pool.can_admit(needs[0], n_prefix) if n_prefix else pool.can_admit(needs[0])
+        return (max(needs) <= pool.capacity_tokens
+                and sum(pool.pages_needed(n) for n in needs) - n_prefix <= pool.num_free)
+
     def _admit(self) -> None:
         while self.waiting:
             r = self.waiting[0]
-            need = (len(r.prompt) + r.sp.max_tokens + (self.spec_span if r.stats.spec_mode == "ddtree" else 0)
-                    + self.ahead)
-            with_slot = [k for k in range(self.dp) if self.replica_slots[k]]
+            group = [r] + r.siblings  # a group's siblings queue right behind its leader and come in with it
+            needs = [self._need(x) for x in group]
+            with_slot = [k for k in range(self.dp) if len(self.replica_slots[k]) >= len(group)]
             if not with_slot:
                 break
             hit = (self.prefix_cache.lookup(r.prompt)
                    if self.prefix_cache is not None and r.prompt_lp is None else None)
             n_prefix = len(hit.pages) if hit is not None else 0
-            fits = [k for k in with_slot
-                    if (self.pools[k].can_admit(need, n_prefix) if hit is not None else self.pools[k].can_admit(need))]
-            if not fits and self.prefix_cache is not None and self.prefix_cache.make_room(need, keep=hit):
+            fits = [k for k in with_slot if self._fits(k, needs, n_prefix)]
+            if not fits and self.prefix_cache is not None and self.prefix_cache.make_room(sum(needs), keep=hit):
                 fits = with_slot  # one replica: cached prefixes gave their pages back
             if not fits:
                 self.counters["admission_deferred"] += 1
                 break  # FIFO: wait for pages to free up
             k = max(fits, key=lambda k: (len(self.replica_slots[k]), -k))  # the least loaded replica
+            for s, need in zip(group[1:], needs[1:]):
+                self.waiting.remove(s)
+                self.pools[k].admit(s.rid, need)
+                s.replica, s.slot = k, self.replica_slots[k].pop(0)
+                self._started(s)
+            need = needs[0]
             self.waiting.popleft()
             if hit is not None:
                 self.pools[k].admit(r.rid, need, hit.pages)
@@ -1081,10 +1144,28 @@ class Engine:
                 r.cursor = r.stats.cached_tokens = hit.n_tokens
                 self.counters["prefix_cache_hits"] += 1
                 self.counters["prefix_cached_tokens"] += hit.n_tokens
-            if r.sp.penalized:
-                self._start_penalties(r)
-            r.stats.admitted = time.perf_counter()
-            self.running[r.rid] = r
+            self._started(r)
+            if r.siblings and r.cursor >= r.fork_at:  # the cached prefix reaches the fork point
+                self._fork(r)
+
+    def _started(self, r: _Request) -> None:
+        if r.sp.penalized:
+            self._start_penalties(r)
+        r.stats.admitted = time.perf_counter()
+        self.running[r.rid] = r
+
+    def _fork(self, leader: _Request) -> None:
+        """The leader's prefill reached its fork point: each parked sibling starts there, over the leader's pages
+        (shared) with a copy of its recurrent slot (dispatched after the step that wrote it)."""
+        pool = self.pools[leader.replica]
+        prefix = pool.pages_of(leader.rid)[: leader.fork_at // pool.page_size]
+        for s in leader.siblings:
+            pool.attach(s.rid, prefix)
+            self._copy_slot(leader.slot, s.slot)
+            s.cursor = s.stats.cached_tokens = leader.fork_at
+            s.leader = None
+            self.counters["forked_tokens"] += leader.fork_at
+        leader.siblings = []
 
     def _start_penalties(self, r: _Request) -> None:
         """Write the request's row of the slots' penalty tables: nothing generated yet, its prompt, its biases."""
@@ -1131,6 +1212,7 @@ class Engine:
         self._update("set_allow", "pen", lambda pen, at, a: pen.set_allow(tuple(at), a), (at, allow))
 
     def _free(self, r: _Request) -> None:
+        self._ungroup(r)
         if r.rid in self.running:
             del self.running[r.rid]
             if self.kvf is not None:
@@ -1423,6 +1505,8 @@ class Engine:
         its own: the chunk before it returns the queries of the prompt's end (a question) and its rescoring can page in
         what they attend to before the step that samples the first token."""
         end = min(len(r.prompt), r.cursor + self.options.prefill_chunk)
+        if r.siblings and r.cursor < r.fork_at:
+            end = min(end, r.fork_at)
         if self.query_tail and end == len(r.prompt) and end - r.cursor > 1:
             end -= 1
         return end
@@ -1468,6 +1552,8 @@ class Engine:
             r.stats.prefill_chunks += 1
             if self.prefix_cache is not None:
                 self._cache_prefix(r)
+            if r.siblings and r.cursor >= r.fork_at:
+                self._fork(r)
             if r.cursor == len(r.prompt):  # the chunk's last logits give the first generated token
                 r.stats.first_token = time.perf_counter()
                 self._accept(r, out, i)

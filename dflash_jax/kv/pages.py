@@ -111,6 +111,22 @@ class PageAllocator:
         self._seqs[seq_id] = _Seq(pages=list(prefix), n_tokens=len(prefix) * self.page_size, reserved=need)
         self._reserved_total += need
 
+    def attach(self, seq_id: int, prefix: Sequence[int]) -> None:
+        """Give ``seq_id``, which holds no pages yet, the full pages ``prefix`` (in use by another sequence: shared,
+        read-only) as its first ``len(prefix) * page_size`` tokens; as many pages of its reservation go back to
+        the pool (they are not needed any more). A forked request's start (``Engine.submit_group``)."""
+        s = self._get(seq_id)
+        if s.pages or s.n_tokens:
+            raise ValueError(f"attach to sequence {seq_id}, which already holds {s.n_tokens} tokens")
+        if any(self._refs.get(p, 0) < 1 for p in prefix):
+            raise ValueError(f"prefix pages {list(prefix)} must be in use")
+        for p in prefix:
+            self._refs[p] += 1
+        s.pages, s.n_tokens = list(prefix), len(prefix) * self.page_size
+        back = min(s.reserved, len(prefix))
+        s.reserved -= back
+        self._reserved_total -= back
+
     # ---- shared pages --------------------------------------------------------------------------------------------
     def hold(self, pages: Sequence[int]) -> None:
         """Take a reference on pages in use (they stay allocated until ``drop``, whoever else lets go)."""

@@ -156,20 +156,15 @@ class Server:
         return [int(t) for t in res.effective_ids], res.telemetry()
 
     async def _start(self, prompt: list[int], sp: SamplingParams, n: int):
-        subs = []
+        """Submit the ``n`` choices of one prompt as a group (the prompt prefills once); choice i's seed is
+        ``seed + i``."""
+        sps = [sp if n == 1 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i) for i in range(n)]
         try:
-            for i in range(n):
-                spi = sp if n == 1 or sp.seed is None else SamplingParams(**{**sp.__dict__, "seed": sp.seed + i})
-                subs.append(await self.runner.submit(prompt, spi))
+            return await self.runner.submit_group(prompt, sps)
         except RequestTooLarge as e:
-            for rid, _ in subs:
-                self.runner.abort(rid)
             raise APIError(413, str(e), param="max_tokens") from e
         except RequestError as e:
-            for rid, _ in subs:
-                self.runner.abort(rid)
             raise APIError(400, str(e)) from e
-        return subs
 
     async def _final(self, request: Request, rid: int, q: asyncio.Queue) -> RequestOutput:
         while True:

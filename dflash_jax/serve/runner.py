@@ -47,12 +47,17 @@ class EngineRunner:
     # ---- called from the event loop --------------------------------------------------------------
     async def submit(self, prompt: list[int], sampling: SamplingParams) -> tuple[int, asyncio.Queue]:
         """Queue a request on the engine thread; raises what ``Engine.submit`` raises."""
+        return (await self.submit_group(prompt, [sampling]))[0]
+
+    async def submit_group(self, prompt: list[int], samplings: list[SamplingParams]) -> list[tuple[int, asyncio.Queue]]:
+        """Queue requests over one prompt (``Engine.submit_group``: the prompt prefills once); raises what it
+        raises (then none is queued)."""
         loop = asyncio.get_running_loop()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        q: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("submit", (prompt, sampling, loop, q, fut)))
-        rid = await asyncio.wrap_future(fut)
-        return rid, q
+        qs: list[asyncio.Queue] = [asyncio.Queue() for _ in samplings]
+        self._inbox.put(("submit", (prompt, list(samplings), loop, qs, fut)))
+        rids = await asyncio.wrap_future(fut)
+        return list(zip(rids, qs))
 
     def abort(self, rid: int) -> None:
         self._inbox.put(("abort", rid))
@@ -60,14 +65,16 @@ class EngineRunner:
     # ---- the engine thread -----------------------------------------------------------------------
     def _handle(self, op: str, arg: Any) -> None:
         if op == "submit":
-            prompt, sampling, loop, q, fut = arg
+            prompt, samplings, loop, qs, fut = arg
             try:
-                rid = self.engine.submit(prompt, sampling)
+                rids = (self.engine.submit_group(prompt, samplings) if len(samplings) > 1
+                        else [self.engine.submit(prompt, samplings[0])])
             except Exception as e:  # RequestError / RequestTooLarge go back to the handler
                 fut.set_exception(e)
                 return
-            self._subs[rid] = (loop, q)
-            fut.set_result(rid)
+            for rid, q in zip(rids, qs):
+                self._subs[rid] = (loop, q)
+            fut.set_result(rids)
         elif op == "abort":
             self.engine.abort(arg)
             self._subs.pop(arg, None)
