@@ -214,8 +214,6 @@ def test_cohort_yield_switches_a_useless_drafter_to_ar():
     # requests that need the AR path never enter speculation
     o = eng.generate([prompts[0]], SamplingParams(max_tokens=4, min_tokens=2))[0]
     assert o.stats["spec_mode"] == "ar" and o.stats["draft_steps"] == 0
-    o = eng.generate([prompts[0]], SamplingParams(max_tokens=4, presence_penalty=1.0))[0]
-    assert o.stats["spec_mode"] == "ar" and o.stats["draft_steps"] == 0
 
 
 def test_adaptive_reprobe_goes_back_to_ddtree_and_backs_off():
@@ -307,3 +305,35 @@ def test_speculative_rounds_return_the_targets_logprobs():
         assert ids[0] == o.token_ids[e]  # greedy: the emitted token is the most likely
         np.testing.assert_allclose(lps, np.sort(ref[e])[::-1][:len(lps)], atol=1e-4)
     assert all(np.isnan(outs[1].logprobs[1:]))  # not asked for (the first token comes from the prefill step)
+
+
+def test_penalized_requests_stay_speculative_and_follow_the_host_reference():
+    """Penalties and logit_bias apply to every tree node with its path's tokens counted: the tokens equal greedy
+    decoding with the penalties applied on the host, whether the proposals are the penalized continuation (long
+    accepted paths with repeats on them) or the unpenalized one (rejected where the penalties change the argmax)."""
+    from test_engine import _penalized_reference
+
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, t.config.vocab_size - 1, n).tolist() for n in (9, 14, 11)]
+    kws = [dict(repetition=0.6, presence=1.0), dict(frequency=-2.0), dict(repetition=0.5, frequency=1.5, bias=((7, 6.0),))]
+    want = [_penalized_reference("qwen36_tiny_a", p, 16, **kw) for p, kw in zip(prompts, kws)]
+    plain = {tuple(p): t.greedy(p, 16) for p in prompts}
+    proposals = {tuple(prompts[0]): want[0], tuple(prompts[1]): want[1], tuple(prompts[2]): plain[tuple(prompts[2])]}
+
+    def oracle(prompt, toks):
+        full = proposals[tuple(prompt)] + [0] * dcfg.block_size
+        return full[len(toks): len(toks) + dcfg.block_size - 1]
+
+    opts = EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=16, max_model_len=128, page_size=8,
+                         spec=SpecConfig(budget=6), cohort_yield_min=0.0, spec_oracle=oracle)
+    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
+    sps = [SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=kw.get("repetition", 1.0),
+                          frequency_penalty=kw.get("frequency", 0.0), presence_penalty=kw.get("presence", 0.0),
+                          logit_bias=kw.get("bias", ())) for kw in kws]
+    outs = eng.generate(prompts, sps)
+    for w, o in zip(want, outs):
+        assert o.token_ids == w and o.stats["spec_mode"] == "ddtree"
+    assert outs[0].stats["accepted_tokens"] >= 8 and outs[1].stats["accepted_tokens"] >= 8
+    assert want[2] != plain[tuple(prompts[2])]  # the third request's proposals are wrong somewhere
+    assert len(set(want[1])) < len(want[1])  # negative frequency: repeats on the accepted paths

@@ -69,7 +69,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: bool = False  # per-token logprobs (and the most likely alternatives) wanted
     # penalties over the request's generated tokens (repetition: its prompt's too) and additive logit biases
-    # ((token id, bias) pairs); requests that use any of them decode AR (sampling.penalize)
+    # ((token id, bias) pairs); applied on the device (sampling.penalize; in speculative rounds per tree node)
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -908,8 +908,8 @@ class Engine:
         rid = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else rid
         stats = RequestStats(time.perf_counter())
-        # min_tokens bans and penalties exist on the AR path only
-        if self.spec_cfg is not None and not sampling.min_tokens and not sampling.penalized:
+        # min_tokens bans and structured output exist on the AR path only (penalties and biases apply per tree node)
+        if self.spec_cfg is not None and not sampling.min_tokens and sampling.constraint is None:
             stats.spec_mode = "ddtree"
         r = _Request(rid, ids, sampling, seed, stats, matcher=matcher)
         if sampling.prompt_logprobs is not None:

@@ -134,20 +134,49 @@ def penalize(pen, slots: jax.Array, last: jax.Array, counted: jax.Array, sa: Sam
     """
     counts = pen.counts.at[slots, last].add(counted.astype(jnp.int32), mode="drop")
     pen = dataclasses.replace(pen, counts=counts)
+    adjust = lambda logits: _adjust(pen, slots, counts[slots], sa, logits)  # noqa: E731
+    return pen, jax.lax.cond(jnp.any(sa.penalized), adjust, lambda l: l, logits)
+
+
+def penalize_tree(pen, slots: jax.Array, tokens: jax.Array, ancestors: jax.Array, valid: jax.Array,
+                  sa: SamplingArrays, logits: jax.Array) -> jax.Array:
+    """``penalize``'s adjustment of a verify pass: logits [B, N, V] float32 of B trees of N nodes (``tokens``
+    [B, N], root first; ``ancestors`` [B, N, N] ancestor-or-self; ``valid`` [B, N]). Node n's logits are adjusted
+    as an AR step after the path root..n would adjust them: the slot's counts (tokens generated before the round)
+    plus the path's tokens (the root is the round's input: not counted yet). Skipped when no row is penalized."""
 
     def adjust(logits):
-        c = counts[slots]  # [B, V]
-        gen = c > 0
-        rep = sa.repetition[:, None]
-        out = jnp.where(gen | pen.prompt[slots], jnp.where(logits > 0, logits / rep, logits * rep), logits)
-        out = out - sa.frequency[:, None] * c.astype(jnp.float32) - sa.presence[:, None] * gen.astype(jnp.float32)
-        out = out + pen.bias[slots]
-        v = jnp.arange(logits.shape[-1], dtype=jnp.uint32)
-        bit = (jnp.take(pen.allow[slots], v // 32, axis=1) >> (v % 32)) & 1  # [B, V]
-        out = jnp.where(bit == 1, out, -jnp.inf)
-        return jnp.where(sa.penalized[:, None], out, logits)
+        onehot = jax.nn.one_hot(jnp.where(valid, tokens, -1), logits.shape[-1], dtype=jnp.float32)  # [B, N, V]
+        on_path = (ancestors & valid[:, None, :]).astype(jnp.float32)
+        path = jnp.einsum("bna,bav->bnv", on_path, onehot, precision=jax.lax.Precision.HIGHEST)
+        c = pen.counts[slots][:, None, :] + path.astype(jnp.int32)
+        return _adjust(pen, slots, c, sa, logits)
 
-    return pen, jax.lax.cond(jnp.any(sa.penalized), adjust, lambda l: l, logits)
+    return jax.lax.cond(jnp.any(sa.penalized), adjust, lambda l: l, logits)
+
+
+def count_tokens(pen, slots: jax.Array, tokens: jax.Array, keep: jax.Array):
+    """The tokens a speculative round committed as inputs (root and accepted nodes, ``tokens`` [B, L+1] where
+    ``keep``) added to their slots' counts."""
+    rows = jnp.broadcast_to(slots[:, None], tokens.shape)
+    counts = pen.counts.at[rows, jnp.clip(tokens, 0)].add(keep.astype(jnp.int32), mode="drop")
+    return dataclasses.replace(pen, counts=counts)
+
+
+def _adjust(pen, slots: jax.Array, c: jax.Array, sa: SamplingArrays, logits: jax.Array) -> jax.Array:
+    """Penalties, biases and the allow mask of the penalized rows: logits [B, ..., V] float32, c [B, ..., V] the
+    generated-token counts they see; per-row tables from ``pen`` at ``slots``."""
+    col = (slice(None),) + (None,) * (logits.ndim - 1)  # per-row scalars
+    row = (slice(None),) + (None,) * (logits.ndim - 2) + (slice(None),)  # per-row [V] tables
+    gen = c > 0
+    rep = sa.repetition[col]
+    out = jnp.where(gen | pen.prompt[slots][row], jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    out = out - sa.frequency[col] * c.astype(jnp.float32) - sa.presence[col] * gen.astype(jnp.float32)
+    out = out + pen.bias[slots][row]
+    v = jnp.arange(logits.shape[-1], dtype=jnp.uint32)
+    bit = (jnp.take(pen.allow[slots], v // 32, axis=1) >> (v % 32)) & 1  # [B, V]
+    out = jnp.where(bit[row] == 1, out, -jnp.inf)
+    return jnp.where(sa.penalized[col], out, logits)
 
 
 def sample(logits: jax.Array, sa: SamplingArrays):

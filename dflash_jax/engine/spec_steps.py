@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.engine import sampling
 from dflash_jax.engine.sampling import TOP_LOGPROBS, SamplingArrays
 from dflash_jax.models import attention, dflash, qwen36
 from dflash_jax.spec import ddtree, verify
@@ -155,6 +156,10 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
                     page_table=inp.page_table)
     h, scratch, feats = qwen36.forward_tree(params, cfg, tin, state.kv, state.rec, layers)
     logits = qwen36.lm_logits(params, h)  # [B, N, V]
+    pen = state.pen
+    if pen is not None:  # penalized rows: each node's logits as AR would adjust them after its path
+        logits = sampling.penalize_tree(pen, inp.slots, tree.tokens, tree.ancestors, valid, samp,
+                                        logits.astype(jnp.float32))
     y = verify.sample_per_slot(logits, samp.temperature, samp.top_k, samp.top_p, samp.seed, samp.step, samp.min_p)
     slots, n_acc, bonus = verify.accept_sampled(tree, y)
     n_acc = jnp.where(inp.active, n_acc, 0)
@@ -166,11 +171,13 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
     keep = jnp.arange(l1)[None] < n_acc[:, None]
     dkv = write_draft_context(dcfg, dparams, dkv, acc_feats, pos, keep, inp.page_table)
     toks = jnp.where(keep, jnp.take_along_axis(tree.tokens, idx, axis=1), -1)
+    if pen is not None:  # the round's inputs (root and accepted nodes) are counted; the bonus is the next input
+        pen = sampling.count_tokens(pen, inp.slots, toks, keep)
     lp, top_ids, top_lp = emitted_logprobs(logits, idx, toks, n_acc, bonus, samp.want_logprobs)
     out = SpecOutput(accepted=toks, n_accepted=n_acc, bonus=bonus,
                      tree_nodes=jnp.sum(valid[:, 1:], axis=1).astype(jnp.int32), draft_query=draft_query,
                      logprobs=lp, top_ids=top_ids, top_logprobs=top_lp)
-    return EngineState(kv=kv, rec=rec, pen=state.pen), dkv, out  # penalized requests decode AR
+    return EngineState(kv=kv, rec=rec, pen=pen), dkv, out
 
 
 def emitted_logprobs(logits: jax.Array, path: jax.Array, toks: jax.Array, n_acc: jax.Array, bonus: jax.Array,
