@@ -143,15 +143,18 @@ def penalize_tree(pen, slots: jax.Array, tokens: jax.Array, ancestors: jax.Array
     """``penalize``'s adjustment of a verify pass: logits [B, N, V] float32 of B trees of N nodes (``tokens``
     [B, N], root first; ``ancestors`` [B, N, N] ancestor-or-self; ``valid`` [B, N]). Node n's logits are adjusted
     as an AR step after the path root..n would adjust them: the slot's counts (tokens generated before the round)
-    plus the path's tokens (the root is the round's input: not counted yet). Skipped when no row is penalized."""
+    plus the path's tokens (the root is the round's input: not counted yet). Skipped when no row is penalized; one
+    row at a time (its ``[N, V]`` temporaries, not the batch's)."""
 
-    def adjust(logits):
-        onehot = jax.nn.one_hot(jnp.where(valid, tokens, -1), logits.shape[-1], dtype=jnp.float32)  # [B, N, V]
-        on_path = (ancestors & valid[:, None, :]).astype(jnp.float32)
-        path = jnp.einsum("bna,bav->bnv", on_path, onehot, precision=jax.lax.Precision.HIGHEST)
-        c = pen.counts[slots][:, None, :] + path.astype(jnp.int32)
-        return _adjust(pen, slots, c, sa, logits)
+    def one(args):
+        logits, tok, anc, val, slot, sa_row = args
+        onehot = jax.nn.one_hot(jnp.where(val, tok, -1), logits.shape[-1], dtype=jnp.float32)  # [N, V]
+        path = jnp.dot((anc & val[None, :]).astype(jnp.float32), onehot, precision=jax.lax.Precision.HIGHEST)
+        c = pen.counts[slot][None] + path.astype(jnp.int32)
+        one_row = jax.tree_util.tree_map(lambda x: x[None], sa_row)
+        return _adjust(pen, slot[None], c[None], one_row, logits[None])[0]
 
+    adjust = lambda logits: jax.lax.map(one, (logits, tokens, ancestors, valid, slots, sa))  # noqa: E731
     return jax.lax.cond(jnp.any(sa.penalized), adjust, lambda l: l, logits)
 
 
