@@ -1,6 +1,7 @@
 """The fused GDN decode kernel (``gdn_decode``, CPU interpret mode) against ``qwen36.gdn_decode_reference``: outputs
-and in-place state over random slots, padding rows (slot 0: no state read or written, zeros out), fresh rows (zero state read) and
-invalid rows (state kept); the tiny target's batched decode step with the kernel equals the reference."""
+and in-place state over random slots, padding rows (slot 0: no state read or written, zeros out), fresh rows (zero
+state read) and invalid rows (state kept); the tiny target's batched decode step with the kernel equals the
+reference."""
 
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ class SamplingArrays:
             ban[i, :len(ids)] = ids
             rep[i], freq[i], pres[i], pen[i], mp[i] = r.repetition, r.frequency, r.presence, r.penalized, r.min_p
             want[i] = r.logprobs
-        return cls(temperature=t, top_k=k, top_p=p, min_p=mp, seed=s, step=n, banned=ban, ban_until=until, repetition=rep,
+        return cls(temperature=t, top_k=k, top_p=p, min_p=mp, seed=s, step=n, banned=ban, ban_until=until,
+                   repetition=rep,
                    frequency=freq, presence=pres, penalized=pen, want_logprobs=want)
 
 
