@@ -316,7 +316,8 @@ def test_penalized_requests_stay_speculative_and_follow_the_host_reference():
     t, dcfg, dparams = setup("qwen36_tiny_a")
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, t.config.vocab_size - 1, n).tolist() for n in (9, 14, 11)]
-    kws = [dict(repetition=0.6, presence=1.0), dict(frequency=-2.0), dict(repetition=0.5, frequency=1.5, bias=((7, 6.0),))]
+    kws = [dict(repetition=0.6, presence=1.0), dict(frequency=-2.0),
+           dict(repetition=0.5, frequency=1.5, bias=((7, 6.0),))]
     want = [_penalized_reference("qwen36_tiny_a", p, 16, **kw) for p, kw in zip(prompts, kws)]
     plain = {tuple(p): t.greedy(p, 16) for p in prompts}
     proposals = {tuple(prompts[0]): want[0], tuple(prompts[1]): want[1], tuple(prompts[2]): plain[tuple(prompts[2])]}
