@@ -587,3 +587,22 @@ def test_batch_buckets_are_checked_and_default_to_powers_of_two():
     for bad in ((1, 8), (), (0, 16)):
         with pytest.raises(ValueError, match="must be positive and end at"):
             _buckets(16, bad)
+
+
+def test_priority_orders_admission(eng):
+    ps = prompts(A)
+    fill = [eng.submit(ps[0], SamplingParams(max_tokens=4)) for _ in range(3)]
+    late = eng.submit(ps[1], SamplingParams(max_tokens=4, priority=5))
+    urgent = eng.submit(ps[2], SamplingParams(max_tokens=4, priority=-1))
+    also = eng.submit(ps[1][:9], SamplingParams(max_tokens=4, priority=-1))
+    assert [r.rid for r in eng.waiting] == [urgent, also, *fill, late]  # arrival order among equals
+    eng.step()  # four slots: the two urgent requests and two of the rest come in
+    assert set(eng.running) == {urgent, also, *fill[:2]}
+    outs, seen_late_before_fill = {}, False
+    while eng.has_work():
+        for o in eng.step():
+            outs[o.request_id] = o
+        seen_late_before_fill |= late in eng.running and fill[2] not in eng.running and fill[2] not in outs
+    assert not seen_late_before_fill
+    assert outs[urgent].token_ids == greedy_golden(A, 2)[:4] and outs[late].token_ids == greedy_golden(A, 1)[:4]
+    assert_idle(eng)

@@ -80,6 +80,9 @@ class SamplingParams:
     # and, per position, this many most likely tokens (0 to 8); None = off. Needs EngineOptions.prompt_logprobs;
     # such a prompt prefills alone, from its first token (never from a cached prefix)
     prompt_logprobs: int | None = None
+    # admission order: a lower value is admitted first (vLLM's convention), arrival order among equals; running
+    # requests are never preempted
+    priority: int = 0
 
     @property
     def penalized(self) -> bool:
@@ -914,7 +917,10 @@ class Engine:
         r = _Request(rid, ids, sampling, seed, stats, matcher=matcher)
         if sampling.prompt_logprobs is not None:
             r.prompt_lp, r.prompt_top = [None], [[]]
-        self.waiting.append(r)
+        at = len(self.waiting)  # behind every waiting request of the same or a more urgent priority
+        while at > 0 and self.waiting[at - 1].sp.priority > sampling.priority:
+            at -= 1
+        self.waiting.insert(at, r)
         return rid
 
     def submit_group(self, prompt: str | Sequence[int], samplings: Sequence[SamplingParams]) -> list[int]:
@@ -932,7 +938,8 @@ class Engine:
             for rid in rids:
                 self.abort(rid)
             raise
-        reqs = list(self.waiting)[-len(rids):] if rids else []
+        mine = set(rids)
+        reqs = [r for r in self.waiting if r.rid in mine]  # queued one behind another: same priority
         ps = self.pools[0].page_size
         fork_at = (len(reqs[0].prompt) - 1) // ps * ps if reqs else 0
         if (len(reqs) < 2 or fork_at < ps or self.kvf is not None or len(reqs) > self.options.max_batch // self.dp

@@ -116,7 +116,7 @@ class Server:
         prompt_logprobs = req.logprobs if completion and req.echo and req.logprobs is not None else None
         return SamplingParams(max_tokens=max(max_tokens, 1), prompt_logprobs=prompt_logprobs,
                               temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
-                              min_p=req.min_p, seed=req.seed, stop=stops,
+                              min_p=req.min_p, priority=req.priority, seed=req.seed, stop=stops,
                               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                               min_tokens=req.min_tokens, logprobs=wants_logprobs,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

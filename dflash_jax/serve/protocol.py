@@ -39,6 +39,7 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's: lower is admitted first
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
