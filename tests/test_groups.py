@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import dflash_jax as dj
 from conftest import FIXTURES, TINY
@@ -111,3 +113,46 @@ def test_a_group_behind_a_cached_prefix(eng):
     assert [o.token_ids for o in outs] == alone
     assert outs[0].stats["cached_tokens"] == 48 and outs[1].stats["cached_tokens"] == 56
     idle(eng)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(1, 3), st.integers(5, 40), st.integers(-1, 1), st.integers(0, 3)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+    st.tuples(st.just("abort"), st.integers(0, 20))), min_size=4, max_size=14))
+def test_random_schedules_of_groups_priorities_and_aborts(eng, ops):
+    """Any interleaving of group / single submits (with priorities), steps and aborts: every request that was not
+    aborted ends with the tokens it gets alone, and every page and slot comes back."""
+    subs: list[tuple[int, list[int], SamplingParams]] = []
+    aborted: set[int] = set()
+    done: dict[int, object] = {}
+    seed = 0
+
+    def step():
+        for o in eng.step():
+            if o.finish_reason is not None:
+                done[o.request_id] = o
+
+    for op in ops:
+        if op[0] == "submit":
+            _, n, length, prio, kind = op
+            seed += 1
+            p = prompt(length, seed=100 + seed)
+            sps = [SamplingParams(max_tokens=4 + i, temperature=0.0 if (kind + i) % 2 == 0 else 1.0,
+                                  seed=1000 + seed * 10 + i, priority=prio) for i in range(n)]
+            for rid, sp in zip(eng.submit_group(p, sps) if n > 1 else [eng.submit(p, sps[0])], sps):
+                subs.append((rid, p, sp))
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                if eng.has_work():
+                    step()
+        elif subs:
+            rid = subs[op[1] % len(subs)][0]
+            if rid not in done and eng.abort(rid):
+                aborted.add(rid)
+    while eng.has_work():
+        step()
+    idle(eng)
+    for rid, p, sp in subs:
+        if rid not in aborted:
+            assert done[rid].token_ids == eng.generate([p], sp)[0].token_ids
