@@ -5,6 +5,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
+# One persistent compilation cache for the whole run, shared by the xdist workers and the processes tests start
+# (servers, multi-process jobs): modules that build engines of the same shapes load each other's executables
+# instead of compiling them again. Set here, in the controller, before any worker starts (they inherit it); a fresh
+# directory per run unless JAX_COMPILATION_CACHE_DIR is already set.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-jax-tests-xla-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 import pytest  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
