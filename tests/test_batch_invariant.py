@@ -44,6 +44,15 @@ def test_tokens_and_logprobs_do_not_depend_on_the_batch():
     staggered.sort(key=lambda o: o.request_id)
     for a, b in zip(alone[::2], staggered):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    # a group (the API's n) forks at a chunk boundary: each member prefills in the chunks it would alone
+    rids = eng.submit_group(ps[4], [greedy, hot])
+    assert eng.waiting[-1].leader is not None
+    got = {}
+    while eng.has_work():
+        got.update({o.request_id: o for o in eng.step() if o.finish_reason is not None})
+    for a, rid in zip(alone[8:10], rids):
+        assert a.token_ids == got[rid].token_ids and a.logprobs == got[rid].logprobs
+    assert got[rids[1]].stats["cached_tokens"] == 16
 
 
 def test_batch_invariant_takes_no_other_buckets():

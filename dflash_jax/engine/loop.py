@@ -940,10 +940,12 @@ class Engine:
             raise
         mine = set(rids)
         reqs = [r for r in self.waiting if r.rid in mine]  # queued one behind another: same priority
-        ps = self.pools[0].page_size
-        fork_at = (len(reqs[0].prompt) - 1) // ps * ps if reqs else 0
-        if (len(reqs) < 2 or fork_at < ps or self.kvf is not None or len(reqs) > self.options.max_batch // self.dp
-                or any(r.prompt_lp is not None for r in reqs)):
+        ps, chunk = self.pools[0].page_size, self.options.prefill_chunk
+        # batch_invariant: at a chunk boundary, so every member prefills in the chunks it would alone (same arithmetic)
+        unit = chunk if self.options.batch_invariant else ps
+        fork_at = (len(reqs[0].prompt) - 1) // unit * unit if reqs else 0
+        if (len(reqs) < 2 or fork_at < ps or fork_at % ps or self.kvf is not None
+                or len(reqs) > self.options.max_batch // self.dp or any(r.prompt_lp is not None for r in reqs)):
             return rids
         leader, sibs = reqs[0], reqs[1:]
         leader.fork_at, leader.siblings = fork_at, sibs
