@@ -94,6 +94,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
                                           "feature matrix"),
     "kernels": _module("kernels", "Pallas kernels vs their references on this device: check, then time "
                                   "(bandwidth, speedup)"),
+    "groups": _module("groups", "n completions of one prompt as a group that prefills once vs n separate "
+                                "requests"),
     "linear": _module("linear", "one 27B-shaped matmul weight: bf16 vs fp8 (per-channel, 128x128 blocks) at small "
                                 "batch"),
 }
