@@ -104,6 +104,20 @@ def test_groups_that_cannot_share_run_as_separate_requests(eng):
     idle(eng)
 
 
+def test_a_group_larger_than_the_pool_runs_as_separate_requests():
+    """Admitted together a group would need more pages than the pool has: it is never formed (its members queue as
+    separate requests and all finish)."""
+    small = Engine(target(), None, EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=16, max_model_len=256,
+                                                 page_size=8, n_pages=1 + 40))
+    p = prompt(100, seed=9)
+    sps = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True) for i in range(3)]  # 3 x 18 > 40
+    outs = run(small, small.submit_group(p, sps))
+    assert small.counters["groups"] == 0 and all(len(o.token_ids) == 40 for o in outs)
+    assert small.pages.num_free == 40
+    ok = small.submit_group(p, sps[:2])  # 2 x 18 pages fit
+    assert small.counters["groups"] == 1 and [len(o.token_ids) for o in run(small, ok)] == [40, 40]
+
+
 def test_a_group_behind_a_cached_prefix(eng):
     head = prompt(48, seed=4)
     p = head + prompt(9, seed=5)  # fork at 56; the cache holds 48 (three chunks)

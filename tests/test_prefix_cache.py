@@ -61,9 +61,9 @@ def test_lookup_insert_and_eviction_by_use_then_recency():
     alloc.release(2)
     # room for the whole pool over p's 4 pages: q's prefix has to go, the one to be used stays
     keep = cache.lookup(p)
-    assert cache.make_room(12 * 4, keep=keep)
+    assert cache.make_room([12 * 4], keep=keep)
     assert cache.lookup(p) is keep and cache.lookup(q) is None and alloc.num_free == 8
-    assert not cache.make_room(13 * 4) and len(cache) == 0  # more than the pool: everything went, still no room
+    assert not cache.make_room([13 * 4]) and len(cache) == 0  # more than the pool: everything went, still no room
     cache.clear()
     alloc.check_invariants()
     assert alloc.num_free == 12 and len(cache) == 0

@@ -944,8 +944,10 @@ class Engine:
         # batch_invariant: at a chunk boundary, so every member prefills in the chunks it would alone (same arithmetic)
         unit = chunk if self.options.batch_invariant else ps
         fork_at = (len(reqs[0].prompt) - 1) // unit * unit if reqs else 0
+        pool = self.pools[0]
         if (len(reqs) < 2 or fork_at < ps or fork_at % ps or self.kvf is not None
-                or len(reqs) > self.options.max_batch // self.dp or any(r.prompt_lp is not None for r in reqs)):
+                or len(reqs) > self.options.max_batch // self.dp or any(r.prompt_lp is not None for r in reqs)
+                or sum(pool.pages_needed(self._need(r)) for r in reqs) > pool.n_pages - 1):  # never fits at once
             return rids
         leader, sibs = reqs[0], reqs[1:]
         leader.fork_at, leader.siblings = fork_at, sibs
@@ -1112,10 +1114,9 @@ class Engine:
     def _fits(self, k: int, needs: list[int], n_prefix: int) -> bool:
         """Whether replica ``k`` can admit requests of ``needs`` tokens (the first over ``n_prefix`` cached pages)."""
         pool = self.pools[k]
-        if len(needs) == 1:
+        if len(needs) == 1:  # (a KVFlash Residency pool: single requests only)
             return pool.can_admit(needs[0], n_prefix) if n_prefix else pool.can_admit(needs[0])
-        return (max(needs) <= pool.capacity_tokens
-                and sum(pool.pages_needed(n) for n in needs) - n_prefix <= pool.num_free)
+        return pool.can_admit_all(needs, n_prefix)
 
     def _admit(self) -> None:
         while self.waiting:
@@ -1129,7 +1130,7 @@ class Engine:
                    if self.prefix_cache is not None and r.prompt_lp is None else None)
             n_prefix = len(hit.pages) if hit is not None else 0
             fits = [k for k in with_slot if self._fits(k, needs, n_prefix)]
-            if not fits and self.prefix_cache is not None and self.prefix_cache.make_room(sum(needs), keep=hit):
+            if not fits and self.prefix_cache is not None and self.prefix_cache.make_room(needs, keep=hit):
                 fits = with_slot  # one replica: cached prefixes gave their pages back
             if not fits:
                 self.counters["admission_deferred"] += 1

@@ -91,6 +91,12 @@ class PageAllocator:
         return (n_tokens <= self.capacity_tokens
                 and self.pages_needed(n_tokens) - n_prefix_pages <= self.num_free)
 
+    def can_admit_all(self, n_tokens: Sequence[int], n_prefix_pages: int = 0) -> bool:
+        """Whether sequences of ``n_tokens`` tokens (the first over ``n_prefix_pages`` shared pages) could all be
+        admitted right now."""
+        return (max(n_tokens, default=0) <= self.capacity_tokens
+                and sum(self.pages_needed(n) for n in n_tokens) - n_prefix_pages <= self.num_free)
+
     def admit(self, seq_id: int, reserve_tokens: int, prefix: Sequence[int] = ()) -> None:
         """Register ``seq_id`` and reserve enough pages for ``reserve_tokens`` tokens; with ``prefix`` (full pages
         in use elsewhere: a cached prompt prefix) it starts holding those, ``len(prefix) * page_size`` tokens."""
@@ -193,7 +199,8 @@ class PageAllocator:
         """Shrink ``seq_id`` to ``n_tokens`` tokens (e.g. speculative rollback); returns the pages it freed.
 
         Whole pages no longer needed go back to the free list. With ``keep_reservation`` (the default) they are
-        re-added to the sequence's reservation, so a later ``grow`` back to the admitted size cannot fail.
+        re-added to the sequence's reservation, so a later ``grow`` back to the admitted size cannot fail (pages
+        that another holder keeps, shared ones, are not: they never left the pool's use).
         """
         s = self._get(seq_id)
         if not 0 <= n_tokens <= s.n_tokens:
@@ -202,11 +209,13 @@ class PageAllocator:
         freed = s.pages[keep:]
         del s.pages[keep:]
         s.n_tokens = n_tokens
+        back = 0  # pages that went back to the free list (a page someone else holds stays with them)
         for p in freed:
             self._unref(p)
+            back += p not in self._refs
         if keep_reservation:
-            s.reserved += len(freed)
-            self._reserved_total += len(freed)
+            s.reserved += back
+            self._reserved_total += back
         return freed
 
     def release(self, seq_id: int) -> None:

@@ -114,10 +114,11 @@ class PrefixCache:
         self.counters["evicted"] += 1
         return True
 
-    def make_room(self, n_tokens: int, keep: Entry | None = None) -> bool:
-        """Evict entries until ``alloc`` can admit ``n_tokens`` over ``keep``'s pages; whether it can."""
+    def make_room(self, n_tokens: Sequence[int], keep: Entry | None = None) -> bool:
+        """Evict entries until ``alloc`` can admit sequences of ``n_tokens`` (the first over ``keep``'s pages: a
+        request, or a group admitted together); whether it can."""
         n_prefix = len(keep.pages) if keep is not None else 0
-        while not self.alloc.can_admit(n_tokens, n_prefix):
+        while not self.alloc.can_admit_all(n_tokens, n_prefix):
             if not self.evict_one(keep):
                 return False
         return True
