@@ -1066,9 +1066,10 @@ class Engine:
         prefill call only in a row its bucket pads anyway; otherwise it runs in the decode call, where a row costs
         one token rather than a prefill chunk's worth of positions. Prompts whose logprobs are wanted prefill in the
         scoring call, one per replica, until their last token (whose logits give no prompt logprob)."""
-        todo = [r for r in self.running.values() if r.cursor < len(r.prompt) and r.leader is None]
-        scoring = [r for r in todo if r.prompt_lp is not None and len(r.prompt) - r.cursor > 1]
-        todo = [r for r in todo if not (r.prompt_lp is not None and len(r.prompt) - r.cursor > 1)]
+        todo, scoring = [], []
+        for r in self.running.values():
+            if r.cursor < len(r.prompt) and r.leader is None:
+                (scoring if r.prompt_lp is not None and len(r.prompt) - r.cursor > 1 else todo).append(r)
         pre = self._take([r for r in todo if len(r.prompt) - r.cursor > 1], self.prefill_buckets[-1])
         per = collections.Counter(r.replica for r in pre)
         spare = {k: self._bucket(self.prefill_buckets, n) - n for k, n in per.items()}

@@ -58,8 +58,7 @@ class SamplingArrays:
             rep[i], freq[i], pres[i], pen[i], mp[i] = r.repetition, r.frequency, r.presence, r.penalized, r.min_p
             want[i] = r.logprobs
         return cls(temperature=t, top_k=k, top_p=p, min_p=mp, seed=s, step=n, banned=ban, ban_until=until,
-                   repetition=rep,
-                   frequency=freq, presence=pres, penalized=pen, want_logprobs=want)
+                   repetition=rep, frequency=freq, presence=pres, penalized=pen, want_logprobs=want)
 
 
 MAX_BANNED = 8
