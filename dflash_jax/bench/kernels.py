@@ -444,13 +444,15 @@ _DECODE_B64 = _configs(_DECODE_BASE, dict(pages_per_block=4), dict(num_stages=3)
 _TREE_BASE = dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, prefetch=False)
 _TREE = _configs(_TREE_BASE, dict(block_m=64), dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
                  dict(num_stages=3), dict(prefetch=True), dict(num_warps=16), dict(num_warps=4, block_m=64),
-                 dict(target_programs=132), dict(target_programs=528))
+                 dict(target_programs=132), dict(target_programs=528), dict(prefetch=True, target_programs=132),
+                 dict(block_m=64, num_warps=4, prefetch=True))
 # 32 nodes x 6 heads = 192 rows a KV-head group: two 128-row tiles compute 256 rows; three 64-row tiles compute
 # none in vain but read each K/V block three times (from L2: the tiles of a group are neighbouring programs)
 _TREE_T32 = _configs(dict(_TREE_BASE, prefetch=True), dict(block_m=64, num_warps=4),
                      dict(block_m=64, num_warps=4, prefetch=False), dict(block_m=64, num_warps=4, num_stages=3),
                      dict(block_m=64, num_warps=4, pages_per_block=4, num_stages=1), dict(pages_per_block=4, num_stages=1),
-                     dict(num_stages=3), dict(block_m=64, num_warps=8))
+                     dict(num_stages=3), dict(block_m=64, num_warps=8), dict(prefetch=True, target_programs=132),
+                     dict(block_m=64, num_warps=4, prefetch=True, target_programs=132))
 _GDN = ([dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
         + [dict(chunk=64, block_v=bv, num_warps=w, precision="tf32x3") for bv, w in ((64, 8), (32, 4))]  # tensor cores
         + [dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 8), (128, 4))]
