@@ -660,7 +660,8 @@ def test_speculative_metrics_move_after_requests(shipped):
 
 def test_ddtree_flags_start_a_speculative_server(tmp_path):
     """--ddtree --drafter (with --fast-rollback: one sequence) serves losslessly (same greedy text as the AR
-    server) and reports the mode and how rounds committed."""
+    server) and reports the mode and how rounds committed; with --structured-spec a guided request stays
+    speculative and matches its constraint."""
     import jax
     import jax.numpy as jnp
 
@@ -680,7 +681,7 @@ def test_ddtree_flags_start_a_speculative_server(tmp_path):
     proc, base = _spawn(["--model", model, "--max-concurrency", "1", "--max-model-len", "128", "--page-size", "8",
                          "--prefill-chunk", "32", "--ddtree", "--drafter", str(tmp_path / "drafter"),
                          "--ddtree-budget", "4", "--ddtree-max-verify-tokens", "4", "--cohort-yield-min", "0",
-                         "--fast-rollback"])
+                         "--fast-rollback", "--structured-spec"])
     try:
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
@@ -690,6 +691,10 @@ def test_ddtree_flags_start_a_speculative_server(tmp_path):
         assert tel["rollback_mode"] == "fast-rollback"
         want = dj.load_target(model).greedy([5, 6, 7, 8], 6)
         assert r.choices[0].text == Tokenizer.from_dir(model).decode(want)
+        rx = c.completions.create(model=MODEL, prompt="id:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_regex": "[a-c]{3}[0-9]"})
+        assert re.fullmatch("[a-c]{3}[0-9]", rx.choices[0].text)
+        assert rx.choices[0].model_extra["telemetry"]["spec_mode"] == "ddtree"
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

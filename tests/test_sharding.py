@@ -112,6 +112,11 @@ if __name__ != "__main__":
         assert r["tokens"] == r["golden"]
         assert r["spec_steps"] > 0 and r["accepted"] > 0
 
+    def test_structured_speculative_rounds_over_two_replicas_equal_unsharded_ar(results):
+        r = results["structured_dp"]
+        assert r["tokens"] == r["golden"]
+        assert r["modes"] == ["ddtree", "ddtree"] and r["replicas"] == [0, 1] and r["masked_steps"] > 0
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the subprocess: every case, results as JSON
@@ -299,6 +304,27 @@ def _main(out_path: str) -> None:
                       "tokens": outs[0].token_ids, "golden": plain, "spec_steps": outs[0].stats["draft_steps"],
                       "accepted": outs[0].stats["accepted_tokens"]}
     res["timing"]["shipped"] = time.perf_counter() - t6
+
+    # ---- structured output in speculative rounds over two replicas: each row's tree masks from its own automaton
+    t7 = time.perf_counter()
+    from dflash_jax.engine.structured import Constraint
+    prompts2 = [ids, tok.encode("settings = ")]
+    csp = [SamplingParams(max_tokens=24, constraint=Constraint("json_object")),
+           SamplingParams(max_tokens=24, constraint=Constraint("regex", "[a-z_]+ = [0-9]+"))]
+    dopts = dict(sopts, max_batch=2, prefill_batch=2)
+    golden = [o.token_ids for o in Engine(st, tok, EngineOptions(**dopts)).generate(prompts2, csp)]
+    eng = Engine(st, tok, EngineOptions(data_parallel=2, spec=SpecConfig(budget=8), cohort_yield_min=0.0,
+                                        structured_spec=True, **dopts), drafter=sd)
+    rids = [eng.submit(pr, c) for pr, c in zip(prompts2, csp)]
+    eng._admit()
+    replicas = sorted(eng.running[i].replica for i in rids)
+    final = {}
+    while eng.has_work():
+        final.update({o.request_id: o for o in eng.step() if o.finish_reason is not None})
+    res["structured_dp"] = {"tokens": [final[i].token_ids for i in rids], "golden": golden, "replicas": replicas,
+                            "modes": [final[i].stats["spec_mode"] for i in rids],
+                            "masked_steps": eng.counters["spec_masked_steps"]}
+    res["timing"]["structured_dp"] = time.perf_counter() - t7
     res["timing"]["total"] = time.perf_counter() - t0
     with open(out_path, "w") as f:
         json.dump(res, f)

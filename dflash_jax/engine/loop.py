@@ -28,7 +28,7 @@ from dflash_jax.engine import compile as compile_mod
 from dflash_jax.engine.sampling import MAX_BANNED, TOP_LOGPROBS, RowSampling, SamplingArrays
 from dflash_jax.engine.hostpack import Packing
 from dflash_jax.config import DrafterConfig
-from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, spec_step
+from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, draft_step, masked_verify_step, spec_step
 from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.engine.structured import Constraint, Matcher, Structured, StructuredError
 from dflash_jax.engine.turns import DeviceTurns
@@ -40,11 +40,13 @@ from dflash_jax.models import quant, qwen36
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, RecurrentSlots, SlotPenalties, StepInput
 from dflash_jax.sharding import Layout, to_host
+from dflash_jax.spec import ddtree
 from dflash_jax.target import Target, load_target, shard_target
 
 #: Newest positions whose target queries rank pages under KVFlash ``bounds`` / ``shadow`` scoring (a page's worth:
 #: a question of a few words plus the chat template's tail).
 KVFLASH_QUERY_TAIL = 16
+SPEC_KINDS = ("spec", "draft", "spec_masked")  # step kinds whose inputs are a SpecInput
 
 FinishReason = str  # "stop" | "length" | "abort" | "error" (the engine failed this request alone; stats["error"])
 
@@ -309,6 +311,10 @@ class EngineOptions:
     # Costs padded rows at low concurrency; not with batch_buckets. Speculative requests are covered while they stay
     # speculative (the cohort-yield guard can move a cohort to AR, whose arithmetic differs)
     batch_invariant: bool = False
+    # structured output (SamplingParams.constraint) in speculative rounds: a round with constrained rows runs in two
+    # steps, draft then verify under every tree node's allowed tokens (the host walks each row's automaton along the
+    # tree in between), compiled per decode bucket at warm-up; off: constrained requests decode AR
+    structured_spec: bool = False
 
 
 def _buckets(limit: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -465,6 +471,9 @@ class Engine:
             self.prefill_buckets = (_buckets(pb) if o.batch_buckets is None
                                     else tuple(b for b in self.decode_buckets if b < pb) + (pb,))
         self.spec_cfg = dataclasses.replace(o.spec, draft_query=True) if self.draft_scoring else o.spec
+        if o.structured_spec and (self.dcfg is None or not o.sampling_penalties):
+            raise ValueError("structured_spec needs a drafter and sampling_penalties (the allow masks live in the slots' "
+                             "penalty tables)")
         self._packings: dict[tuple[str, int], Packing] = {}  # (kind, bucket) -> layout of its host inputs
         self._exec: dict[tuple[str, int], Callable] = {}
         self._inflight: _InFlight | None = None  # overlap: the decode / speculative step not yet applied
@@ -762,7 +771,7 @@ class Engine:
         """One replica's host inputs ``(inp, samp)`` of a ``kind`` step at bucket ``b`` (shapes and dtypes)."""
         t = self.options.prefill_chunk if kind in ("prefill", "score") else 1
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        if kind == "spec":
+        if kind in SPEC_KINDS:
             inp = SpecInput(root=i32(b), start=i32(b), slots=i32(b), active=jax.ShapeDtypeStruct((b,), jnp.bool_),
                             page_table=i32(b, self.width),
                             proposal=None if self.options.spec_oracle is None else i32(b, self.dcfg.block_size - 1))
@@ -772,6 +781,14 @@ class Engine:
         samp = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       SamplingArrays.from_rows([], b))
         shapes = (inp, samp) + ((i32(b, t),) if kind == "score" else ())  # a scoring step's targets
+        if kind == "spec_masked":  # the drafted trees and each node's allowed tokens
+            n = self.spec_cfg.budget_for(b) + 1
+            tree = ddtree.Tree(tokens=i32(b, n), parent=i32(b, n), depth=i32(b, n),
+                               score=jax.ShapeDtypeStruct((b, n), jnp.float32),
+                               valid=jax.ShapeDtypeStruct((b, n), jnp.bool_),
+                               ancestors=jax.ShapeDtypeStruct((b, n, n), jnp.bool_),
+                               max_depth=self.dcfg.block_size - 1)
+            shapes += (tree, jax.ShapeDtypeStruct((b, n, -(-self.cfg.vocab_size // 32)), jnp.uint32))
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
 
     def packing(self, kind: str, b: int) -> Packing:
@@ -794,7 +811,8 @@ class Engine:
     def _lower(self, kind: str, b: int):
         if kind.startswith("advance_"):
             return self._lower_advance(kind.removeprefix("advance_"), b)
-        body = (functools.partial(spec_step, self.cfg, self.dcfg, self.spec_cfg.for_batch(b)) if kind == "spec"
+        spec_body = {"spec": spec_step, "draft": draft_step, "spec_masked": masked_verify_step}.get(kind)
+        body = (functools.partial(spec_body, self.cfg, self.dcfg, self.spec_cfg.for_batch(b)) if spec_body
                 else functools.partial(step, self.cfg, self.dcfg, query_tail=self.query_tail))
         packing = self.packing(kind, b)
 
@@ -811,6 +829,8 @@ class Engine:
             kinds += (("score", (1,)),)
         if self.spec_cfg is not None:
             kinds += (("spec", self.decode_buckets),)
+            if self.options.structured_spec:
+                kinds += (("draft", self.decode_buckets), ("spec_masked", self.decode_buckets))
         if self.overlap:  # the device-side carries of chained steps (tiny)
             kinds += (("advance_decode", self.decode_buckets),)
             if self.spec_cfg is not None:
@@ -911,8 +931,10 @@ class Engine:
         rid = next(self._ids)
         seed = sampling.seed if sampling.seed is not None else rid
         stats = RequestStats(time.perf_counter())
-        # min_tokens bans and structured output exist on the AR path only (penalties and biases apply per tree node)
-        if self.spec_cfg is not None and not sampling.min_tokens and sampling.constraint is None:
+        # min_tokens bans exist on the AR path only (penalties and biases apply per tree node; constraints too with
+        # structured_spec)
+        if (self.spec_cfg is not None and not sampling.min_tokens
+                and (sampling.constraint is None or self.options.structured_spec)):
             stats.spec_mode = "ddtree"
         r = _Request(rid, ids, sampling, seed, stats, matcher=matcher)
         if sampling.prompt_logprobs is not None:
@@ -1281,12 +1303,12 @@ class Engine:
         b, inputs, take = self._by_replica(rows, buckets, make)
         return self._dispatch(kind, b, rows, *inputs, take=take)
 
-    def _dispatch(self, kind: str, b: int, rows: list["_Request | None"], inp, samp, targets=None,
+    def _dispatch(self, kind: str, b: int, rows: list["_Request | None"], inp, samp, *extra,
                   take=None) -> "_InFlight":
-        """Dispatch a step from its host inputs (one packed transfer)."""
-        start = inp.start if kind == "spec" else inp.positions[..., 0]
-        inputs = (inp, samp) if targets is None else (inp, samp, targets)
-        return self._dispatch_packed(kind, b, rows, self.pack(kind, b, *inputs), start, samp.step, take)
+        """Dispatch a step from its host inputs (one packed transfer); ``extra``: a scoring step's targets, a masked
+        verify's trees and masks."""
+        start = inp.start if kind in SPEC_KINDS else inp.positions[..., 0]
+        return self._dispatch_packed(kind, b, rows, self.pack(kind, b, inp, samp, *extra), start, samp.step, take)
 
     def _dispatch_packed(self, kind: str, b: int, rows: list["_Request | None"], buf, start, step,
                          take=None) -> "_InFlight":
@@ -1303,16 +1325,18 @@ class Engine:
             self.turns.engine_dispatched()
         return _InFlight(kind, b, list(rows), out, start, step, t0, take)
 
-    def _fetch(self, inf: "_InFlight"):
+    def _fetch(self, inf: "_InFlight", done: bool = True):
         """Wait for a dispatched step; its outputs on the host, rows in ``inf.rows`` order. A step's target queries
-        (bounds / shadow scoring) stay on the device: they go to ``DeviceScorer.push``."""
+        (bounds / shadow scoring) stay on the device: they go to ``DeviceScorer.push``. ``done``: the step's KVFlash
+        pins are released (not after a draft step: its verify step reads the same pages)."""
         query = getattr(inf.out, "query", None)
         if query is not None:
             out = dataclasses.replace(to_host(dataclasses.replace(inf.out, query=None)), query=query)
         else:
             out = to_host(inf.out)
         self.step_seconds[inf.kind] += time.perf_counter() - inf.t0
-        self._kv_done()
+        if done:
+            self._kv_done()
         return inf.take(out) if inf.take is not None else out
 
     def _row_sampling(self, rows: list["_Request | None"], b: int) -> SamplingArrays:
@@ -1342,7 +1366,25 @@ class Engine:
             return inp, self._row_sampling(rs, b)
 
         b, (inp, samp), take = self._by_replica(rows, self.decode_buckets, make)
-        return self._dispatch("spec", b, rows, inp, samp, take=take)
+        if not (self.options.structured_spec and any(r.matcher is not None for r in rows)):
+            return self._dispatch("spec", b, rows, inp, samp, take=take)
+        tree = self._fetch(self._dispatch("draft", b, rows, inp, samp), done=False)  # per replica: [b, ...] or [dp, b, ...]
+        allow = self._node_allow(rows, tree, b)
+        return self._dispatch("spec_masked", b, rows, inp, samp, tree, allow, take=take)
+
+    def _node_allow(self, rows: list[_Request], tree: ddtree.Tree, b: int) -> np.ndarray:
+        """Every tree node's allowed next tokens ``[b, N, V/32]`` (``[dp, b, N, V/32]``): a constrained row's from its
+        automaton along the tree (``Matcher.tree_masks``), all ones elsewhere. Rows are in ``_by_replica`` order."""
+        n = tree.tokens.shape[-1]
+        allow = np.full(((self.dp,) if self.dp > 1 else ()) + (b, n, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF,
+                        np.uint32)
+        j = collections.Counter()
+        for r in rows:
+            at = (r.replica, j[r.replica]) if self.dp > 1 else (j[r.replica],)
+            j[r.replica] += 1
+            if r.matcher is not None:
+                allow[at] = r.matcher.tree_masks(tree.tokens[at], tree.parent[at], tree.valid[at])
+        return allow
 
     def _dispatch_decode(self, rows: list[_Request]) -> "_InFlight | None":
         rows = self._reside(rows, [(r.n_cached, r.n_cached + 1) for r in rows])
@@ -1362,7 +1404,7 @@ class Engine:
         n_live = sum(r is not None for r in live)
         dec = [r for r in self.running.values() if r.decoding]
         want = "spec" if inf.kind == "spec" else "decode"
-        if (n_live == 0 or len(dec) != n_live or self._bucket(self.decode_buckets, n_live) != inf.b
+        if (n_live == 0 or inf.kind == "spec_masked" or len(dec) != n_live or self._bucket(self.decode_buckets, n_live) != inf.b
                 # a cohort's probe round is in flight: the cohort-yield guard decides on it before the next round
                 or (want == "spec" and self.options.cohort_yield_min > 0
                     and any(r.stats.spec_steps == r.stats.probe_base for r in dec))

@@ -139,22 +139,25 @@ def penalize(pen, slots: jax.Array, last: jax.Array, counted: jax.Array, sa: Sam
 
 
 def penalize_tree(pen, slots: jax.Array, tokens: jax.Array, ancestors: jax.Array, valid: jax.Array,
-                  sa: SamplingArrays, logits: jax.Array) -> jax.Array:
+                  sa: SamplingArrays, logits: jax.Array, node_allow: jax.Array | None = None) -> jax.Array:
     """``penalize``'s adjustment of a verify pass: logits [B, N, V] float32 of B trees of N nodes (``tokens``
     [B, N], root first; ``ancestors`` [B, N, N] ancestor-or-self; ``valid`` [B, N]). Node n's logits are adjusted
     as an AR step after the path root..n would adjust them: the slot's counts (tokens generated before the round)
-    plus the path's tokens (the root is the round's input: not counted yet). Skipped when no row is penalized; one
-    row at a time (its ``[N, V]`` temporaries, not the batch's)."""
+    plus the path's tokens (the root is the round's input: not counted yet). ``node_allow`` [B, N, V/32] uint32:
+    each node's own allow bitmask (structured output: the automaton's state after the path) in place of the
+    slot's, which holds the root's. Skipped when no row is penalized; one row at a time (its ``[N, V]``
+    temporaries, not the batch's)."""
 
     def one(args):
-        logits, tok, anc, val, slot, sa_row = args
+        logits, tok, anc, val, slot, sa_row, allow = args
         onehot = jax.nn.one_hot(jnp.where(val, tok, -1), logits.shape[-1], dtype=jnp.float32)  # [N, V]
         path = jnp.dot((anc & val[None, :]).astype(jnp.float32), onehot, precision=jax.lax.Precision.HIGHEST)
         c = pen.counts[slot][None] + path.astype(jnp.int32)
         one_row = jax.tree_util.tree_map(lambda x: x[None], sa_row)
-        return _adjust(pen, slot[None], c[None], one_row, logits[None])[0]
+        return _adjust(pen, slot[None], c[None], one_row, logits[None],
+                       None if allow is None else allow[None])[0]
 
-    adjust = lambda logits: jax.lax.map(one, (logits, tokens, ancestors, valid, slots, sa))  # noqa: E731
+    adjust = lambda logits: jax.lax.map(one, (logits, tokens, ancestors, valid, slots, sa, node_allow))  # noqa: E731
     return jax.lax.cond(jnp.any(sa.penalized), adjust, lambda l: l, logits)
 
 
@@ -166,9 +169,11 @@ def count_tokens(pen, slots: jax.Array, tokens: jax.Array, keep: jax.Array):
     return dataclasses.replace(pen, counts=counts)
 
 
-def _adjust(pen, slots: jax.Array, c: jax.Array, sa: SamplingArrays, logits: jax.Array) -> jax.Array:
+def _adjust(pen, slots: jax.Array, c: jax.Array, sa: SamplingArrays, logits: jax.Array,
+            allow: jax.Array | None = None) -> jax.Array:
     """Penalties, biases and the allow mask of the penalized rows: logits [B, ..., V] float32, c [B, ..., V] the
-    generated-token counts they see; per-row tables from ``pen`` at ``slots``."""
+    generated-token counts they see; per-row tables from ``pen`` at ``slots``; ``allow`` [B, ..., V/32] uint32 in
+    place of the slots' allow rows."""
     col = (slice(None),) + (None,) * (logits.ndim - 1)  # per-row scalars
     row = (slice(None),) + (None,) * (logits.ndim - 2) + (slice(None),)  # per-row [V] tables
     gen = c > 0
@@ -177,8 +182,11 @@ def _adjust(pen, slots: jax.Array, c: jax.Array, sa: SamplingArrays, logits: jax
     out = out - sa.frequency[col] * c.astype(jnp.float32) - sa.presence[col] * gen.astype(jnp.float32)
     out = out + pen.bias[slots][row]
     v = jnp.arange(logits.shape[-1], dtype=jnp.uint32)
-    bit = (jnp.take(pen.allow[slots], v // 32, axis=1) >> (v % 32)) & 1  # [B, V]
-    out = jnp.where(bit[row] == 1, out, -jnp.inf)
+    if allow is None:
+        bit = ((jnp.take(pen.allow[slots], v // 32, axis=1) >> (v % 32)) & 1)[row]  # [B, 1.., V]
+    else:
+        bit = (jnp.take(allow, v // 32, axis=-1) >> (v % 32)) & 1  # [B, ..., V]
+    out = jnp.where(bit == 1, out, -jnp.inf)
     return jnp.where(sa.penalized[col], out, logits)
 
 

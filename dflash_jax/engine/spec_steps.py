@@ -145,9 +145,10 @@ def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params,
 
 def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state: EngineState, dkv: DraftKV,
                   inp: SpecInput, samp: SamplingArrays, tree: ddtree.Tree, fast_rollback: bool = False,
-                  draft_query: jax.Array | None = None):
+                  draft_query: jax.Array | None = None, node_allow: jax.Array | None = None):
     """Verify B trees in one target pass, accept losslessly, commit target state and drafter context
-    (``draft_query`` is passed through to the output)."""
+    (``draft_query`` is passed through to the output). ``node_allow`` [B, N, V/32] uint32: each node's allowed
+    next tokens (structured output; applied to the penalized rows, as every constrained row is)."""
     layers = _check(cfg, dcfg)
     valid = tree.valid & inp.active[:, None]
     parents = jnp.where(valid, tree.parent, -1).at[:, 0].set(-1)
@@ -159,7 +160,7 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
     pen = state.pen
     if pen is not None:  # penalized rows: each node's logits as AR would adjust them after its path
         logits = sampling.penalize_tree(pen, inp.slots, tree.tokens, tree.ancestors, valid, samp,
-                                        logits.astype(jnp.float32))
+                                        logits.astype(jnp.float32), node_allow)
     y = verify.sample_per_slot(logits, samp.temperature, samp.top_k, samp.top_p, samp.seed, samp.step, samp.min_p)
     slots, n_acc, bonus = verify.accept_sampled(tree, y)
     n_acc = jnp.where(inp.active, n_acc, 0)
@@ -218,8 +219,39 @@ def oracle_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params
     """A speculative round whose tree comes from given proposals instead of the drafter (forced acceptance,
     for benchmarks): ``proposal [B, L]`` token ids at depths 1..L become a chain (the rest of the budget is
     filled from a flat distribution). Verification, acceptance and commit are the real ones."""
-    v = cfg.vocab_size
-    onehot = jax.nn.one_hot(proposal, v, dtype=jnp.float32)
-    logp = jax.nn.log_softmax(onehot * 20.0, axis=-1)
-    tree = ddtree.build_tree(logp, spec.budget, spec.top_k, True).with_root(inp.root)
+    tree = oracle_tree(cfg, spec, inp.root, proposal)
     return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree, spec.fast_rollback)
+
+
+def oracle_tree(cfg: TargetConfig, spec: SpecConfig, root: jax.Array, proposal: jax.Array) -> ddtree.Tree:
+    """The tree of ``oracle_step``: ``proposal [B, L]`` as a chain under ``root [B]``."""
+    onehot = jax.nn.one_hot(proposal, cfg.vocab_size, dtype=jnp.float32)
+    logp = jax.nn.log_softmax(onehot * 20.0, axis=-1)
+    return ddtree.build_tree(logp, spec.budget, spec.top_k, True).with_root(root)
+
+
+# A round with constrained rows (structured output) runs in two steps with the host between them: ``draft_step``
+# returns the tree, the host walks each constrained row's automaton along it to get every node's allowed tokens,
+# and ``masked_verify_step`` verifies under those masks (the target never accepts a token its node disallows).
+
+
+def draft_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, state: EngineState,
+               dkv: DraftKV, inp: SpecInput, samp: SamplingArrays):
+    """The draft half of a round -> (state, dkv, the rows' trees): state and drafter cache pass through unchanged
+    (the step signature of the engine's executables)."""
+    del samp
+    if inp.proposal is not None:
+        tree = oracle_tree(cfg, spec, inp.root, inp.proposal)
+    else:
+        tree, _ = draft_tree(cfg, dcfg, dataclasses.replace(spec, draft_query=False), params, dparams, dkv, inp)
+    return state, dkv, tree
+
+
+def masked_verify_step(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams,
+                       state: EngineState, dkv: DraftKV, inp: SpecInput, samp: SamplingArrays, tree: ddtree.Tree,
+                       node_allow: jax.Array):
+    """The verify half: ``tree`` from ``draft_step``, ``node_allow`` [B, N, V/32] uint32 each node's allowed next
+    tokens (all ones on unconstrained rows). No drafter query is returned (KVFlash drafter scoring keeps its last
+    ranking for these rows)."""
+    return verify_commit(cfg, dcfg, params, dparams, state, dkv, inp, samp, tree, spec.fast_rollback,
+                         node_allow=node_allow)

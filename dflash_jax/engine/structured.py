@@ -6,8 +6,10 @@ per regex and vocabulary, a ``Guide`` walking it per request). Before each of a 
 engine writes the tokens its automaton allows as a bitmask into the request's row of ``SlotPenalties.allow``
 (``[V / 32]`` uint32 words); ``sampling.penalize`` sends every other token's logit to -inf, and the sampled token
 advances the automaton. Where the automaton may end, the end-of-sequence tokens are allowed; where it must end,
-only they are. Constrained requests decode AR (one token a step; a speculative round would need the automaton on
-the device).
+only they are. In a speculative round (``EngineOptions.structured_spec``) the host walks the automaton along the
+drafted tree between the draft and the verify step (``Matcher.tree_masks``): every node gets the mask of the state
+its path leads to, so the target accepts only tokens the automaton allows; otherwise constrained requests decode
+AR.
 
 Token texts come from the tokenizer's byte-level alphabet (Qwen's byte-level BPE): each token's exact bytes, so a
 multi-byte character split across tokens is matched byte by byte. Special tokens are never allowed as text.
@@ -147,14 +149,35 @@ class Structured:
     def start(self, c: Constraint) -> "Matcher":
         from outlines_core import Guide
 
-        return Matcher(Guide(self.index(c)), self)
+        index = self.index(c)
+        return Matcher(Guide(index), index, self)
+
+    def words_of(self, allowed) -> np.ndarray:
+        """Allowed token ids -> the ``[words]`` uint32 bitmask (bit i % 32 of word i // 32)."""
+        words = np.zeros(self.words, np.uint32)
+        ids = np.asarray(allowed, np.int64)
+        ids = ids[ids < self.n_vocab]
+        np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+        return words
+
+    def with_eos(self, words: np.ndarray) -> np.ndarray:
+        """Every EOS id allowed where the first one is (the automaton may end there)."""
+        e = self.eos[0]
+        if (words[e // 32] >> np.uint32(e % 32)) & 1:
+            for t in self.eos:
+                words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
+        return words
+
+
+TREE_MASK_CACHE = 256  # a matcher's automaton states whose masks it keeps for tree walks
 
 
 class Matcher:
     """One request's position in its automaton."""
 
-    def __init__(self, guide, owner: Structured) -> None:
-        self.guide, self.owner = guide, owner
+    def __init__(self, guide, index, owner: Structured) -> None:
+        self.guide, self.index, self.owner = guide, index, owner
+        self._state_masks: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
 
     def mask(self) -> np.ndarray:
         """``[words]`` uint32 bitmask of the tokens allowed next (bit i % 32 of word i // 32); every EOS id where the
@@ -164,14 +187,40 @@ class Matcher:
         try:  # the automaton writes its bitmask itself (a large vocabulary: no id list)
             self.guide.write_mask_into(words.ctypes.data, words.size, 4)
         except Exception:  # noqa: BLE001 - a mask size it does not take: from the allowed ids
-            allowed = np.asarray(self.guide.get_tokens(), np.int64)
-            allowed = allowed[allowed < o.n_vocab]
-            np.bitwise_or.at(words, allowed // 32, np.left_shift(np.uint32(1), (allowed % 32).astype(np.uint32)))
-        e = o.eos[0]
-        if (words[e // 32] >> np.uint32(e % 32)) & 1:  # the automaton may end: every EOS id ends it
-            for t in o.eos:
-                words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
-        return words
+            words = o.words_of(self.guide.get_tokens())
+        return o.with_eos(words)
+
+    def _state_mask(self, state: int) -> np.ndarray:
+        hit = self._state_masks.get(state)
+        if hit is None:
+            allowed = self.index.get_allowed_tokens(state) or []
+            hit = self._state_masks[state] = self.owner.with_eos(self.owner.words_of(allowed))
+            while len(self._state_masks) > TREE_MASK_CACHE:
+                self._state_masks.popitem(last=False)
+        else:
+            self._state_masks.move_to_end(state)
+        return hit
+
+    def tree_masks(self, tokens: np.ndarray, parents: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """The allowed next tokens at every node of a drafted tree: ``tokens, parents, valid [N]`` (node 0 the root,
+        this matcher's current position; parents before children) -> ``[N, words]`` uint32. A node whose token
+        the automaton refuses at its parent (or an EOS, which ends the text) can never be accepted: its mask and its
+        subtree's are all ones, so no row of the verify pass is empty."""
+        n = len(tokens)
+        out = np.full((n, self.owner.words), 0xFFFFFFFF, np.uint32)
+        states: list[int | None] = [None] * n
+        states[0] = self.guide.get_state()
+        out[0] = self.mask()
+        eos = self.owner.eos
+        for i in range(1, n):
+            p = int(parents[i])
+            if not valid[i] or p < 0 or states[p] is None or int(tokens[i]) in eos:
+                continue
+            nxt = self.index.get_next_state(states[p], int(tokens[i]))
+            if nxt is not None:
+                states[i] = nxt
+                out[i] = self._state_mask(nxt)
+        return out
 
     def advance(self, token: int) -> None:
         if token in self.owner.eos:

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                     help="a request's tokens do not depend on what else runs (one step shape per kind: decode always "
                          "at --max-concurrency rows); costs padded rows at low load")
+    ap.add_argument("--structured-spec", action=argparse.BooleanOptionalAction, default=False,
+                    help="with --ddtree: requests with a response_format / guided_* constraint decode in speculative "
+                         "rounds too (a draft step, the tree's allowed tokens from the automaton on the host, then a "
+                         "masked verify step; two more executables per batch bucket); off: they decode AR")
     ap.add_argument("--cohort-yield-min", type=float, default=None,
                     help="a cohort whose first DDTree round emits fewer tokens per request continues AR (0 = never)")
     ap.add_argument("--cohort-reprobe-tokens", type=int, default=None,
@@ -355,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                                        kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp,
                                        overlap=args.overlap, prefix_cache=args.prefix_cache,
                                        prompt_logprobs=bool(args.enable_prompt_logprobs),
-                                       batch_invariant=bool(args.batch_invariant)),
+                                       batch_invariant=bool(args.batch_invariant),
+                                       structured_spec=bool(args.structured_spec)),
                          drafter=drafter)
         except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
             raise StartupError(str(e)) from e
