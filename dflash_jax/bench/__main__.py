@@ -96,6 +96,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
                                   "(bandwidth, speedup)"),
     "groups": _module("groups", "n completions of one prompt as a group that prefills once vs n separate "
                                 "requests"),
+    "structured": _module("structured", "constrained requests (structured output): AR vs speculative rounds "
+                                        "with tree masks"),
     "linear": _module("linear", "one 27B-shaped matmul weight: bf16 vs fp8 (per-channel, 128x128 blocks) at small "
                                 "batch"),
 }

@@ -1369,7 +1369,9 @@ class Engine:
         if not (self.options.structured_spec and any(r.matcher is not None for r in rows)):
             return self._dispatch("spec", b, rows, inp, samp, take=take)
         tree = self._fetch(self._dispatch("draft", b, rows, inp, samp), done=False)  # per replica: [b, ...] or [dp, b, ...]
+        t0 = time.perf_counter()
         allow = self._node_allow(rows, tree, b)
+        self.step_seconds["tree_masks"] += time.perf_counter() - t0
         return self._dispatch("spec_masked", b, rows, inp, samp, tree, allow, take=take)
 
     def _node_allow(self, rows: list[_Request], tree: ddtree.Tree, b: int) -> np.ndarray:
