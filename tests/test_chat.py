@@ -77,6 +77,21 @@ def test_empty_reasoning_after_last_query_gives_empty_think_block():
         "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHi.<|im_end|>\n")
 
 
+def test_continue_final_message_leaves_the_last_turn_open():
+    msgs = USER + [{"role": "assistant", "content": "The answer is"}]
+    assert render_chat(msgs, add_generation_prompt=False, continue_final_message=True) == (
+        "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is")
+    hist = [{"role": "system", "content": "S"}, *USER, {"role": "assistant", "content": "4", "reasoning_content": "r"},
+            {"role": "user", "content": "more"}]
+    closed = render_chat(hist + [{"role": "assistant", "content": "Sure"}], add_generation_prompt=False)
+    opened = render_chat(hist + [{"role": "assistant", "content": "Sure"}], add_generation_prompt=False,
+                         continue_final_message=True)
+    assert closed == opened + "<|im_end|>\n"  # the same rendering, only the last turn's end left out
+    assert render_chat(hist, add_generation_prompt=False, continue_final_message=True).endswith("user\nmore")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        render_chat(msgs, continue_final_message=True)
+
+
 def test_tools_preamble():
     want_tools = "\n" + json.dumps(WEATHER, ensure_ascii=False)
     want = ("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"

@@ -238,6 +238,31 @@ def test_chat_completion_with_reasoning_split(client):
     assert all(len(x.top_logprobs) == 2 for x in t.choices[0].logprobs.content)
 
 
+def test_chat_continues_the_final_message_and_opens_no_turn_without_the_generation_prompt(server, client):
+    """vLLM's continue_final_message / add_generation_prompt: the reply continues a partial assistant message (the
+    prompt /tokenize renders with the same flags, answered greedily as a plain completion would) and is content."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    msgs = [{"role": "user", "content": "Write a function."}, {"role": "assistant", "content": "def add(a, b):"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(server["base"] + "/tokenize", json={"messages": msgs, **flags}, headers=h).json()["tokens"]
+    closed = httpx.post(server["base"] + "/tokenize", json={"messages": msgs, "add_generation_prompt": False},
+                        headers=h).json()["tokens"]
+    assert closed[:len(ids)] == ids and len(closed) > len(ids)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                       extra_body={**flags, "ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids)
+    want = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert r.choices[0].message.content == want
+    assert r.choices[0].message.model_extra.get("reasoning_content") is None
+    streamed = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                              extra_body={**flags, "ignore_eos": True})
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == want
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+
+
 def _stream_matches(client, **kw):
     """The same greedy chat request streamed and not: the joined content / reasoning_content deltas equal the
     message exactly (whitespace included) and the streamed tool calls are the message's. Returns the non-streamed

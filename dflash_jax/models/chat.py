@@ -212,15 +212,21 @@ def _render_tool_call(name: str, args: Mapping[str, Any]) -> str:
 
 def render_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                 enable_thinking: bool = True, tools: Sequence[Mapping[str, Any]] | None = None,
-                preserve_thinking: bool = False, assistant_prefix: str = "") -> str:
+                preserve_thinking: bool = False, assistant_prefix: str = "",
+                continue_final_message: bool = False) -> str:
     """Render OpenAI-style ``messages`` with Qwen3.6's chat template (see the module docstring).
 
     ``assistant_prefix`` is written after the generation prompt: the start of the assistant's reply that the model
-    continues (e.g. ``tool_call_prefix``); it needs ``add_generation_prompt``.
+    continues (e.g. ``tool_call_prefix``); it needs ``add_generation_prompt``. ``continue_final_message``: the last
+    message is left open (no ``<|im_end|>`` after it), so the model continues it, e.g. a partial assistant reply
+    (transformers' and vLLM's option of that name); it excludes ``add_generation_prompt``.
     Raises ``ValueError`` naming the offending message (or tool) index for malformed input.
     """
     if assistant_prefix and not add_generation_prompt:
         raise ValueError("assistant_prefix needs add_generation_prompt=True (it continues the generation prompt)")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message continues the last message; it cannot be combined with "
+                         "add_generation_prompt=True (set add_generation_prompt to false)")
     msgs = _check_messages(messages)
     tool_list = _validate_tools(tools)
     out: list[str] = []
@@ -289,6 +295,12 @@ def render_chat(messages: Sequence[Mapping[str, Any]], *, add_generation_prompt:
             if i == n - 1 or msgs[i + 1]["role"] != "tool":
                 out.append(IM_END + "\n")
 
+    if continue_final_message:
+        text = "".join(out)
+        tail = IM_END + "\n"
+        if not text.endswith(tail):
+            raise ValueError("continue_final_message: the last message does not end a turn that can be continued")
+        return text[:-len(tail)]
     if add_generation_prompt:
         out.append(IM_START + "assistant\n")
         out.append(f"{THINK_START}\n" if enable_thinking else f"{THINK_START}\n\n{THINK_END}\n\n")

@@ -114,7 +114,7 @@ class Tokenizer:
         """Render ``messages`` with the Qwen3.6 chat template and encode it (template tokens become single ids).
 
         Keyword arguments are those of ``chat.render_chat``: ``add_generation_prompt=True``, ``enable_thinking=True``,
-        ``tools=None``, ``preserve_thinking=False``.
+        ``tools=None``, ``preserve_thinking=False``, ``assistant_prefix=""``, ``continue_final_message=False``.
         """
         missing = [t for t in (_chat.IM_START, _chat.IM_END) if self._tok.token_to_id(t) is None]
         if missing:

@@ -289,7 +289,8 @@ class Server:
             thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking", self.default_thinking))
             try:
                 ids = tok.apply_chat_template(req.messages, enable_thinking=thinking,
-                                              add_generation_prompt=req.add_generation_prompt)
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              continue_final_message=req.continue_final_message)
             except (ValueError, TypeError, KeyError) as e:
                 raise APIError(400, f"messages: {e}", param="messages") from e
         return {"count": len(ids), "max_model_len": self.engine.options.max_model_len, "tokens": ids}
@@ -321,9 +322,15 @@ class Server:
         sel = self._tool_selection(req, thinking)
         try:
             prompt = tok.apply_chat_template(messages, enable_thinking=thinking, tools=sel.tools,
-                                             assistant_prefix=sel.forced)
+                                             assistant_prefix=sel.forced,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
+        # the reply opens with a reasoning block only after the thinking generation prompt; a continued message or
+        # a turn the model opens itself is parsed as content
+        thinking = thinking and req.add_generation_prompt
+        verbatim = req.continue_final_message and not sel.tools  # a continuation: the generated text as it is
         # a tool-calling request (tools offered, or tool turns in the history) is never compressed (issue: "requests
         # with tools are never prompt-compressed"), whatever --prefill-compression says
         tool_request = bool(req.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
@@ -333,11 +340,11 @@ class Server:
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._stream(request, cid, "chat.completion.chunk", [len(prompt)], subs, stops, req,
-                                     [prep] * req.n, chat=True, thinking=thinking, sel=sel))
+                                     [prep] * req.n, chat=True, thinking=thinking, sel=sel, verbatim=verbatim))
         outs = await self._gather(request, subs, [prep] * req.n)
         choices = []
         for i, o in enumerate(outs):
-            msg = self._assistant_message(sel.forced + self._text(o), thinking, sel)
+            msg = self._assistant_message(sel.forced + self._text(o), thinking, sel, verbatim)
             finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
             c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o, prep),
                  "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
@@ -380,12 +387,17 @@ class Server:
         raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
                        param="tool_choice")
 
-    def _assistant_message(self, text: str, thinking: bool, sel: ToolSelection) -> dict[str, Any]:
+    def _assistant_message(self, text: str, thinking: bool, sel: ToolSelection,
+                           verbatim: bool = False) -> dict[str, Any]:
         """The final assistant message of ``text`` (the forced prefix, if any, then the generated text). Tool calls
         are parsed only for a request with tools (typed by their schemas), otherwise the model's call text stays
         content; under an enforced ``tool_choice`` only calls to the offered functions count. A reply that does not
-        parse into a call keeps its text (prefix included) as content, as unparseable call text always does."""
+        parse into a call keeps its text (prefix included) as content, as unparseable call text always does.
+        ``verbatim`` (a continued message): the text is the content as generated, whitespace included."""
         from dflash_jax.models.chat import parse_assistant
+
+        if verbatim:
+            return {"role": "assistant", "content": text}
 
         reasoning, content, calls = parse_assistant(text, thinking=thinking, tools=sel.tools,
                                                     parse_tools=bool(sel.tools), names=sel.names)
@@ -470,7 +482,7 @@ class Server:
                       preps: list[dict[str, Any]], *,
                       chat: bool, thinking: bool = False,
                       sel: ToolSelection = ToolSelection(None, ""),
-                      echo: list[str] | None = None) -> AsyncIterator[str]:
+                      echo: list[str] | None = None, verbatim: bool = False) -> AsyncIterator[str]:
         """SSE chunks. Chat deltas are cut from ``partial_assistant`` of the text so far (after the forced prefix of
         an enforced ``tool_choice``) and, at the end, from the final message, so the joined deltas equal the
         non-streamed message exactly. ``echo``: per choice, the prompt text its first chunk starts with (and, with
@@ -542,7 +554,9 @@ class Server:
                         yield chunk(i, piece, o.finish_reason if done else None, o if done else None, lp)
                 else:
                     calls = []
-                    if done:
+                    if verbatim:
+                        reasoning, content = "", text if done else visible
+                    elif done:
                         msg = self._assistant_message(sel.forced + text, thinking, sel)
                         reasoning, content = msg.get("reasoning_content") or "", msg["content"]
                         calls = msg.get("tool_calls") or []

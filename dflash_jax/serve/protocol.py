@@ -134,6 +134,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -162,3 +163,7 @@ class ChatRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's template switches: without the generation prompt the model writes its own turn header; with
+    # continue_final_message (and add_generation_prompt false) it continues the last message, e.g. a partial reply
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
