@@ -150,7 +150,7 @@ def test_streaming_equals_non_streaming_and_usage_is_exact(client):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
-def test_echo_returns_the_prompt_and_its_logprobs(client):
+def test_echo_returns_the_prompt_and_its_logprobs(server, client):
     import jax
 
     import dflash_jax as dj
@@ -158,7 +158,9 @@ def test_echo_returns_the_prompt_and_its_logprobs(client):
     ids = [5, 6, 7, 8, 40, 41, 42, 9, 10, 11] * 4  # two prefill chunks of 32
     ref = np.asarray(jax.nn.log_softmax(dj.load_target(os.path.join(FIXTURES, "qwen36_tiny_b")).logits(ids), -1))
     # scoring only (max_tokens 0, as evaluation harnesses ask): the prompt, its logprobs, nothing generated
+    before = _metrics(server)["dflash_completion_tokens_total"]
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    assert _metrics(server)["dflash_completion_tokens_total"] == before  # nothing generated is counted
     c = r.choices[0]
     lp = c.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)

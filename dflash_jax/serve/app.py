@@ -257,9 +257,7 @@ class Server:
         if req.stream:
             return _sse(self._stream(request, cid, "text_completion", lens, subs, stops, req, preps, chat=False,
                                      echo=echo))
-        outs = await self._gather(request, subs, preps)
-        if req.max_tokens == 0:
-            outs = [_scored_only(o) for o in outs]
+        outs = await self._gather(request, subs, preps, scored_only=req.max_tokens == 0)
         choices = []
         for i, o in enumerate(outs):
             lp = None
@@ -409,13 +407,18 @@ class Server:
         return msg
 
     # ---- shared pieces ---------------------------------------------------------------------------
-    async def _gather(self, request: Request, subs, preps: list[dict[str, Any]]) -> list[RequestOutput]:
+    async def _gather(self, request: Request, subs, preps: list[dict[str, Any]],
+                      scored_only: bool = False) -> list[RequestOutput]:
+        """Every request's final output (recorded in the metrics); ``scored_only``: completions with ``max_tokens`` 0,
+        whose one generated token is left out of the reply and the counts."""
         try:
             outs = await asyncio.gather(*(self._final(request, rid, q) for rid, q in subs))
         except BaseException:
             for rid, _ in subs:
                 self.runner.abort(rid)
             raise
+        if scored_only:
+            outs = [_scored_only(o) for o in outs]
         for o, prep in zip(outs, preps):
             self._record(o, prep)
         return list(outs)
