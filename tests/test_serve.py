@@ -265,6 +265,26 @@ def test_chat_continues_the_final_message_and_opens_no_turn_without_the_generati
                                        extra_body={"continue_final_message": True})
 
 
+def test_vllm_output_options_truncate_the_prompt_and_keep_the_stop_string(client):
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    ids = list(range(3, 40))
+    tail = client.completions.create(prompt=ids[-8:], **kw)
+    cut = client.completions.create(prompt=ids, **{**kw, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 8}})
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].text == tail.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there " * 8}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    text = tail.choices[0].text
+    stop = text[4:6]
+    assert stop and text.find(stop) == 4
+    for keep in (False, True):
+        r = client.completions.create(prompt=ids[-8:], stop=[stop], **{**kw, "extra_body": {
+            "ignore_eos": True, "include_stop_str_in_output": keep}})
+        assert r.choices[0].text == text[:6 if keep else 4] and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(prompt=ids, **{**kw, "extra_body": {"truncate_prompt_tokens": 0}})
+
+
 def _stream_matches(client, **kw):
     """The same greedy chat request streamed and not: the joined content / reasoning_content deltas equal the
     message exactly (whitespace included) and the streamed tool calls are the message's. Returns the non-streamed

@@ -47,6 +47,7 @@ from dflash_jax.target import Target, load_target, shard_target
 #: a question of a few words plus the chat template's tail).
 KVFLASH_QUERY_TAIL = 16
 SPEC_KINDS = ("spec", "draft", "spec_masked")  # step kinds whose inputs are a SpecInput
+DETOK_SETTLE = 16  # tokens decoded past the settled text before it moves on (Engine._decoded)
 
 FinishReason = str  # "stop" | "length" | "abort" | "error" (the engine failed this request alone; stats["error"])
 
@@ -85,6 +86,10 @@ class SamplingParams:
     # admission order: a lower value is admitted first (vLLM's convention), arrival order among equals; running
     # requests are never preempted
     priority: int = 0
+    # the text: a stop string that ends the request is kept at its end (vLLM's include_stop_str_in_output); special
+    # tokens are left out (skip_special_tokens, as vLLM and transformers decode by default)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def penalized(self) -> bool:
@@ -218,6 +223,10 @@ class _Request:
     siblings: list["_Request"] = dataclasses.field(default_factory=list)
     leader: "_Request | None" = None
     kv_wait: float = 0.0  # seconds of KVFlash residency work (planning + transfer dispatch) in its steps
+    # incremental detokenization: the text of tokens[:dec_n], settled on a character boundary (Engine._decoded)
+    dec_n: int = 0
+    dec_text: str = ""
+    stop_scan: int = 0  # characters of the text already searched for stop strings
 
     @property
     def decoding(self) -> bool:
@@ -1635,10 +1644,15 @@ class Engine:
             if r.finish is not None:
                 return
         if r.sp.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.tokens)
-            hits = [i for i in (text.find(s) for s in r.sp.stop) if i >= 0]
+            text = self._decoded(r)
+            # an occurrence not seen before ends in the new token's text (or in the last character before it, which
+            # may have been an incomplete one): search only from there
+            start = max(0, r.stop_scan - max(map(len, r.sp.stop)))
+            hits = [(i, s) for i, s in ((text.find(s, start), s) for s in r.sp.stop) if i >= 0]
+            r.stop_scan = len(text)
             if hits:
-                r.text = text[: min(hits)]
+                i, hit = min(hits)
+                r.text = text[: i + len(hit) if r.sp.include_stop_str_in_output else i]
                 r.finish = "stop"
                 return
         if len(r.tokens) >= r.sp.max_tokens:
@@ -1661,12 +1675,22 @@ class Engine:
                       "kv_resident_pages": len(self.pages.resident_of(r.rid)),
                       "kv_logical_pages": self.pages.n_logical(r.rid)}
 
+    def _decoded(self, r: _Request) -> str:
+        """``tokenizer.decode(r.tokens)`` (with the request's ``skip_special_tokens``), decoding only the tokens past
+        the last settled point: a prefix that ends on a character boundary decodes on its own to the same text, so
+        the settled text is kept and a step decodes at most ~2 x DETOK_SETTLE tokens, not the whole reply."""
+        tail = self.tokenizer.decode(r.tokens[r.dec_n:], skip_special_tokens=r.sp.skip_special_tokens)
+        text = r.dec_text + tail
+        if len(r.tokens) - r.dec_n >= DETOK_SETTLE and not tail.endswith("\ufffd"):  # not inside a character
+            r.dec_n, r.dec_text = len(r.tokens), text
+        return text
+
     def _output(self, r: _Request) -> RequestOutput:
         if self.kvf is not None:
             self._kv_snapshot(r)
         text = None
         if self.tokenizer is not None:
-            text = r.text if r.text is not None else self.tokenizer.decode(r.tokens)
+            text = r.text if r.text is not None else self._decoded(r)
         return RequestOutput(r.rid, r.prompt, list(r.tokens), text, r.finish, list(r.logprobs),
                              r.stats.as_dict(len(r.tokens)), list(r.top),
                              None if r.prompt_lp is None else list(r.prompt_lp),

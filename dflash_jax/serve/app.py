@@ -121,7 +121,9 @@ class Server:
                               min_tokens=req.min_tokens, logprobs=wants_logprobs,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                               repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_pairs(),
-                              constraint=req.constraint())
+                              constraint=req.constraint(),
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens)
 
     async def _build_constraint(self, sp: SamplingParams) -> None:
         """Build a constrained request's automaton off the engine thread (it is cached: submit finds it)."""
@@ -226,8 +228,20 @@ class Server:
                 ids = [int(t) for t in one]
             if not ids:
                 raise APIError(400, "prompt is empty", param="prompt")
-            out.append((ids, one if isinstance(one, str) else None))
+            kept = self._truncate(req, ids)
+            out.append((kept, one if isinstance(one, str) and len(kept) == len(ids) else None))
         return out
+
+    def _truncate(self, req, ids: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: ``max_model_len``)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0:
+            raise APIError(400, "truncate_prompt_tokens must be >= 1 (or -1: max_model_len)",
+                           param="truncate_prompt_tokens")
+        k = self.engine.options.max_model_len if k == -1 else k
+        return ids[-k:]
 
     async def completions(self, request: Request, req: CompletionRequest):
         self._check_model(req.model)
@@ -325,6 +339,7 @@ class Server:
                                              continue_final_message=req.continue_final_message)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
+        prompt = self._truncate(req, prompt)
         # the reply opens with a reasoning block only after the thinking generation prompt; a continued message or
         # a turn the model opens itself is parsed as content
         thinking = thinking and req.add_generation_prompt

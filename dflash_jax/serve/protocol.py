@@ -48,6 +48,11 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    # vLLM's output options: the stop string that ended the text kept at its end; special tokens in the text;
+    # only the prompt's last k tokens (-1: max_model_len) kept
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     user: str | None = None
     # OpenAI's penalties and logit_bias ({"token id": bias}), vLLM's repetition_penalty; requests with any of them
     # decode without speculation
