@@ -67,8 +67,7 @@ class EngineRunner:
         if op == "submit":
             prompt, samplings, loop, qs, fut = arg
             try:
-                rids = (self.engine.submit_group(prompt, samplings) if len(samplings) > 1
-                        else [self.engine.submit(prompt, samplings[0])])
+                rids = self.engine.submit_group(prompt, samplings)  # one sampling: a plain submit
             except Exception as e:  # RequestError / RequestTooLarge go back to the handler
                 fut.set_exception(e)
                 return
