@@ -4,6 +4,11 @@ For each concurrency C, C requests of ``--prompt-len`` random tokens each genera
 ``--output-len`` tokens (EOS ignored, greedy) through ``Engine.step``. Decode throughput is C divided
 by the median time of the engine steps in which all C requests decode and none prefills, reported with the HBM roofline (``roofline.roofline_tok_s``) and the weight-stream
 ceiling measured in the same run (``ceiling.measure_ceiling``) as denominators.
+
+``--overlap``: the engine runs with ``EngineOptions.overlap`` (the next decode step dispatched from the device outputs of
+the one in flight). ``--overlap-compare``: one engine, compiled with the overlap's executables, runs every case twice,
+synchronous then overlapped; the synchronous figures keep their names, the overlapped ones are ``cN.overlap.tok_s``
+/ ``.tpot_ms`` / ``.ceiling_ratio`` and ``cN.overlap_speedup`` (overlapped / synchronous tok/s).
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile every serving bucket (powers of two up to the largest concurrency), as the server "
                         "does, so startup_compile_s is the server's start-up figure; default: only the measured "
                         "concurrencies")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlapped engine loop (EngineOptions.overlap): the next decode step is dispatched before the "
+                        "one in flight is applied")
+    p.add_argument("--overlap-compare", action="store_true",
+                   help="every case synchronous, then overlapped, on one engine (cN.overlap.*, cN.overlap_speedup)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
 
@@ -136,7 +146,11 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
                                              batch_buckets=None if args.all_buckets or args.batch_invariant else
                                              replica_buckets(args.concurrency, args.data_parallel),
                                              batch_invariant=args.batch_invariant,
+                                             overlap=args.overlap or args.overlap_compare,
                                              **parallel_options(args)))
+    modes = ((False, ""), (True, "overlap.")) if args.overlap_compare else ((eng.overlap, ""),)
+    if (args.overlap or args.overlap_compare) and not eng.overlap:
+        raise SystemExit("the engine cannot overlap here (data parallelism): drop --overlap / --overlap-compare")
     kv_itemsize = sum(x.nbytes for x in eng.state.kv.k) / sum(math.prod(x.shape) for x in eng.state.kv.k)
     print(f"[{quantization}] model loaded in {load_s:.1f}s ({w_itemsize:.3f} bytes/weight); compiling "
           f"{len(eng.prefill_buckets) + len(eng.decode_buckets)} buckets", flush=True)
@@ -147,32 +161,40 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
                                  "startup_cache_hits": report.get("cache_hits", 0),
                                  "startup_buckets": len(eng.prefill_buckets) + len(eng.decode_buckets),
                                  "weight_bytes_per_element": w_itemsize}
-    # warm-up run through the loop: every decode bucket the cases will use, up to 8 tokens
-    for c in args.concurrency:
-        _case(eng, c, min(16, args.prompt_len), min(8, args.output_len), cfg.vocab_size, 0, measure=False)
+    # warm-up run through the loop: every decode bucket the cases will use, up to 8 tokens, in every mode
+    for on, _ in modes:
+        eng.overlap = on
+        for c in args.concurrency:
+            _case(eng, c, min(16, args.prompt_len), min(8, args.output_len), cfg.vocab_size, 0, measure=False)
     compiles_before = compile_count()
     tp, dp = args.tensor_parallel, args.data_parallel
     single = tp * dp == 1  # the weight-stream ceiling is a one-device figure: measured only then
     fn = ceiling.make_weight_stream(cfg) if single else None
     ceil = {}
     for c in args.concurrency:
-        m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
         ctx = args.prompt_len + args.output_len // 2
         # aggregate over the tp x dp devices: each replica streams its share of the weights for c / dp rows
         roof = tp * dp * roofline.roofline_tok_s(cfg, replica_buckets([c], dp)[0], ctx, itemsize=dtype.itemsize,
                                                  weight_itemsize=w_itemsize, kv_itemsize=kv_itemsize)
-        figures.update({f"c{c}.tok_s": m["tok_s"], f"c{c}.tpot_ms": m["tpot_ms"],
-                        f"c{c}.roofline_fraction": m["tok_s"] / roof, f"c{c}.roofline_tok_s": roof,
-                        f"c{c}.ttft_max_s": m["ttft_max_s"], f"c{c}.peak_mem_gb": (_peak_bytes() or 0) / 1e9})
-        print(f"[{quantization}] c{c}: {m['tok_s']:.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms, "
-              f"{m['tok_s'] / roof:.3f} of roofline", flush=True)
+        for on, tag in modes:
+            eng.overlap = on
+            m = _case(eng, c, args.prompt_len, args.output_len, cfg.vocab_size, c)
+            figures.update({f"c{c}.{tag}tok_s": m["tok_s"], f"c{c}.{tag}tpot_ms": m["tpot_ms"],
+                            f"c{c}.{tag}roofline_fraction": m["tok_s"] / roof,
+                            f"c{c}.{tag}ttft_max_s": m["ttft_max_s"]})
+            print(f"[{quantization}] c{c}{' overlapped' if on else ''}: {m['tok_s']:.1f} tok/s, TPOT "
+                  f"{m['tpot_ms']:.2f} ms, {m['tok_s'] / roof:.3f} of roofline", flush=True)
+        figures.update({f"c{c}.roofline_tok_s": roof, f"c{c}.peak_mem_gb": (_peak_bytes() or 0) / 1e9})
+        if args.overlap_compare:
+            figures[f"c{c}.overlap_speedup"] = figures[f"c{c}.overlap.tok_s"] / figures[f"c{c}.tok_s"]
     figures["recompiles_after_warmup"] = compile_count() - compiles_before + eng.counters["lazy_compiles"]
     for c in args.concurrency if dp == 1 else ():  # device-only step: host overhead = tpot - this
         figures[f"c{c}.device_step_ms"] = device_step_ms(eng, c, args.prompt_len + args.output_len // 2)
     for c in args.concurrency if single and args.ceiling_iters > 0 else ():  # the weight-stream ceiling, last
         ceil[c] = ceiling.measure_ceiling(cfg, eng.target.params, c, iters=args.ceiling_iters, fn=fn)
         figures[f"c{c}.ceiling_tok_s"] = ceil[c]["tok_s"]
-        figures[f"c{c}.ceiling_ratio"] = figures[f"c{c}.tok_s"] / ceil[c]["tok_s"]
+        for _, tag in modes:
+            figures[f"c{c}.{tag}ceiling_ratio"] = figures[f"c{c}.{tag}tok_s"] / ceil[c]["tok_s"]
     figures["kv_bytes_per_token"] = cfg.kv_bytes_per_token(kv_itemsize)
     figures["recurrent_bytes_per_seq"] = cfg.recurrent_bytes_per_seq(dtype.itemsize)
     extra = {"compile_s": report, "kv_pool_pages": eng.pages.n_pages,
@@ -207,7 +229,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                  "dtype": args.dtype, "quantization": variants, "kv_dtype": args.kv_dtype,
                  "prompt_len": args.prompt_len, "output_len": args.output_len, "page_size": args.page_size,
                  "prefill_chunk": args.prefill_chunk, "tensor_parallel": args.tensor_parallel,
-                 "data_parallel": args.data_parallel}
+                 "data_parallel": args.data_parallel, "overlap": args.overlap, "overlap_compare": args.overlap_compare}
         extra.update(extras[base] if plain else {"variants": extras})
         print("wrote", results.write_result("ar", figures, command, extra, out_dir=args.out_dir))
     return 0
