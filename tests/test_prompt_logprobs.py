@@ -47,6 +47,9 @@ def check(out, prompt: list[int], k: int) -> None:
     assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] == []
     want = ref[np.arange(len(prompt) - 1), prompt[1:]]
     np.testing.assert_allclose(out.prompt_logprobs[1:], want, atol=2e-4, rtol=0)
+    assert out.prompt_ranks[0] is None and len(out.prompt_ranks) == len(prompt)
+    for j in range(1, len(prompt)):  # 1 + the tokens more likely (ties within the tolerance either way)
+        assert 1 + np.sum(ref[j - 1] > want[j - 1] + 2e-4) <= out.prompt_ranks[j] <= 1 + np.sum(ref[j - 1] > want[j - 1] - 2e-4)
     for j in range(1, len(prompt)):
         top = out.prompt_top_logprobs[j]
         assert len(top) == k

@@ -265,6 +265,36 @@ def test_chat_continues_the_final_message_and_opens_no_turn_without_the_generati
                                        extra_body={"continue_final_message": True})
 
 
+def test_vllm_prompt_logprobs_on_completions_and_chat(client):
+    import jax
+
+    import dflash_jax as dj
+
+    ids = [5, 6, 7, 8, 40, 41, 42, 9, 10, 11]
+    ref = np.asarray(jax.nn.log_softmax(dj.load_target(os.path.join(FIXTURES, "qwen36_tiny_b")).logits(ids), -1))
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    for j in range(1, len(ids)):
+        mine = pl[j][str(ids[j])]
+        assert mine["logprob"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-3)
+        assert mine["rank"] == 1 + int(np.sum(ref[j - 1] > ref[j - 1, ids[j]] + 1e-4))
+        top = sorted((d for t, d in pl[j].items() if d["rank"] <= 2), key=lambda d: d["rank"])
+        assert [d["logprob"] for d in top] == pytest.approx(np.sort(ref[j - 1])[::-1][:2].tolist(), abs=1e-3)
+        assert all(isinstance(d["decoded_token"], str) for d in pl[j].values())
+    assert r.choices[0].text == client.completions.create(model=MODEL, prompt=ids, max_tokens=2,
+                                                          temperature=0).choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    cpl = chat.choices[0].model_extra["prompt_logprobs"]
+    assert len(cpl) == chat.usage.prompt_tokens and all(len(d) == 1 for d in cpl[1:])
+    streamed = [ch.choices[0] for ch in client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 2})
+        if ch.choices]
+    assert streamed[-1].model_extra["prompt_logprobs"] == pl
+
+
 def test_vllm_output_options_truncate_the_prompt_and_keep_the_stop_string(client):
     kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     ids = list(range(3, 40))

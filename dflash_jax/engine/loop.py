@@ -178,6 +178,8 @@ class RequestOutput:
     # likely tokens at its position ([] for the first); complete once the prompt is prefilled
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # and each prompt token's rank under the model (1 = the most likely; None for the first)
+    prompt_ranks: list[int | None] | None = None
 
 
 @dataclasses.dataclass
@@ -216,6 +218,7 @@ class _Request:
     matcher: Matcher | None = None  # structured output: where the request's text is in its automaton
     prompt_lp: list[float | None] | None = None  # prompt logprobs so far (SamplingParams.prompt_logprobs)
     prompt_top: list[list[tuple[int, float]]] | None = None
+    prompt_rank: list[int | None] | None = None
     # a group over one prompt (submit_group): the leader prefills to ``fork_at`` (a page boundary before the prompt's
     # last token), then its ``siblings`` start there from a copy of its recurrent slot over its KV pages (shared);
     # until then a sibling is parked (``leader`` set: admitted with the group, not scheduled)
@@ -947,7 +950,7 @@ class Engine:
             stats.spec_mode = "ddtree"
         r = _Request(rid, ids, sampling, seed, stats, matcher=matcher)
         if sampling.prompt_logprobs is not None:
-            r.prompt_lp, r.prompt_top = [None], [[]]
+            r.prompt_lp, r.prompt_top, r.prompt_rank = [None], [[]], [None]
         at = len(self.waiting)  # behind every waiting request of the same or a more urgent priority
         while at > 0 and self.waiting[at - 1].sp.priority > sampling.priority:
             at -= 1
@@ -1610,6 +1613,7 @@ class Engine:
                 k = r.sp.prompt_logprobs
                 for j in range(min(int(nv[i]), len(r.prompt) - 1 - r.cursor)):
                     r.prompt_lp.append(float(out.prompt_logprobs[i, j]))
+                    r.prompt_rank.append(int(out.prompt_ranks[i, j]))
                     r.prompt_top.append([(int(t), float(lp)) for t, lp in
                                          zip(out.prompt_top_ids[i, j, :k], out.prompt_top_logprobs[i, j, :k])])
             r.cursor += int(nv[i])
@@ -1694,7 +1698,8 @@ class Engine:
         return RequestOutput(r.rid, r.prompt, list(r.tokens), text, r.finish, list(r.logprobs),
                              r.stats.as_dict(len(r.tokens)), list(r.top),
                              None if r.prompt_lp is None else list(r.prompt_lp),
-                             None if r.prompt_top is None else list(r.prompt_top))
+                             None if r.prompt_top is None else list(r.prompt_top),
+                             None if r.prompt_rank is None else list(r.prompt_rank))
 
     # ---- convenience APIs -------------------------------------------------------------------------
     def generate(self, prompts: Iterable[str | Sequence[int]],

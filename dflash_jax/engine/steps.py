@@ -40,6 +40,7 @@ class StepOutput:
     prompt_logprobs: jax.Array | None = None
     prompt_top_ids: jax.Array | None = None
     prompt_top_logprobs: jax.Array | None = None
+    prompt_ranks: jax.Array | None = None
 
 
 def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: EngineState, dkv: DraftKV | None,
@@ -67,7 +68,7 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
         counted = (inp.n_valid > 0) & (samp.step > 0) if inp.tokens.shape[1] == 1 else jnp.zeros_like(samp.penalized)
         pen, logits = penalize(pen, inp.slots, inp.tokens[:, 0], counted, samp, logits.astype(jnp.float32))
     tok, logp, top_ids, top_lp = sample(logits, samp)
-    scored = (None, None, None) if targets is None else prompt_scores(params, h, targets, top_ids.shape[-1])
+    scored = (None,) * 4 if targets is None else prompt_scores(params, h, targets, top_ids.shape[-1])
     query = None
     if query_tail:
         t = inp.tokens.shape[1]
@@ -80,15 +81,17 @@ def step(cfg: TargetConfig, dcfg: DrafterConfig | None, params, dparams, state: 
 
 def prompt_scores(params, h: jax.Array, targets: jax.Array, k: int):
     """h [B, T, D] final hidden states, targets [B, T] int32 (-1: none) -> (log p(target) [B, T] float32, 0 where
-    none; top ids [B, T, k] int32; top log-probabilities [B, T, k]), one row at a time (a row's ``[T, V]``
-    float32 log-probabilities are the largest buffer)."""
+    none; top ids [B, T, k] int32; top log-probabilities [B, T, k]; the target's rank [B, T] int32, 1 + the tokens
+    more likely than it, 0 where none), one row at a time (a row's ``[T, V]`` float32 log-probabilities are the
+    largest buffer)."""
 
     def row(args):
         hr, tr = args
         logp = jax.nn.log_softmax(qwen36.lm_logits(params, hr).astype(jnp.float32), axis=-1)  # [T, V]
         lp = jnp.take_along_axis(logp, jnp.clip(tr, 0)[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, k)
-        return jnp.where(tr >= 0, lp, 0.0), top_ids.astype(jnp.int32), top_lp
+        rank = 1 + jnp.sum(logp > lp[:, None], axis=-1, dtype=jnp.int32)
+        return jnp.where(tr >= 0, lp, 0.0), top_ids.astype(jnp.int32), top_lp, jnp.where(tr >= 0, rank, 0)
 
     return jax.lax.map(row, (h, targets))
 

@@ -114,6 +114,8 @@ class Server:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing "
                                 "generated)", param="max_tokens")
         prompt_logprobs = req.logprobs if completion and req.echo and req.logprobs is not None else None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
         return SamplingParams(max_tokens=max(max_tokens, 1), prompt_logprobs=prompt_logprobs,
                               temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                               min_p=req.min_p, priority=req.priority, seed=req.seed, stop=stops,
@@ -232,6 +234,27 @@ class Server:
             out.append((kept, one if isinstance(one, str) and len(kept) == len(ids) else None))
         return out
 
+    def _check_prompt_logprobs(self, req, sp: SamplingParams) -> None:
+        if sp.prompt_logprobs is not None and not self.engine.options.prompt_logprobs:
+            param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+            raise APIError(400, f"{'prompt_logprobs' if param == 'prompt_logprobs' else 'echo with logprobs'} needs the "
+                                "prompt scored: start the server with --enable-prompt-logprobs", param=param)
+
+    def _prompt_logprobs(self, req, o: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs`` of a choice: per prompt token (None for the first) a dict keyed by token id of
+        the prompt token and the ``req.prompt_logprobs`` most likely ones, each with its logprob, rank and text."""
+        k = req.prompt_logprobs
+        if k is None or o.prompt_logprobs is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for j in range(1, len(o.prompt_logprobs)):
+            t = o.prompt_token_ids[j]
+            d = {str(t): {"logprob": o.prompt_logprobs[j], "rank": o.prompt_ranks[j], "decoded_token": self._tok_str(t)}}
+            for rank, (a, lp) in enumerate(o.prompt_top_logprobs[j][:k], 1):
+                d.setdefault(str(a), {"logprob": lp, "rank": rank, "decoded_token": self._tok_str(a)})
+            out.append(d)
+        return out
+
     def _truncate(self, req, ids: list[int]) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: ``max_model_len``)."""
         k = req.truncate_prompt_tokens
@@ -249,9 +272,7 @@ class Server:
             raise APIError(400, "suffix is not supported", param="suffix")
         stops = req.stop_list()
         sp = self._sampling(req, stops)
-        if sp.prompt_logprobs is not None and not self.engine.options.prompt_logprobs:
-            raise APIError(400, "echo with logprobs needs the prompt scored: start the server with "
-                                "--enable-prompt-logprobs", param="echo")
+        self._check_prompt_logprobs(req, sp)
         await self._build_constraint(sp)
         prompts = self._completion_prompts(req)
         subs, preps = [], []
@@ -280,7 +301,8 @@ class Server:
                       else self._completion_logprobs(o, req.logprobs))
             text = self._text(o) if echo is None else echo[i] + self._text(o)
             choices.append({"index": i, "text": text, "finish_reason": o.finish_reason,
-                            "telemetry": _telemetry(o, preps[i]), "logprobs": lp})
+                            "telemetry": _telemetry(o, preps[i]), "logprobs": lp,
+                            "prompt_logprobs": self._prompt_logprobs(req, o)})
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(lens, outs)}
 
@@ -324,6 +346,7 @@ class Server:
         kwargs = req.chat_template_kwargs or {}
         stops = req.stop_list()
         sp = self._sampling(req, stops)
+        self._check_prompt_logprobs(req, sp)
         if sp.constraint is not None and req.tools:
             raise APIError(400, "structured output (response_format / guided_*) cannot be combined with tools",
                            param="response_format")
@@ -347,7 +370,7 @@ class Server:
         # a tool-calling request (tools offered, or tool turns in the history) is never compressed (issue: "requests
         # with tools are never prompt-compressed"), whatever --prefill-compression says
         tool_request = bool(req.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-        effective, prep = await self._prepare(prompt, tools=tool_request)
+        effective, prep = await self._prepare(prompt, tools=tool_request, scored=sp.prompt_logprobs is not None)
         subs = await self._start(effective, sp, req.n)
         self.metrics.prompt_tokens.inc(len(prompt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -360,6 +383,7 @@ class Server:
             msg = self._assistant_message(sel.forced + self._text(o), thinking, sel, verbatim)
             finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
             c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o, prep),
+                 "prompt_logprobs": self._prompt_logprobs(req, o),
                  "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
             choices.append(c)
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
@@ -522,6 +546,8 @@ class Server:
                 choice["text"] = delta
             if finish is not None and o is not None:
                 choice["telemetry"] = _telemetry(o, preps[i])
+                if req.prompt_logprobs is not None:  # complete since the first token: sent with the last chunk
+                    choice["prompt_logprobs"] = self._prompt_logprobs(req, o)
             body = {"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
             if include_usage:
                 body["usage"] = None

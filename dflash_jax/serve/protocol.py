@@ -53,6 +53,9 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM's prompt_logprobs: each prompt token's log-probability, rank and the k most likely tokens at its position
+    # (choice.prompt_logprobs); needs a server started with --enable-prompt-logprobs
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=8)
     user: str | None = None
     # OpenAI's penalties and logit_bias ({"token id": bias}), vLLM's repetition_penalty; requests with any of them
     # decode without speculation
