@@ -295,6 +295,24 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client):
     assert streamed[-1].model_extra["prompt_logprobs"] == pl
 
 
+def test_logprobs_name_tokens_by_id_when_asked(server, client):
+    kw = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=2)
+    plain = client.completions.create(**kw).choices[0]
+    ids = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert all(t.startswith("token_id:") for t in ids.logprobs.tokens)
+    toks = [int(t.removeprefix("token_id:")) for t in ids.logprobs.tokens]
+    back = httpx.post(server["base"] + "/detokenize", json={"tokens": toks},
+                      headers={"Authorization": f"Bearer {KEY}"}).json()["prompt"]
+    assert back == plain.text == ids.text
+    assert ids.logprobs.token_logprobs == pytest.approx(plain.logprobs.token_logprobs)
+    assert all(k.startswith("token_id:") for d in ids.logprobs.top_logprobs for k in d)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    assert all(c.token.startswith("token_id:") and all(a.token.startswith("token_id:") for a in c.top_logprobs)
+               for c in chat.choices[0].logprobs.content)
+
+
 def test_vllm_output_options_truncate_the_prompt_and_keep_the_stop_string(client):
     kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     ids = list(range(3, 40))

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -297,8 +297,8 @@ class Server:
         for i, o in enumerate(outs):
             lp = None
             if req.logprobs is not None:
-                lp = (self._echo_logprobs(o, req.logprobs) if echo is not None
-                      else self._completion_logprobs(o, req.logprobs))
+                lp = (self._echo_logprobs(o, req.logprobs, self._namer(req)) if echo is not None
+                      else self._completion_logprobs(o, req.logprobs, name=self._namer(req)))
             text = self._text(o) if echo is None else echo[i] + self._text(o)
             choices.append({"index": i, "text": text, "finish_reason": o.finish_reason,
                             "telemetry": _telemetry(o, preps[i]), "logprobs": lp,
@@ -384,7 +384,8 @@ class Server:
             finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
             c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o, prep),
                  "prompt_logprobs": self._prompt_logprobs(req, o),
-                 "logprobs": self._chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None}
+                 "logprobs": self._chat_logprobs(o, req.top_logprobs or 0, name=self._namer(req)) if req.logprobs
+                 else None}
             choices.append(c)
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage([len(prompt)], outs)}
@@ -471,22 +472,29 @@ class Server:
         tok = self.engine.tokenizer
         return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
 
-    def _completion_logprobs(self, o: RequestOutput, k: int, start: int = 0) -> dict[str, Any]:
-        """OpenAI's completion logprobs of the generated tokens; ``text_offset`` counted from ``start``."""
-        toks = [self._tok_str(t) for t in o.token_ids]
+    def _namer(self, req) -> Callable[[int], str]:
+        """How a request's logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+        return (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self._tok_str
+
+    def _completion_logprobs(self, o: RequestOutput, k: int, start: int = 0,
+                             name: Callable[[int], str] | None = None) -> dict[str, Any]:
+        """OpenAI's completion logprobs of the generated tokens; ``text_offset`` counted from ``start``; tokens named
+        by ``name`` (default: their text)."""
+        name = name or self._tok_str
+        toks = [name(t) for t in o.token_ids]
         offsets, pos = [], start
         for s in toks:
             offsets.append(pos)
             pos += len(s)
         return {"tokens": toks, "token_logprobs": o.logprobs, "text_offset": offsets,
-                "top_logprobs": [self._top_dict(alts[:k]) for alts in o.top_logprobs] if k else None}
+                "top_logprobs": [self._top_dict(alts[:k], name) for alts in o.top_logprobs] if k else None}
 
-    def _top_dict(self, alts: list[tuple[int, float]]) -> dict[str, float]:
-        """Alternatives keyed by token text, most likely first; ids that decode alike (partial UTF-8) keep the
+    def _top_dict(self, alts: list[tuple[int, float]], name: Callable[[int], str]) -> dict[str, float]:
+        """Alternatives keyed by token name, most likely first; ids that decode alike (partial UTF-8) keep the
         likeliest's logprob."""
         out: dict[str, float] = {}
         for t, lp in alts:
-            out.setdefault(self._tok_str(t), lp)
+            out.setdefault(name(t), lp)
         return out
 
     def _echo_text(self, ids: list[int], text: str | None) -> str:
@@ -496,28 +504,31 @@ class Server:
         tok = self.engine.tokenizer
         return tok.decode(ids, skip_special_tokens=False) if tok is not None else " ".join(map(str, ids)) + " "
 
-    def _echo_logprobs(self, o: RequestOutput, k: int) -> dict[str, Any]:
+    def _echo_logprobs(self, o: RequestOutput, k: int, name: Callable[[int], str] | None = None) -> dict[str, Any]:
         """Echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
-        toks = [self._tok_str(t) for t in o.prompt_token_ids]
+        name = name or self._tok_str
+        toks = [name(t) for t in o.prompt_token_ids]
         offsets, pos = [], 0
         for s in toks:
             offsets.append(pos)
             pos += len(s)
-        gen = self._completion_logprobs(o, k, pos)
+        gen = self._completion_logprobs(o, k, pos, name)
         top = None
         if k:
-            top = [None] + [self._top_dict(alts[:k]) for alts in o.prompt_top_logprobs[1:]]
+            top = [None] + [self._top_dict(alts[:k], name) for alts in o.prompt_top_logprobs[1:]]
             top += gen["top_logprobs"]
         return {"tokens": toks + gen["tokens"], "token_logprobs": list(o.prompt_logprobs) + gen["token_logprobs"],
                 "text_offset": offsets + gen["text_offset"], "top_logprobs": top}
 
-    def _chat_logprobs(self, o: RequestOutput, k: int, start: int = 0) -> dict[str, Any]:
+    def _chat_logprobs(self, o: RequestOutput, k: int, start: int = 0,
+                       name: Callable[[int], str] | None = None) -> dict[str, Any]:
+        name = name or self._tok_str
         content = []
         for t, lp, alts in zip(o.token_ids[start:], o.logprobs[start:], o.top_logprobs[start:]):
-            s = self._tok_str(t)
+            s = name(t)
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": self._tok_str(a), "logprob": alp,
-                                              "bytes": list(self._tok_str(a).encode())} for a, alp in alts[:k]]})
+                            "top_logprobs": [{"token": name(a), "logprob": alp, "bytes": list(name(a).encode())}
+                                             for a, alp in alts[:k]]})
         return {"content": content}
 
     async def _stream(self, request: Request, cid: str, obj: str, prompt_lens: list[int], subs, stops, req,
@@ -580,12 +591,12 @@ class Server:
                 visible = text[:max(upto, 0)]
                 lp = None
                 if chat and req.logprobs and len(o.token_ids) > sent_tok[i]:
-                    lp = self._chat_logprobs(o, req.top_logprobs or 0, sent_tok[i])
+                    lp = self._chat_logprobs(o, req.top_logprobs or 0, sent_tok[i], self._namer(req))
                 elif not chat and req.logprobs is not None and (len(o.token_ids) > sent_tok[i] or not echoed[i]):
                     if echo is None:
-                        full, skip = self._completion_logprobs(o, req.logprobs), sent_tok[i]
+                        full, skip = self._completion_logprobs(o, req.logprobs, name=self._namer(req)), sent_tok[i]
                     else:  # the prompt's entries go out with the first chunk
-                        full = self._echo_logprobs(o, req.logprobs)
+                        full = self._echo_logprobs(o, req.logprobs, self._namer(req))
                         skip = sent_tok[i] + len(o.prompt_token_ids) if echoed[i] else 0
                     lp = {k: (v[skip:] if isinstance(v, list) else v) for k, v in full.items()}
                 sent_tok[i] = len(o.token_ids)

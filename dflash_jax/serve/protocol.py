@@ -56,6 +56,7 @@ class _Common(BaseModel):
     # vLLM's prompt_logprobs: each prompt token's log-probability, rank and the k most likely tokens at its position
     # (choice.prompt_logprobs); needs a server started with --enable-prompt-logprobs
     prompt_logprobs: int | None = Field(default=None, ge=0, le=8)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's), not by their text
     user: str | None = None
     # OpenAI's penalties and logit_bias ({"token id": bias}), vLLM's repetition_penalty; requests with any of them
     # decode without speculation
