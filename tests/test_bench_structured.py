@@ -10,13 +10,13 @@ from dflash_jax.bench.__main__ import main
 
 def test_structured_bench_smoke(tmp_path, capsys):
     rc = main(["structured", "--model", os.path.join(dj.SHIPPED_MODELS, "target"),
-               "--drafter", os.path.join(dj.SHIPPED_MODELS, "drafter"), "--dtype", "float32", "--concurrency", "1", "2",
-               "--output-len", "96", "--budget", "8", "--repeats", "1", "--out-dir", str(tmp_path)])
+               "--drafter", os.path.join(dj.SHIPPED_MODELS, "drafter"), "--dtype", "float32", "--concurrency", "2",
+               "--output-len", "72", "--budget", "4", "--repeats", "1", "--out-dir", str(tmp_path)])
     assert rc == 0, capsys.readouterr().out
     (res,) = [p for p in tmp_path.iterdir() if p.name.startswith("structured_")]
     figs = json.loads(res.read_text())["figures"]
     assert figs["recompiles_after_warmup"] == 0
-    for c in (1, 2):
+    for c in (2,):
         assert figs[f"c{c}.mismatches"] == 0 and figs[f"c{c}.matched"] == 1.0
         assert figs[f"c{c}.mean_accept_len"] >= 1.0 and figs[f"c{c}.ar.tok_s"] > 0 and figs[f"c{c}.spec.tok_s"] > 0
         assert figs[f"c{c}.mask_ms_per_round"] > 0 and figs[f"c{c}.draft_ms_per_round"] > 0

@@ -107,8 +107,8 @@ def test_sampled_constrained_rounds_match_their_constraint(ar, oracle_eng, c, ch
 def test_drafted_rounds_with_penalties_equal_ar(target, tok, drafter, ar):
     """The real drafter's trees (no oracle), a constraint together with a repetition penalty, next to a free row."""
     p = [ar.tokenizer.encode(s) for s in PROMPTS]
-    sps = [SamplingParams(max_tokens=40, constraint=JSON, repetition_penalty=1.3),
-           SamplingParams(max_tokens=32, constraint=Constraint("json_object")), SamplingParams(max_tokens=24)]
+    sps = [SamplingParams(max_tokens=24, constraint=JSON, repetition_penalty=1.3),
+           SamplingParams(max_tokens=16, constraint=Constraint("json_object")), SamplingParams(max_tokens=16)]
     want = ar.generate(p, sps)
     e = Engine(target, tok, EngineOptions(**OPTS, spec=SpecConfig(budget=8), cohort_yield_min=0.0,
                                           structured_spec=True), drafter=drafter)
