@@ -117,6 +117,10 @@ if __name__ != "__main__":
         assert r["tokens"] == r["golden"]
         assert r["modes"] == ["ddtree", "ddtree"] and r["replicas"] == [0, 1] and r["masked_steps"] > 0
 
+    def test_a_group_on_a_data_parallel_replica_equals_separate_requests(results):
+        r = results["structured_dp"]
+        assert r["groups"] == 1 and r["group"] == r["group_golden"]
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the subprocess: every case, results as JSON
@@ -311,8 +315,9 @@ def _main(out_path: str) -> None:
     prompts2 = [ids, tok.encode("settings = ")]
     csp = [SamplingParams(max_tokens=24, constraint=Constraint("json_object")),
            SamplingParams(max_tokens=24, constraint=Constraint("regex", "[a-z_]+ = [0-9]+"))]
-    dopts = dict(sopts, max_batch=2, prefill_batch=2)
-    golden = [o.token_ids for o in Engine(st, tok, EngineOptions(**dopts)).generate(prompts2, csp)]
+    dopts = dict(sopts, max_batch=4, prefill_batch=2)
+    one = Engine(st, tok, EngineOptions(**dopts))
+    golden = [o.token_ids for o in one.generate(prompts2, csp)]
     eng = Engine(st, tok, EngineOptions(data_parallel=2, spec=SpecConfig(budget=8), cohort_yield_min=0.0,
                                         structured_spec=True, **dopts), drafter=sd)
     rids = [eng.submit(pr, c) for pr, c in zip(prompts2, csp)]
@@ -321,9 +326,19 @@ def _main(out_path: str) -> None:
     final = {}
     while eng.has_work():
         final.update({o.request_id: o for o in eng.step() if o.finish_reason is not None})
+    # a group (the API's n) on one replica of two: the members after the fork start from a copy of the leader's
+    # recurrent slot in that replica's state (greedy: these rounds are speculative, equal to AR token for token only
+    # for greedy rows)
+    gp = (ids * 3)[:48]
+    gsp = [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)]
+    gids = eng.submit_group(gp, gsp)
+    while eng.has_work():
+        final.update({o.request_id: o for o in eng.step() if o.finish_reason is not None})
     res["structured_dp"] = {"tokens": [final[i].token_ids for i in rids], "golden": golden, "replicas": replicas,
                             "modes": [final[i].stats["spec_mode"] for i in rids],
-                            "masked_steps": eng.counters["spec_masked_steps"]}
+                            "masked_steps": eng.counters["spec_masked_steps"],
+                            "group": [final[i].token_ids for i in gids], "groups": eng.counters["groups"],
+                            "group_golden": [o.token_ids for o in one.generate([gp] * 2, gsp)]}
     res["timing"]["structured_dp"] = time.perf_counter() - t7
     res["timing"]["total"] = time.perf_counter() - t0
     with open(out_path, "w") as f:

@@ -868,9 +868,9 @@ class Engine:
             exe = lowered[key].compile()
             return key, exe, time.perf_counter() - t0
 
-        # the slot writers, compiled by a harmless write of the null slot (padding rows: never read)
-        if self.prefix_cache is not None:
-            self._copy_slot(0, 0)
+        # the slot writers, compiled by a harmless write of the null slot (padding rows: never read); the slot copy
+        # serves cached prefixes and groups (the API's n)
+        self._copy_slot(0, 0)
         if self.state.pen is not None:
             v, null = self.cfg.vocab_size, np.zeros(1 if self.dp == 1 else 2, np.int32)
             allow = np.full(-(-v // 32), 0xFFFFFFFF, np.uint32)
@@ -1206,7 +1206,7 @@ class Engine:
         prefix = pool.pages_of(leader.rid)[: leader.fork_at // pool.page_size]
         for s in leader.siblings:
             pool.attach(s.rid, prefix)
-            self._copy_slot(leader.slot, s.slot)
+            self._copy_slot(leader.slot, s.slot, leader.replica)
             s.cursor = s.stats.cached_tokens = leader.fork_at
             s.leader = None
             self.counters["forked_tokens"] += leader.fork_at
@@ -1561,11 +1561,13 @@ class Engine:
         if snap is not None:
             self._copy_slot(r.slot, snap)
 
-    def _copy_slot(self, src: int, dst: int) -> None:
-        """Recurrent slot ``dst`` becomes a copy of ``src`` (conv and SSM state of every GDN layer)."""
+    def _copy_slot(self, src: int, dst: int, replica: int = 0) -> None:
+        """Recurrent slot ``dst`` of ``replica`` becomes a copy of its slot ``src`` (conv and SSM state of every GDN
+        layer; with data parallelism the state leads with the replica axis)."""
+        at = lambda slot: np.array([slot] if self.dp == 1 else [replica, slot], np.int32)  # noqa: E731
         self._update("copy_slot", "rec", lambda rec, s, d: RecurrentSlots(
-            tuple(c.at[d].set(c[s]) for c in rec.conv), tuple(x.at[d].set(x[s]) for x in rec.ssm)),
-            (np.int32(src), np.int32(dst)))
+            tuple(c.at[tuple(d)].set(c[tuple(s)]) for c in rec.conv),
+            tuple(x.at[tuple(d)].set(x[tuple(s)]) for x in rec.ssm)), (at(src), at(dst)))
 
     def _chunk_end(self, r: _Request) -> int:
         """End of ``r``'s next prefill chunk. With bounds / shadow scoring the prompt's last token runs as a chunk of
