@@ -121,9 +121,9 @@ def test_page_pressure_evicts_cached_prefixes_and_requests_still_run(engines, ta
     sp = SamplingParams(max_tokens=8)
     outs = eng.generate(ps, sp)
     assert [o.token_ids for o in outs] == [plain.generate([p], sp)[0].token_ids for p in ps]
-    assert eng.prefix_cache.counters["evicted"] >= 1
+    assert eng.prefix_caches[0].counters["evicted"] >= 1
     eng.pages.check_invariants()
-    eng.prefix_cache.clear()
+    eng.prefix_caches[0].clear()
     assert eng.pages.num_free == eng.pages.n_pages - 1
 
 
@@ -156,8 +156,8 @@ def test_a_state_reset_drops_the_cached_prefixes(engines, target):
     p = _prompts(target, seed=2)[0]
     sp = SamplingParams(max_tokens=6)
     cached.generate([p], sp)
-    assert len(cached.prefix_cache) > 0
+    assert len(cached.prefix_caches[0]) > 0
     cached.reset_state()
-    assert len(cached.prefix_cache) == 0 and cached.pages.num_free == cached.pages.n_pages - 1
+    assert len(cached.prefix_caches[0]) == 0 and cached.pages.num_free == cached.pages.n_pages - 1
     out = cached.generate([p], sp)[0]
     assert out.stats["cached_tokens"] == 0 and out.token_ids == plain.generate([p], sp)[0].token_ids

@@ -117,6 +117,11 @@ if __name__ != "__main__":
         assert r["tokens"] == r["golden"]
         assert r["modes"] == ["ddtree", "ddtree"] and r["replicas"] == [0, 1] and r["masked_steps"] > 0
 
+    def test_each_data_parallel_replica_caches_prefixes_and_serves_them(results):
+        r = results["prefix_dp"]
+        assert r["tokens"] == r["golden"]
+        assert r["cached"] == [0, 0, 64, 64] and r["entries"] == [1, 1]
+
     def test_a_group_on_a_data_parallel_replica_equals_separate_requests(results):
         r = results["structured_dp"]
         assert r["groups"] == 1 and r["group"] == r["group_golden"]
@@ -319,7 +324,7 @@ def _main(out_path: str) -> None:
     one = Engine(st, tok, EngineOptions(**dopts))
     golden = [o.token_ids for o in one.generate(prompts2, csp)]
     eng = Engine(st, tok, EngineOptions(data_parallel=2, spec=SpecConfig(budget=8), cohort_yield_min=0.0,
-                                        structured_spec=True, **dopts), drafter=sd)
+                                        structured_spec=True, prefix_cache=2, **dopts), drafter=sd)
     rids = [eng.submit(pr, c) for pr, c in zip(prompts2, csp)]
     eng._admit()
     replicas = sorted(eng.running[i].replica for i in rids)
@@ -334,6 +339,17 @@ def _main(out_path: str) -> None:
     gids = eng.submit_group(gp, gsp)
     while eng.has_work():
         final.update({o.request_id: o for o in eng.step() if o.finish_reason is not None})
+    # prefix caching per replica: two prompts over one 64-token head (a prefill chunk) cache it on both replicas,
+    # two more start from it, wherever they go
+    head = (ids * 5)[:64]
+    pc = [head + tok.encode(t) for t in ("x = 1", "y = [2, 3]", "z = {}", "w = ()")]
+    pc_sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = eng.generate(pc[:2], pc_sp)
+    again = eng.generate(pc[2:], pc_sp)
+    res["prefix_dp"] = {"tokens": [o.token_ids for o in first + again],
+                        "golden": [o.token_ids for o in one.generate(pc, pc_sp)],
+                        "cached": [o.stats["cached_tokens"] for o in first + again],
+                        "entries": [len(c) for c in eng.prefix_caches]}
     res["structured_dp"] = {"tokens": [final[i].token_ids for i in rids], "golden": golden, "replicas": replicas,
                             "modes": [final[i].stats["spec_mode"] for i in rids],
                             "masked_steps": eng.counters["spec_masked_steps"],

@@ -633,7 +633,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
             why = prove_pflash(r, args.pflash_min_tokens) if prep is not None else None
             if why:
                 case["proof"].append(f"repeat {rep} request {r['index']}: {why}")
-            if (eng.prefix_cache is not None and args.shared_prefix >= args.prefill_chunk
+            if (eng.prefix_caches and args.shared_prefix >= args.prefill_chunk
                     and not r["stats"].get("cached_tokens")):
                 case["proof"].append(f"repeat {rep} request {r['index']}: prefix cache not proved: no cached tokens "
                                      f"under a shared {args.shared_prefix}-token head")
@@ -665,7 +665,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     case["figures"]["cohort_yield_events"] = int(ev) if ev is not None and float(ev).is_integer() else ev
     case["n_requests"] = len(prompts) * args.repeats
     case["figures"].update(step_time_figures(eng.step_seconds - seconds0, eng.counters - counters0, args.repeats))
-    if eng.prefix_cache is not None:
+    if eng.prefix_caches:
         case["figures"]["prefix_cached_tokens"] = _median(
             [float(np.mean([r["stats"].get("cached_tokens", 0) for r in b["requests"]])) for b in case["batches"]])
     if eng.kvf is not None:

@@ -307,8 +307,9 @@ class EngineOptions:
     sampling_penalties: bool = True
     # prompt-prefix caching (kv/prefix_cache.py): this many recurrent-state snapshots (0 = off), each with the KV
     # pages of a prompt prefix up to a prefill-chunk boundary; a request whose prompt starts with a cached prefix
-    # is admitted over its pages and prefills only the rest. One replica, without KVFlash; prefill_chunk must be a
-    # multiple of page_size
+    # is admitted over its pages and prefills only the rest. Each data-parallel replica keeps its own (a request goes
+    # to the replica holding its longest cached prefix); not with KVFlash; prefill_chunk must be a multiple of
+    # page_size
     prefix_cache: int = 0
     # one matmul for the input projections that read the same activations (qwen36.fuse_projections), for an unsharded
     # target: the engine fuses a copy (the caller's Target is untouched; Target.fuse_projections() fuses one in place,
@@ -434,16 +435,17 @@ class Engine:
             self.pools = [self._residency(n_pages - 1)]
             n_pages = self.pools[0].n_pages
         self.replica_slots = [list(range(1, per_replica + 1)) for _ in range(dp)]  # free slots of each replica
-        self.prefix_cache: PrefixCache | None = None
+        self.prefix_caches: list[PrefixCache] = []  # one per replica (its pages, its snapshot slots); [] = off
         if o.prefix_cache:
             if o.prefix_cache < 0:
                 raise ValueError(f"prefix_cache must be >= 0 (snapshots kept), got {o.prefix_cache}")
-            if dp != 1 or self.kvflash_pool_tokens is not None:
-                raise ValueError("prefix caching runs with one replica and every page resident: it cannot be combined "
-                                 "with data_parallel > 1 or KVFlash; drop one of them")
+            if self.kvflash_pool_tokens is not None:
+                raise ValueError("prefix caching runs with every page resident: it cannot be combined with KVFlash; "
+                                 "drop one of them")
             # the slots past the requests' hold the snapshots
-            self.prefix_cache = PrefixCache(self.pools[0], o.prefill_chunk,
-                                            range(per_replica + 1, per_replica + 1 + o.prefix_cache))
+            self.prefix_caches = [PrefixCache(pool, o.prefill_chunk,
+                                              range(per_replica + 1, per_replica + 1 + o.prefix_cache))
+                                  for pool in self.pools]
         self._state_zeros = functools.partial(EngineState.zeros, self.cfg, n_pages=n_pages, page_size=o.page_size,
                                               n_slots=per_replica + 1 + o.prefix_cache, dtype=self.dtype,
                                               kv_dtype=kv_dtype,
@@ -710,8 +712,8 @@ class Engine:
     def reset_state(self) -> None:
         """Rebuild the device state from zeros (after a faulted step, with no request running): cached prefixes
         go too, since their pages and snapshots were in it."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        for cache in self.prefix_caches:
+            cache.clear()
         self.state = self.zero_state()
 
     def _replicas(self, zeros: Callable, shardings: Callable):
@@ -1161,16 +1163,21 @@ class Engine:
             with_slot = [k for k in range(self.dp) if len(self.replica_slots[k]) >= len(group)]
             if not with_slot:
                 break
-            hit = (self.prefix_cache.lookup(r.prompt)
-                   if self.prefix_cache is not None and r.prompt_lp is None else None)
-            n_prefix = len(hit.pages) if hit is not None else 0
-            fits = [k for k in with_slot if self._fits(k, needs, n_prefix)]
-            if not fits and self.prefix_cache is not None and self.prefix_cache.make_room(needs, keep=hit):
-                fits = with_slot  # one replica: cached prefixes gave their pages back
+            hits = ([c.lookup(r.prompt) for c in self.prefix_caches] if self.prefix_caches and r.prompt_lp is None
+                    else [None] * self.dp)
+            n_prefix = [len(h.pages) if h is not None else 0 for h in hits]
+            fits = [k for k in with_slot if self._fits(k, needs, n_prefix[k])]
+            if not fits and self.prefix_caches:  # cached prefixes give their pages back, on one replica
+                for k in sorted(with_slot, key=lambda k: (-n_prefix[k], -len(self.replica_slots[k]), k)):
+                    if self.prefix_caches[k].make_room(needs, keep=hits[k]):
+                        fits = [k]
+                        break
             if not fits:
                 self.counters["admission_deferred"] += 1
                 break  # FIFO: wait for pages to free up
-            k = max(fits, key=lambda k: (len(self.replica_slots[k]), -k))  # the least loaded replica
+            # the replica holding the longest cached prefix, then the least loaded
+            k = max(fits, key=lambda k: (n_prefix[k], len(self.replica_slots[k]), -k))
+            hit = hits[k]
             for s, need in zip(group[1:], needs[1:]):
                 self.waiting.remove(s)
                 self.pools[k].admit(s.rid, need)
@@ -1184,8 +1191,8 @@ class Engine:
                 self.pools[k].admit(r.rid, need)
             r.replica, r.slot = k, self.replica_slots[k].pop(0)
             if hit is not None:  # start from the cached prefix: its pages, and its state copied into the slot
-                self.prefix_cache.use(hit)
-                self._copy_slot(hit.snapshot, r.slot)
+                self.prefix_caches[k].use(hit)
+                self._copy_slot(hit.snapshot, r.slot, k)
                 r.cursor = r.stats.cached_tokens = hit.n_tokens
                 self.counters["prefix_cache_hits"] += 1
                 self.counters["prefix_cached_tokens"] += hit.n_tokens
@@ -1554,12 +1561,13 @@ class Engine:
     def _cache_prefix(self, r: _Request) -> None:
         """Cache ``r``'s prompt up to its cursor when that is a chunk boundary not cached yet: hold its pages and
         snapshot its slot (the copy runs after the step that wrote them)."""
-        key = self.prefix_cache.wants(r.prompt, r.cursor)
+        cache = self.prefix_caches[r.replica]
+        key = cache.wants(r.prompt, r.cursor)
         if key is None:
             return
-        snap = self.prefix_cache.insert(key, r.cursor, self.pools[r.replica].pages_of(r.rid))
+        snap = cache.insert(key, r.cursor, self.pools[r.replica].pages_of(r.rid))
         if snap is not None:
-            self._copy_slot(r.slot, snap)
+            self._copy_slot(r.slot, snap, r.replica)
 
     def _copy_slot(self, src: int, dst: int, replica: int = 0) -> None:
         """Recurrent slot ``dst`` of ``replica`` becomes a copy of its slot ``src`` (conv and SSM state of every GDN
@@ -1620,7 +1628,7 @@ class Engine:
                                          zip(out.prompt_top_ids[i, j, :k], out.prompt_top_logprobs[i, j, :k])])
             r.cursor += int(nv[i])
             r.stats.prefill_chunks += 1
-            if self.prefix_cache is not None:
+            if self.prefix_caches:
                 self._cache_prefix(r)
             if r.siblings and r.cursor >= r.fork_at:
                 self._fork(r)

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "before its tokens reach the host (one replica, no KVFlash)")
     ap.add_argument("--prefix-cache", type=int, default=None, metavar="N",
                     help="cache prompt prefixes at prefill-chunk boundaries: N recurrent-state snapshots, each with "
-                         "its prefix's KV pages (0 = off; one replica, not with --kvflash)")
+                         "its prefix's KV pages, per data-parallel replica (0 = off; not with --kvflash)")
     ap.add_argument("--enable-prompt-logprobs", action=argparse.BooleanOptionalAction, default=False,
                     help="compile a prefill step that also scores the prompt, for completions with echo + logprobs "
                          "(each prompt token's log-probability; scoring prompts prefill one at a time)")

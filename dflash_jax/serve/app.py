@@ -660,9 +660,9 @@ class Server:
         m.sync(m.cohort_reprobes, eng.counters["cohort_reprobe"])
         m.sync(m.prefix_hits, eng.counters["prefix_cache_hits"])
         m.sync(m.prefix_tokens, eng.counters["prefix_cached_tokens"])
-        if eng.prefix_cache is not None:
-            m.prefix_entries.set(len(eng.prefix_cache))
-            m.prefix_pages.set(eng.pages.num_held)
+        if eng.prefix_caches:
+            m.prefix_entries.set(sum(len(c) for c in eng.prefix_caches))
+            m.prefix_pages.set(sum(p.num_held for p in eng.pools))
         if eng.turns is not None:
             st = eng.turns.stats()
             m.sync(m.scorer_turn_waits, st["waits"])
