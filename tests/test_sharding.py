@@ -324,7 +324,8 @@ def _main(out_path: str) -> None:
     one = Engine(st, tok, EngineOptions(**dopts))
     golden = [o.token_ids for o in one.generate(prompts2, csp)]
     eng = Engine(st, tok, EngineOptions(data_parallel=2, spec=SpecConfig(budget=8), cohort_yield_min=0.0,
-                                        structured_spec=True, prefix_cache=2, **dopts), drafter=sd)
+                                        structured_spec=True, prefix_cache=2, batch_buckets=(2,), **dopts),
+                 drafter=sd)
     rids = [eng.submit(pr, c) for pr, c in zip(prompts2, csp)]
     eng._admit()
     replicas = sorted(eng.running[i].replica for i in rids)
