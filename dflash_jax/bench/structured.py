@@ -19,7 +19,8 @@ import statistics
 import time
 
 from dflash_jax.bench import results
-from dflash_jax.bench.sources import add_target_arguments, load_drafter_source, load_target_source, parallel_options
+from dflash_jax.bench.sources import (add_source_arguments, load_drafter_source, load_target_source,
+                                      parallel_options)
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.spec_steps import SpecConfig
 from dflash_jax.engine.structured import Constraint
@@ -34,8 +35,7 @@ PROMPTS = ["settings = ", "config = {", "def load(path):\n    return ", "result 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_target_arguments(p)
-    p.add_argument("--drafter", required=True, help="DFlash drafter checkpoint directory")
+    add_source_arguments(p)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--constraint", default="json_schema", choices=("json_schema", "json_object"),
@@ -73,7 +73,6 @@ def run(args: argparse.Namespace, command: str) -> int:
         raise SystemExit("bench structured needs --model (a checkpoint with its tokenizer: constraints are over text)")
     target = load_target_source(args)
     tok = Tokenizer.from_dir(args.model)
-    args.random_drafter = None
     drafter = load_drafter_source(args)
     rows = max(args.concurrency)
     c = Constraint("json_schema", json.dumps(SCHEMA)) if args.constraint == "json_schema" else Constraint("json_object")
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     if not args.no_write:
         extra = {"concurrency": args.concurrency, "repeats": args.repeats, "output_len": args.output_len,
                  "constraint": args.constraint, "budget": args.budget, "dtype": args.dtype, "model": args.model,
-                 "drafter": args.drafter}
+                 "drafter": args.drafter or args.random_drafter}
         path = results.write_result("structured", figures, command, extra, out_dir=args.out_dir)
         print(f"wrote {path}")
     return 0

@@ -236,9 +236,10 @@ class Server:
 
     def _check_prompt_logprobs(self, req, sp: SamplingParams) -> None:
         if sp.prompt_logprobs is not None and not self.engine.options.prompt_logprobs:
-            param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
-            raise APIError(400, f"{'prompt_logprobs' if param == 'prompt_logprobs' else 'echo with logprobs'} needs the "
-                                "prompt scored: start the server with --enable-prompt-logprobs", param=param)
+            param, what = (("prompt_logprobs", "prompt_logprobs") if req.prompt_logprobs is not None
+                           else ("echo", "echo with logprobs"))
+            raise APIError(400, f"{what} needs the prompt scored: start the server with --enable-prompt-logprobs",
+                           param=param)
 
     def _prompt_logprobs(self, req, o: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's ``prompt_logprobs`` of a choice: per prompt token (None for the first) a dict keyed by token id of
@@ -246,12 +247,13 @@ class Server:
         k = req.prompt_logprobs
         if k is None or o.prompt_logprobs is None:
             return None
+        name = self._namer(req)
         out: list[dict[str, dict[str, Any]] | None] = [None]
         for j in range(1, len(o.prompt_logprobs)):
             t = o.prompt_token_ids[j]
-            d = {str(t): {"logprob": o.prompt_logprobs[j], "rank": o.prompt_ranks[j], "decoded_token": self._tok_str(t)}}
+            d = {str(t): {"logprob": o.prompt_logprobs[j], "rank": o.prompt_ranks[j], "decoded_token": name(t)}}
             for rank, (a, lp) in enumerate(o.prompt_top_logprobs[j][:k], 1):
-                d.setdefault(str(a), {"logprob": lp, "rank": rank, "decoded_token": self._tok_str(a)})
+                d.setdefault(str(a), {"logprob": lp, "rank": rank, "decoded_token": name(a)})
             out.append(d)
         return out
 
@@ -298,7 +300,7 @@ class Server:
             lp = None
             if req.logprobs is not None:
                 lp = (self._echo_logprobs(o, req.logprobs, self._namer(req)) if echo is not None
-                      else self._completion_logprobs(o, req.logprobs, name=self._namer(req)))
+                      else self._completion_logprobs(o, req.logprobs, self._namer(req)))
             text = self._text(o) if echo is None else echo[i] + self._text(o)
             choices.append({"index": i, "text": text, "finish_reason": o.finish_reason,
                             "telemetry": _telemetry(o, preps[i]), "logprobs": lp,
@@ -384,7 +386,7 @@ class Server:
             finish = "tool_calls" if msg.get("tool_calls") else o.finish_reason
             c = {"index": i, "message": msg, "finish_reason": finish, "telemetry": _telemetry(o, prep),
                  "prompt_logprobs": self._prompt_logprobs(req, o),
-                 "logprobs": self._chat_logprobs(o, req.top_logprobs or 0, name=self._namer(req)) if req.logprobs
+                 "logprobs": self._chat_logprobs(o, req.top_logprobs or 0, self._namer(req)) if req.logprobs
                  else None}
             choices.append(c)
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
@@ -476,11 +478,10 @@ class Server:
         """How a request's logprobs name tokens: their text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
         return (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self._tok_str
 
-    def _completion_logprobs(self, o: RequestOutput, k: int, start: int = 0,
-                             name: Callable[[int], str] | None = None) -> dict[str, Any]:
-        """OpenAI's completion logprobs of the generated tokens; ``text_offset`` counted from ``start``; tokens named
-        by ``name`` (default: their text)."""
-        name = name or self._tok_str
+    def _completion_logprobs(self, o: RequestOutput, k: int, name: Callable[[int], str],
+                             start: int = 0) -> dict[str, Any]:
+        """OpenAI's completion logprobs of the generated tokens, named by ``name`` (``_namer``); ``text_offset``
+        counted from ``start``."""
         toks = [name(t) for t in o.token_ids]
         offsets, pos = [], start
         for s in toks:
@@ -504,15 +505,14 @@ class Server:
         tok = self.engine.tokenizer
         return tok.decode(ids, skip_special_tokens=False) if tok is not None else " ".join(map(str, ids)) + " "
 
-    def _echo_logprobs(self, o: RequestOutput, k: int, name: Callable[[int], str] | None = None) -> dict[str, Any]:
+    def _echo_logprobs(self, o: RequestOutput, k: int, name: Callable[[int], str]) -> dict[str, Any]:
         """Echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
-        name = name or self._tok_str
         toks = [name(t) for t in o.prompt_token_ids]
         offsets, pos = [], 0
         for s in toks:
             offsets.append(pos)
             pos += len(s)
-        gen = self._completion_logprobs(o, k, pos, name)
+        gen = self._completion_logprobs(o, k, name, pos)
         top = None
         if k:
             top = [None] + [self._top_dict(alts[:k], name) for alts in o.prompt_top_logprobs[1:]]
@@ -520,9 +520,7 @@ class Server:
         return {"tokens": toks + gen["tokens"], "token_logprobs": list(o.prompt_logprobs) + gen["token_logprobs"],
                 "text_offset": offsets + gen["text_offset"], "top_logprobs": top}
 
-    def _chat_logprobs(self, o: RequestOutput, k: int, start: int = 0,
-                       name: Callable[[int], str] | None = None) -> dict[str, Any]:
-        name = name or self._tok_str
+    def _chat_logprobs(self, o: RequestOutput, k: int, name: Callable[[int], str], start: int = 0) -> dict[str, Any]:
         content = []
         for t, lp, alts in zip(o.token_ids[start:], o.logprobs[start:], o.top_logprobs[start:]):
             s = name(t)
@@ -591,10 +589,10 @@ class Server:
                 visible = text[:max(upto, 0)]
                 lp = None
                 if chat and req.logprobs and len(o.token_ids) > sent_tok[i]:
-                    lp = self._chat_logprobs(o, req.top_logprobs or 0, sent_tok[i], self._namer(req))
+                    lp = self._chat_logprobs(o, req.top_logprobs or 0, self._namer(req), sent_tok[i])
                 elif not chat and req.logprobs is not None and (len(o.token_ids) > sent_tok[i] or not echoed[i]):
                     if echo is None:
-                        full, skip = self._completion_logprobs(o, req.logprobs, name=self._namer(req)), sent_tok[i]
+                        full, skip = self._completion_logprobs(o, req.logprobs, self._namer(req)), sent_tok[i]
                     else:  # the prompt's entries go out with the first chunk
                         full = self._echo_logprobs(o, req.logprobs, self._namer(req))
                         skip = sent_tok[i] + len(o.prompt_token_ids) if echoed[i] else 0
