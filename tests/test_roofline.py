@@ -78,3 +78,12 @@ def test_decode_step_and_roofline(cfg):
     assert roofline.roofline_tok_s(cfg, 1, 100_000) < roofline.roofline_tok_s(cfg, 1, 0)
     assert roofline.roofline_tok_s(cfg, 64, 0, hbm_bytes_per_s=2.4e12) == pytest.approx(
         roofline.roofline_tok_s(cfg, 64, 0) / 2)
+
+
+def test_device_hbm_peak_by_kind():
+    assert roofline.device_hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert roofline.device_hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert roofline.device_hbm_bytes_per_s("NVIDIA H100 PCIe") == 2.0e12
+    # unknown devices (CPU here) fall back to the H200, which the default roofline uses
+    assert roofline.device_hbm_bytes_per_s("cpu") == roofline.H200_HBM_BYTES_PER_S
+    assert roofline.device_hbm_bytes_per_s() == roofline.H200_HBM_BYTES_PER_S

@@ -35,7 +35,7 @@ def _ceiling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-bw", type=float, default=None,
-                   help="HBM bytes/s for bw_fraction (default: H200 datasheet, 4.8e12)")
+                   help="HBM bytes/s for bw_fraction (default: the datasheet peak of the device in use)")
 
 
 def _ceiling_run(args: argparse.Namespace, command: str) -> int:
@@ -48,7 +48,7 @@ def _ceiling_run(args: argparse.Namespace, command: str) -> int:
 
     cfg = TargetConfig.from_file(args.random_weights)
     dtype = jnp.dtype(args.dtype)
-    peak = args.peak_bw or roofline.H200_HBM_BYTES_PER_S
+    peak = args.peak_bw or roofline.device_hbm_bytes_per_s()
     params = qwen36.init_params(cfg, jax.random.key(0), dtype, quantization=quant.check_quantization(args.quantization))
     jax.block_until_ready(params)
     fn = ceiling.make_weight_stream(cfg)

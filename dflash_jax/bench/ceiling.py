@@ -85,7 +85,7 @@ def _stream_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def measure_ceiling(cfg: TargetConfig, params: dict[str, Any], batch: int, iters: int = 20,
                     warmup: int = 3, fn: Callable | None = None,
-                    hbm_bytes_per_s: float = roofline.H200_HBM_BYTES_PER_S) -> dict[str, float]:
+                    hbm_bytes_per_s: float | None = None) -> dict[str, float]:
     """Time the weight stream at batch ``batch``: median over ``iters`` calls after ``warmup``.
 
     Returns ``ms_per_step``, ``tok_s`` (= batch / step time), ``bytes_per_s`` (= weight_bytes /
@@ -94,6 +94,7 @@ def measure_ceiling(cfg: TargetConfig, params: dict[str, Any], batch: int, iters
     """
     if iters < 1:
         raise ValueError("iters must be >= 1")
+    hbm_bytes_per_s = hbm_bytes_per_s or roofline.device_hbm_bytes_per_s()
     fn = fn or make_weight_stream(cfg)
     p = _stream_params(params)
     dtype = params["lm_head"].dtype

@@ -24,6 +24,14 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models import qwen36
 
 H200_HBM_BYTES_PER_S = 4.8e12  # datasheet peak of the H200 (HBM3e)
+# datasheet HBM peaks by a substring of ``device_kind``; the first match wins
+_HBM_PEAKS = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
+
+
+def device_hbm_bytes_per_s(device_kind: str | None = None) -> float:
+    """Datasheet HBM bandwidth of ``device_kind`` (default: the first JAX device's); the H200's when unknown."""
+    kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+    return next((peak for name, peak in _HBM_PEAKS if name in kind), H200_HBM_BYTES_PER_S)
 
 
 def weight_elements(cfg: TargetConfig) -> int:
@@ -82,7 +90,11 @@ def decode_step_bytes(cfg: TargetConfig, batch: int, context: int, itemsize: int
 
 
 def roofline_tok_s(cfg: TargetConfig, batch: int, context: int,
-                   hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S, itemsize: int = 2,
+                   hbm_bytes_per_s: float | None = None, itemsize: int = 2,
                    weight_itemsize: float | None = None, kv_itemsize: float | None = None) -> float:
-    """Upper bound on decode throughput: ``B / (decode_step_bytes / hbm_bytes_per_s)`` tokens/s."""
+    """Upper bound on decode throughput: ``B / (decode_step_bytes / hbm_bytes_per_s)`` tokens/s.
+
+    ``hbm_bytes_per_s`` defaults to the datasheet peak of the device in use (``device_hbm_bytes_per_s``)."""
+    if hbm_bytes_per_s is None:
+        hbm_bytes_per_s = device_hbm_bytes_per_s()
     return batch * hbm_bytes_per_s / decode_step_bytes(cfg, batch, context, itemsize, weight_itemsize, kv_itemsize)
