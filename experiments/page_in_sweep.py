@@ -8,7 +8,9 @@ A pool of ``max(--pages) + 1`` zero pages of the config's full-attention layers 
 ``page_out_gbs``) against one ``device_put`` of an ``[n, slab]`` host array (``host_to_device_gbs``). Also a batched
 ``device_put`` of n separate per-page host slabs with no scatter (``per_page_put_gbs``), the transfer a page-in
 makes without the jitted copy. Figures ``page_in.n<N>.{page_in_gbs,page_out_gbs,ratio,host_to_device_gbs,
-per_page_put_gbs}``; the issue's target is ``ratio`` >= 0.7. (An earlier version also timed a page-in made of that
+per_page_put_gbs}``; the issue's target is ``ratio`` >= 0.7. ``--dispatch``: host ms of each transfer call, idle
+and behind a busy device; ``--alloc N``: host ms per page of page-outs into N fresh slabs vs into reused ones
+(``alloc.{first,reuse}.host_ms_per_page``) and ``KVFlashDevice.prewarm``'s rate (``alloc.prewarm_gbs``). (An earlier version also timed a page-in made of that
 batched ``device_put`` and a jitted scatter: 0.72-0.77 vs 0.84-0.87 on the H200, ``page_in_nvidia-h200_20261204-1822
 .json``; it was dropped.)
 """
@@ -92,6 +94,36 @@ def dispatch_times(dev: KVFlashDevice, state: EngineState, iters: int, busy_n: i
     return out, state
 
 
+def alloc_times(state: EngineState, n_host: int) -> dict[str, float]:
+    """Host ms per page of page-outs into ``n_host`` fresh host slabs (the host allocator grows: new pinned
+    regions), then again into the same slabs (each replaced: the allocator reuses what the old ones free), and
+    ``KVFlashDevice.prewarm`` of a larger set of slabs (its pinning rate)."""
+    pool = state.kv.n_pages - 1
+    out: dict[str, float] = {}
+    dev = KVFlashDevice(state, None, host_pages=n_host, target_summaries=False)
+    dev.warmup(state, None)
+    for name in ("first", "reuse"):
+        host = 0.0
+        t0 = time.perf_counter()
+        for lo in range(0, n_host, BUCKETS[-1]):
+            ts = [Transfer(-1, i, 1 + i % pool, i) for i in range(lo, min(n_host, lo + BUCKETS[-1]))]
+            t1 = time.perf_counter()
+            dev.page_out(state, None, ts)
+            host += time.perf_counter() - t1
+        jax.block_until_ready(dev.slabs)
+        out[f"alloc.{name}.host_ms_per_page"] = 1e3 * host / n_host
+        out[f"alloc.{name}.done_ms_per_page"] = 1e3 * (time.perf_counter() - t0) / n_host
+    out["alloc.n_pages"] = n_host
+    # a device twice the size: its prewarm pins past what the passes above left in the allocator
+    big = KVFlashDevice(state, None, host_pages=2 * n_host, target_summaries=False)
+    big.warmup(state, None)
+    pre = big.prewarm(state, None, float("inf"))
+    out["alloc.prewarm_gbs"] = pre["bytes"] / 1e9 / pre["seconds"]
+    out["alloc.prewarm_s"] = pre["seconds"]
+    print(", ".join(f"{k} {v:.3f}" for k, v in out.items()), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/qwen36_27b.json")
@@ -101,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--dispatch", action="store_true", help="also time the host side of each transfer call")
     ap.add_argument("--busy-n", type=int, default=8192, help="matrix size of the busy computation (--dispatch)")
+    ap.add_argument("--alloc", type=int, default=0, metavar="N",
+                    help="also time page-outs into N fresh host slabs, then into the same slabs again")
     ap.add_argument("--out-dir", default="experiments/results")
     args = ap.parse_args(argv)
     cfg = TargetConfig.from_file(args.config)
@@ -121,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dispatch:
         disp, state = dispatch_times(dev, state, args.iters, args.busy_n)
         figures.update(disp)
+    if args.alloc:
+        figures.update(alloc_times(state, args.alloc))
     figures["page_bytes"] = float(dev.slab_bytes)
     results.print_table(figures)
     extra = {"config": args.config, "kv_dtype": args.kv_dtype, "host_kind": dev.host_kind, "iters": args.iters}

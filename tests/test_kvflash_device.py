@@ -189,7 +189,7 @@ def test_page_in_sweep_writes_its_figures(tmp_path):
 
     assert page_in_sweep.main(["--config", os.path.join(FIXTURES, "qwen36_tiny_a", "config.json"), "--pages", "2",
                                "4", "--iters", "1", "--page-size", "8", "--dispatch", "--busy-n", "64",
-                               "--out-dir", str(tmp_path)]) == 0
+                               "--alloc", "5", "--out-dir", str(tmp_path)]) == 0
     (res,) = tmp_path.iterdir()
     f = json.loads(res.read_text())["figures"]
     for n in (2, 4):
@@ -198,6 +198,8 @@ def test_page_in_sweep_writes_its_figures(tmp_path):
     for b in (1, 4):  # buckets above the 4 pages run as 4
         assert all(f[f"dispatch.b{b}.{k}_ms"] > 0 for k in ("out", "in", "done", "busy_out", "busy_in"))
     assert f["dispatch.busy_ms"] > 0
+    assert f["alloc.n_pages"] == 5 and f["alloc.prewarm_gbs"] > 0
+    assert all(f[f"alloc.{p}.{k}_ms_per_page"] > 0 for p in ("first", "reuse") for k in ("host", "done"))
 
 
 @pytest.mark.parametrize("kind", ["pinned_host", "numpy"])
@@ -215,3 +217,29 @@ def test_the_bandwidth_probe_leaves_pages_and_slabs_as_they_were(kind):
         for a, b in zip(pages(state, dkv, p), before[p]):
             np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.asarray(dev.slabs[1]), slab1)  # a slab in use keeps its contents
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "numpy"])
+def test_prewarm_sizes_to_every_slab_plus_a_bucket_within_its_cap_and_moves_nothing(kind):
+    state, dkv = random_state(n_pages=6)
+    dev = KVFlashDevice(state, dkv, host_pages=8, host_kind=kind)
+    dev.warmup(state, dkv)
+    dev.page_out(state, dkv, [Transfer(0, 0, 2, 1)])
+    slab1 = np.asarray(dev.slabs[1]).copy()
+    before = [pages(state, dkv, p) for p in range(6)]
+    with CompileWatch() as w:
+        full = dev.prewarm(state, dkv, float("inf"))
+        capped = dev.prewarm(state, dkv, 3.5 * dev.slab_bytes)
+        none = dev.prewarm(state, dkv, 0)
+    assert w.count == 0
+    if kind == "numpy":  # nothing to make ready: the slabs are one NumPy array
+        assert full["slabs"] == capped["slabs"] == 0
+    else:
+        assert full["slabs"] == 8 + 64 and full["bytes"] == full["slabs"] * dev.slab_bytes
+        assert capped["slabs"] == 3
+    assert none["slabs"] == 0
+    np.testing.assert_array_equal(np.asarray(dev.slabs[1]), slab1)
+    assert all(s is None for i, s in enumerate(dev.slabs) if i != 1) if kind != "numpy" else True
+    for p in range(6):
+        for a, b in zip(pages(state, dkv, p), before[p]):
+            np.testing.assert_array_equal(a, b)

@@ -167,6 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter: ranks pages by the drafter's queries, so only ddtree cases can run it (--modes ddtree)")
     p.add_argument("--kvflash-max-page-in", type=int, default=64, metavar="N",
                    help="optional KVFlash page-ins (best-ranked first) per step; a step's write pages are not limited")
+    p.add_argument("--kvflash-host-prewarm-gb", type=float, default=8.0, metavar="GIB",
+                   help="GiB of pinned host slabs each KVFlash engine makes ready at warm-up (0 = none)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="KV page dtype of every case (default: the model dtype); fp8/int8 pages also page in/out "
                         "at about half the bytes under --kvflash")
@@ -203,6 +205,7 @@ PRESET_COPIED = {"ddtree_budget": "budget", "ddtree_max_verify_tokens": "max_ver
                  "ddtree_chain_seed": "chain_seed",
                  "prefill_keep_ratio": "pflash_keep_ratio",
                  "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
+                 "kvflash_max_page_in": "kvflash_max_page_in", "kvflash_host_prewarm_gb": "kvflash_host_prewarm_gb",
                  "cohort_yield_min": "cohort_yield_min", "page_size": "page_size", "prefill_chunk": "prefill_chunk",
                  "dtype": "dtype", "max_model_len": "max_model_len", "quantization": "quantization",
                  "tensor_parallel": "tensor_parallel", "data_parallel": "data_parallel", "kv_dtype": "kv_dtype",
@@ -605,7 +608,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, rows), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
                          kvflash_scoring=args.kvflash_scoring, kvflash_max_page_in=args.kvflash_max_page_in,
-                         kv_dtype=args.kv_dtype, batch_buckets=buckets, batch_invariant=inv,
+                         kvflash_host_prewarm_gb=args.kvflash_host_prewarm_gb, kv_dtype=args.kv_dtype, batch_buckets=buckets, batch_invariant=inv,
                          spec_oracle=oracle if mode == "ddtree" else None, overlap=args.overlap,
                          prefix_cache=args.prefix_cache if mode != "ar_uncached" else 0, **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
@@ -678,6 +681,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
         f["kv_host_to_device_gbs"] = case["kv_bandwidth"]["host_to_device_gbs"]
         f["kv_page_in_ratio"] = case["kv_bandwidth"]["ratio"]
         f["kv_deferred_steps"] = rep_["deferred_steps"]
+        f["kv_prewarm_s"], f["kv_prewarm_gb"] = rep_["prewarm_s"], rep_["prewarm_bytes"] / 1e9
         f["kv_score_fallbacks"] = rep_["score_fallbacks"]
     del eng
     gc.collect()
@@ -844,6 +848,8 @@ def _check_args(args) -> str | None:
         return "--prefix-cache cannot be combined with --kvflash (the engine refuses it)"
     if args.kvflash_max_page_in < 0:
         return f"--kvflash-max-page-in {args.kvflash_max_page_in}: must be >= 0 (0 = only the pages a step writes)"
+    if args.kvflash_host_prewarm_gb < 0:
+        return f"--kvflash-host-prewarm-gb {args.kvflash_host_prewarm_gb}: must be >= 0"
     if args.kvflash is not None and args.kvflash_scoring == "drafter" and set(args.modes) != {"ddtree"}:
         return ("--kvflash-scoring drafter ranks pages by the drafter's queries: ar cases have no drafter, run it with "
                 "--modes ddtree")
@@ -1086,6 +1092,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             "kv_dtype": args.kv_dtype,
             "kvflash": {"pool_tokens": args.kvflash, "scoring": args.kvflash_scoring,
                         "max_page_in": args.kvflash_max_page_in,
+                        "host_prewarm_gb": args.kvflash_host_prewarm_gb,
                         "compare_unbounded": args.kvflash_compare} if args.kvflash is not None else None,
             "accounting": "passed", "reproducibility": repro,
             "cases": [{"case": f"c{cs['c']}.{cs['mode']}", "compile_s": cs["compile_s"],

@@ -288,6 +288,9 @@ class EngineOptions:
     kvflash_exact_steps: bool = False  # rows of a step get their whole history resident when it fits
     kvflash_max_page_in: int = 64  # optional page-ins (by rank) per step; a step's own write pages are not limited
     kvflash_host_kind: str | None = None  # host memory kind override (default: pinned_host where available)
+    # GiB of host slabs the host allocator is made to hold at warm-up (capped at every slab plus one bucket of
+    # page-outs): pinned memory is pinned as the allocator grows, so this moves that cost out of the page-outs
+    kvflash_host_prewarm_gb: float = 8.0
     tensor_parallel: int = 1  # devices of the mesh's model axis (sharding.py: Megatron layout, one all-reduce a layer)
     data_parallel: int = 1  # replicas over the mesh's data axis; each serves max_batch / data_parallel sequences
     # decode/spec batch sizes compiled per replica (a batch runs in the smallest bucket that holds it); default:
@@ -456,6 +459,7 @@ class Engine:
             self.dkv = self._replicas(functools.partial(DraftKV.zeros, self.dcfg, n_pages, o.page_size, kv_dtype, self.dtype),
                                       lambda lay, shapes: lay.replica_tree(shapes))
         self.kvf = None
+        self.kvflash_prewarm: dict[str, float] = {}  # host slabs made ready at warm-up (KVFlashDevice.prewarm)
         self.kvb = None  # bounds / shadow scoring: page tables, query windows on the device (kv/kvflash_scoring.py)
         if self.kvflash_pool_tokens is not None:
             from dflash_jax.kv.kvflash_device import KVFlashDevice
@@ -683,6 +687,8 @@ class Engine:
         return {"pool_tokens": self.kvflash_pool_tokens, "pool_pages": res.pool_pages, "host_pages": res.host_pages,
                 "host_memory_kind": self.kvf.host_kind, "host_bytes": self.kvf.host_bytes,
                 "page_bytes": self.kvf.slab_bytes, "scoring": res.opts.scoring,
+                "prewarm_bytes": self.kvflash_prewarm.get("bytes", 0),
+                "prewarm_s": self.kvflash_prewarm.get("seconds", 0.0),
                 "scoring_device_bytes": self.kvb.nbytes if self.kvb is not None else 0,
                 "resident_pages": res.resident_used, "occupancy": res.resident_used / res.pool_pages,
                 **{k: c[f"kvflash_{k}"] for k in (
@@ -881,6 +887,7 @@ class Engine:
         if self.kvf is not None and "kvflash" not in self.warmup_report:
             t0 = time.perf_counter()
             self.kvf.warmup(self.state, self.dkv)
+            self.kvflash_prewarm = self.kvf.prewarm(self.state, self.dkv, self.options.kvflash_host_prewarm_gb * 2**30)
             if self.kvb is not None:  # a query push per step shape that returns queries
                 t = min(self.query_tail, self.options.prefill_chunk)
                 self.kvb.warmup(self.state, [(b, 1) for b in self.decode_buckets]

@@ -275,6 +275,25 @@ class KVFlashDevice:
             outs.append(np.asarray(self._sum_fn(b, source)(ks, idx))[: len(part)])
         return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
 
+    def prewarm(self, state: EngineState, dkv: DraftKV | None, max_bytes: float) -> dict[str, float]:
+        """Have the host allocator hold room for every slab plus one top bucket of page-outs in flight, up to
+        ``max_bytes``, before serving: page-outs of the null page into that many temporary host buffers, waited for
+        and dropped. Pinned host memory comes from a growing pool whose every new region is pinned on first use,
+        which would otherwise happen on the serving path, inside page-outs, as the host copies of histories
+        accumulate. Returns ``{"slabs", "bytes", "seconds"}``; nothing is done without a JAX host memory kind."""
+        if self._host is None or max_bytes <= 0:
+            return {"slabs": 0, "bytes": 0, "seconds": 0.0}
+        n = self.host_pages + BUCKETS[-1]
+        if max_bytes < n * self.slab_bytes:
+            n = int(max_bytes // self.slab_bytes)
+        t0 = time.perf_counter()
+        tensors, held = _tensors(state.kv, dkv), []
+        for _, b in self._chunks([0] * n):
+            held.append(self._out_fn(b)(tensors, np.zeros(b, np.int32)))
+        jax.block_until_ready(held)
+        del held
+        return {"slabs": n, "bytes": n * self.slab_bytes, "seconds": time.perf_counter() - t0}
+
     def _zero(self):
         if self._zero_slab is None:
             self._zero_slab = jax.device_put(np.zeros(self.slab_elems, self.dtype), self._host)

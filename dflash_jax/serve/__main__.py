@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kvflash-max-page-in", type=int, default=None, metavar="N",
                     help="optional page-ins (best-ranked first) per engine step under --kvflash (64); the pages a "
                          "step writes are never limited")
+    ap.add_argument("--kvflash-host-prewarm-gb", type=float, default=None, metavar="GIB",
+                    help="under --kvflash: GiB of pinned host slabs made ready at start-up (8; capped at what the "
+                         "histories can use; 0 = pin as page-outs need it, on the serving path)")
     ap.add_argument("--kvflash-scoring", choices=SCORINGS, default=None,
                     help="what stays resident beyond the sink and recent pages: shadow (default) = the target's "
                          "attention share of each page under its latest queries, exact over a 4-bit copy of every "
@@ -129,7 +132,7 @@ DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_
             "draft_residency": "persistent",
             "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False,
             "prefill_compression": "off", "kvflash": "off",
-            "kvflash_scoring": "shadow", "kvflash_max_page_in": 64,
+            "kvflash_scoring": "shadow", "kvflash_max_page_in": 64, "kvflash_host_prewarm_gb": 8.0,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1,
             "prefix_cache": 0}
 
@@ -212,6 +215,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.kvflash_max_page_in < 0:
         raise StartupError(f"--kvflash-max-page-in {ns.kvflash_max_page_in}: must be >= 0 (0 = only the pages a "
                            "step writes)")
+    try:
+        ns.kvflash_host_prewarm_gb = float(ns.kvflash_host_prewarm_gb)
+    except (TypeError, ValueError):
+        raise StartupError(f"--kvflash-host-prewarm-gb must be a number, got {ns.kvflash_host_prewarm_gb!r}") from None
+    if ns.kvflash_host_prewarm_gb < 0:
+        raise StartupError(f"--kvflash-host-prewarm-gb {ns.kvflash_host_prewarm_gb}: must be >= 0")
     try:
         ns.prefix_cache = int(ns.prefix_cache)
     except (TypeError, ValueError):
@@ -356,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                                        cohort_reprobe_tokens=int(args.cohort_reprobe_tokens),
                                        kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
                                        kvflash_max_page_in=int(args.kvflash_max_page_in),
+                                       kvflash_host_prewarm_gb=args.kvflash_host_prewarm_gb,
                                        kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp,
                                        overlap=args.overlap, prefix_cache=args.prefix_cache,
                                        prompt_logprobs=bool(args.enable_prompt_logprobs),
