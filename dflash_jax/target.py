@@ -113,7 +113,8 @@ def load_target(path: str | os.PathLike, dtype="float32", tensor_parallel: int =
     ``weight_scale_inv`` block scales) or a llama.cpp ``.gguf`` file (``qwen35``; dequantized at load).
 
     ``dtype`` is the activation dtype; ``quantization="fp8"`` stores every large matmul weight as fp8 with
-    per-output-channel scales, ``"int8"`` as Q8_0 blocks, ``"int4"`` as packed Q4_0 blocks (``models/quant.py``;
+    per-output-channel scales (``"fp8_dynamic"``: the same, each matmul quantizing its input per token too),
+    ``"int8"`` as Q8_0 blocks, ``"int4"`` as packed Q4_0 blocks (``models/quant.py``;
     quantized on the device as it loads). With ``tensor_parallel`` or
     ``data_parallel`` > 1, each tensor is re-laid out and written straight to its shards of a ``data`` x
     ``model`` mesh over ``devices`` (default ``jax.devices()``) while streaming (unquantized only).

@@ -295,6 +295,41 @@ def test_quantized_weight_is_a_pytree_and_jits():
     np.testing.assert_allclose(np.asarray(y, np.float32), 16.0, rtol=1e-2)
 
 
+@settings(max_examples=25, deadline=None)
+@given(out=st.integers(1, 48), inn=st.sampled_from([8, 16, 40]), tokens=st.integers(1, 5), seed=st.integers(0, 999),
+       log_range=st.floats(0, 4), zero_row=st.booleans())
+def test_fp8_dynamic_quantizes_each_token_within_e4m3_and_multiplies_fp8_by_fp8(out, inn, tokens, seed, log_range,
+                                                                                 zero_row):
+    """W8A8: per-token e4m3 activations within half an ulp of x (scale: the token's largest magnitude -> 448; an
+    all-zero token stays zero), and the matmul equals dequant(x) @ dequant(w)^T in float32."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, tokens, inn)) * 10.0 ** rng.uniform(-log_range, log_range, (2, tokens, 1))
+    if zero_row:
+        x[0, 0] = 0
+    x = jnp.asarray(x, jnp.float32)
+    xq, sx = quant.quantize_tokens_fp8(x)
+    chex.assert_shape(sx, (2, tokens, 1))
+    assert xq.dtype == jnp.float8_e4m3fn
+    xd = np.asarray(xq.astype(jnp.float32) * sx)
+    np.testing.assert_array_less(np.abs(xd - np.asarray(x)), _bound(np.asarray(x), np.asarray(sx)))
+    np.testing.assert_allclose(np.max(np.abs(np.asarray(xq, np.float32)), -1)[np.asarray(sx[..., 0]) != 1], 448.0)
+    w = jnp.asarray(rng.standard_normal((out, inn)), jnp.float32)
+    q = quant.quantize_fp8(w, act="fp8")
+    assert q.act == "fp8" and q.block is None
+    got = qwen36.linear(x, q)
+    chex.assert_shape(got, x.shape[:-1] + (out,))
+    np.testing.assert_allclose(np.asarray(got), xd @ np.asarray(quant.dequantize(q)).T, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_dynamic_is_per_channel_only():
+    with pytest.raises(ValueError, match="per-channel"):
+        quant.quantize_fp8(jnp.ones((8, 16)), (4, 8), act="fp8")
+    with pytest.raises(ValueError, match="block"):
+        quant.quantize_params({"layers": ({"mlp": {"gate": jnp.ones((8, 16))}},)}, "fp8_dynamic", (4, 8))
+    with pytest.raises(ValueError, match="act"):
+        quant.QuantizedWeight(jnp.ones((2, 2)), jnp.ones(2), act="int8")
+
+
 # ---------------------------------------------------------------------------------------------
 # whole models
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +383,21 @@ def test_fp8_engine_greedy_equals_the_fp8_reference():
     outs = eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.token_ids == q.greedy(p, 6)
+
+
+def test_fp8_dynamic_target_fuses_keeps_act_and_its_engine_is_greedy_exact():
+    q = _target(quantization="fp8_dynamic")
+    flat = jax.tree_util.tree_flatten_with_path(q.params, is_leaf=quant.is_quantized)[0]
+    assert all(leaf.act == "fp8" for path, leaf in flat if quant.path_name(path) in quant.MATMUL_NAMES)
+    fused = qwen36.fuse_projections(q.params)
+    assert fused["layers"][0]["mlp"]["gate+up"].act == "fp8"
+    # through its own reference; activations are quantized too, so it is close to, not equal to, weight-only fp8
+    full, w8 = _target().logits(IDS), _target(quantization="fp8").logits(IDS)
+    got = q.logits(IDS)
+    assert _kl(full, got) < 0.05 and float(jnp.linalg.norm(got - w8) / jnp.linalg.norm(w8)) < 0.2
+    eng = Engine(q, None, EngineOptions(max_batch=1, max_model_len=64, prefill_chunk=16))
+    [o] = eng.generate([IDS[:20]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert o.token_ids == q.greedy(IDS[:20], 6)
 
 
 def test_engine_option_quantizes_a_full_precision_target():
@@ -473,7 +523,7 @@ def test_bench_linear_smoke(tmp_path, monkeypatch):
     res = json.load(open(f))
     assert res["kernel_overrides"] == os.environ["DFLASH_KERNELS"] == "skinny_matmul=pallas_triton"
     figs, extra = res["figures"], res["extra"]
-    for v in ("bf16", "bf16_pallas", "fp8", "fp8_block128", "fp8_pallas", "int8", "int4"):
+    for v in ("bf16", "bf16_pallas", "fp8", "fp8_dynamic", "fp8_block128", "fp8_pallas", "int8", "int4"):
         assert figs[f"{v}.tiny.b1.us"] > 0 and figs[f"{v}.tiny.b1.gbps"] > 0
     assert figs["fp8_speedup.tiny.b1"] > 0 and figs["bf16_pallas_speedup.tiny.b1"] > 0
     assert figs["int4_speedup.tiny.b1"] > 0 and figs["int8_speedup.tiny.b1"] > 0

@@ -28,7 +28,7 @@ def _ceiling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-weights", metavar="CONFIG", required=True,
                    help="config.json (or checkpoint dir) whose shapes get random weights")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    p.add_argument("--quantization", default="none", choices=("none", "fp8", "int8", "int4"),
+    p.add_argument("--quantization", default="none", choices=("none", "fp8", "fp8_dynamic", "int8", "int4"),
                    help="fp8: matmul weights e4m3 with per-channel scales; int8: Q8_0 blocks (a scale per 32 inputs); "
                         "int4: packed Q4_0 blocks (two 4-bit values per byte, a float16 scale per 32 inputs)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
@@ -98,6 +98,8 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
                                 "requests"),
     "structured": _module("structured", "constrained requests (structured output): AR vs speculative rounds "
                                         "with tree masks"),
+    "quality": _module("quality", "held-out perplexity, greedy agreement and DDTree tau of quantized weights and "
+                                  "KV pages against the reference format"),
     "linear": _module("linear", "one 27B-shaped matmul weight: bf16 vs fp8 (per-channel, 128x128 blocks) at small "
                                 "batch"),
 }

@@ -4,7 +4,8 @@ matmul, bf16 vs fp8 / int8 / int4.
 For each weight shape (the 27B's MLP gate/up and down, GDN qkv and out, attention q) and batch B, a jitted step
 multiplies ``--copies`` distinct weights of that shape (so the weights stream from HBM, not L2) and sums the
 outputs. Variants: ``bf16`` (dense, XLA), ``bf16_pallas`` (dense through ``pallas_kernels.skinny_matmul``),
-``fp8`` (per-output-channel scales, the on-the-fly format, XLA's fused convert + dot), ``fp8_block128``
+``fp8`` (per-output-channel scales, the on-the-fly format, XLA's fused convert + dot), ``fp8_dynamic`` (the
+same weights with the activations quantized per token to e4m3: an fp8 x fp8 dot), ``fp8_block128``
 (128x128 block scales, the layout of Qwen's FP8 checkpoints, XLA), ``fp8_pallas`` (per-channel through the
 Pallas kernel), ``int8`` (Q8_0 blocks: a scale per 32 inputs, XLA: per-block partial sums at decode batch) and
 ``int4`` (packed Q4_0 blocks: two 4-bit values per byte and a float16 scale per 32 inputs, unpacked inside the
@@ -42,7 +43,7 @@ from pallas_kernels import skinny_matmul as sm
 
 SHAPES = {"mlp_gate": (17408, 5120), "mlp_down": (5120, 17408), "gdn_qkv": (10240, 5120),
           "gdn_out": (5120, 6144), "attn_q": (12288, 5120), "tiny": (128, 512)}  # tiny: a CPU smoke test
-VARIANTS = ("bf16", "bf16_pallas", "fp8", "fp8_block128", "fp8_pallas", "int8", "int4")
+VARIANTS = ("bf16", "bf16_pallas", "fp8", "fp8_dynamic", "fp8_block128", "fp8_pallas", "int8", "int4")
 PALLAS = ("bf16_pallas", "fp8_pallas")
 # (block_n, block_k, split_k (None: auto), num_warps, num_stages), pruned from block_n 32/64/128 x block_k
 # 128/256/512 x split_k auto/1/2/4/8 x warps 4/8 x stages 2/3/4 to 16, most telling first (a sweep cut short by
@@ -75,6 +76,8 @@ def _weights(variant: str, shape: tuple[int, int], copies: int):
         w = (jax.random.normal(jax.random.key(i), shape, jnp.float32) * shape[1] ** -0.5).astype(jnp.bfloat16)
         if variant in ("fp8", "fp8_pallas"):
             w = quant.quantize_fp8(w)
+        elif variant == "fp8_dynamic":
+            w = quant.quantize_fp8(w, act="fp8")
         elif variant == "fp8_block128":
             w = quant.quantize_fp8(w, (128, 128))
         elif variant == "int8":

@@ -18,8 +18,12 @@ unpacks with shifts (:func:`unpack_int4`) that XLA fuses into the dot operand; w
 then read from HBM is for ``bench linear`` to show (the first H200 run, with a bitcast unpack, read them at
 856 GB/s at one token: no faster than bf16).
 
-Activations stay in the model dtype (bf16) and accumulate in float32. ``QuantizedWeight.dtype`` is the
-activation dtype, so code that reads a weight's ``.dtype`` to pick the activation dtype works unchanged.
+Activations stay in the model dtype (bf16) and accumulate in float32, except with ``quantization="fp8_dynamic"``
+(W8A8, the scheme vLLM's online fp8 and llm-compressor's FP8_DYNAMIC use): per-channel fp8 weights whose matmul
+also quantizes the activations to e4m3, one scale per token (its largest magnitude maps to 448), computed at the
+matmul, so the dot is fp8 x fp8 (Hopper's fp8 tensor-core GEMM through cuBLASLt) and both scales multiply the
+float32 output (``QuantizedWeight.act = "fp8"``). ``QuantizedWeight.dtype`` is the activation dtype, so code that
+reads a weight's ``.dtype`` to pick the activation dtype works unchanged.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ INT8_BLOCK = (1, 32)  # Q8_0: 32 consecutive inputs of one output row share a sc
 INT4_BLOCK = (1, 32)  # Q4_0: the same blocks
 INT4_MIN, INT4_MAX = -8, 7
 F16_MAX = 65504.0
-QUANTIZATIONS = ("none", "fp8", "int8", "int4")
+QUANTIZATIONS = ("none", "fp8", "fp8_dynamic", "int8", "int4")
 PACKINGS = (None, "int4")
+ACTS = (None, "fp8")  # QuantizedWeight.act: activations as they are, or quantized per token to e4m3 at the matmul
 
 # Parameter names (the last key of a pytree path) of the large matmul weights, target and drafter alike.
 # Not quantized: the embedding (a row gather), norms, conv taps, A_log/dt_bias and the tiny GDN b/a gates.
@@ -61,17 +66,23 @@ class QuantizedWeight:
     """``w [out, in] ~= values * scale``. ``packing`` None: values = data, ``float8_e4m3fn`` or ``int8 [out, in]``;
     ``"int4"``: data ``uint8 [out, in/2]``, two signed 4-bit values per byte (:func:`unpack_int4`). scale:
     ``float32 [out]`` (``block`` None) or ``[ceil(out/bo), ceil(in/bi)]`` (``block = (bo, bi)``; int4: ``float16
-    [out, in/32]``). ``shape`` is the logical ``[out, in]``; ``dtype`` is the activation (dequantized) dtype."""
+    [out, in/32]``). ``shape`` is the logical ``[out, in]``; ``dtype`` is the activation (dequantized) dtype.
+    ``act`` ``"fp8"`` (fp8 per-channel weights only): the matmul quantizes its input per token to e4m3 too."""
 
     data: jax.Array
     scale: jax.Array
     block: tuple[int, int] | None = None
     dtype: Any = jnp.bfloat16
     packing: str | None = None
+    act: str | None = None
 
     def __post_init__(self):  # meta fields only: the data fields may be tracers or placeholders here
         if self.packing not in PACKINGS:
             raise ValueError(f"QuantizedWeight packing {self.packing!r} not supported; use one of {list(PACKINGS)}")
+        if self.act not in ACTS:
+            raise ValueError(f"QuantizedWeight act {self.act!r} not supported; use one of {list(ACTS)}")
+        if self.act is not None and (self.block is not None or self.packing is not None):
+            raise ValueError("quantized activations (act='fp8') go with per-channel fp8 weights only")
         if self.packing == "int4" and tuple(self.block or ()) != INT4_BLOCK:
             raise ValueError(f"int4 weights carry {INT4_BLOCK} block scales, got block {self.block!r}")
 
@@ -90,7 +101,7 @@ class QuantizedWeight:
 
 
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["data", "scale"],
-                                 meta_fields=["block", "dtype", "packing"])
+                                 meta_fields=["block", "dtype", "packing", "act"])
 
 
 def is_quantized(x: Any) -> bool:
@@ -98,8 +109,8 @@ def is_quantized(x: Any) -> bool:
 
 
 def check_quantization(q: str | None) -> str | None:
-    """``None``/``"none"`` -> None; ``"fp8"`` / ``"int8"`` / ``"int4"`` unchanged; anything else raises naming the
-    choices."""
+    """``None``/``"none"`` -> None; ``"fp8"`` / ``"fp8_dynamic"`` / ``"int8"`` / ``"int4"`` unchanged; anything else
+    raises naming the choices."""
     if q is None or q == "none":
         return None
     if q not in QUANTIZATIONS:
@@ -126,16 +137,20 @@ def block_scale_full(scale: jax.Array, block: tuple[int, int], shape: tuple[int,
     return full[: shape[0], : shape[1]]
 
 
-@jax.jit(static_argnames=("block", "dtype"))
-def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None, dtype=None) -> QuantizedWeight:
+@jax.jit(static_argnames=("block", "dtype", "act"))
+def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None, dtype=None,
+                 act: str | None = None) -> QuantizedWeight:
     """``w [out, in]`` -> ``QuantizedWeight`` with per-output-channel (``block`` None) or ``(bo, bi)`` block scales
     chosen so each channel / block's largest magnitude maps to 448. ``dtype`` (default ``w.dtype``) is the
-    activation dtype recorded in the result."""
+    activation dtype recorded in the result; ``act="fp8"`` (per channel only): activations quantized at the
+    matmul too (``fp8_dynamic``)."""
     dtype = jnp.dtype(dtype or w.dtype)
     wf = w.astype(F32)
     if block is None:
         scale = _amax_scale(jnp.max(jnp.abs(wf), axis=1))
-        return QuantizedWeight(_to_fp8(wf / scale[:, None]), scale, None, dtype)
+        return QuantizedWeight(_to_fp8(wf / scale[:, None]), scale, None, dtype, act=act)
+    if act is not None:
+        raise ValueError("quantized activations (act='fp8') go with per-channel fp8 weights only")
     bo, bi = block
     out, inn = wf.shape
     no, ni = -(-out // bo), -(-inn // bi)
@@ -231,14 +246,27 @@ def blocked_max_tokens(w: QuantizedWeight) -> int:
     return max(1, int(PARTIAL_SUM_BYTES_FRACTION * w.block[1] * value_bytes / 4))
 
 
+def quantize_tokens_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [..., in]`` -> (e4m3 values ``[..., in]``, float32 scales ``[..., 1]``): per token, its largest magnitude
+    maps to 448 (an all-zero token gets scale 1)."""
+    xf = x.astype(F32)
+    sx = _amax_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True))
+    return _to_fp8(xf / sx), sx
+
+
 def qmatmul(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
     """``x [..., in] @ dequant(w)^T -> [..., out]`` with fp8 / int8 / int4 weights converted to ``x.dtype`` inside the
     matmul (int4: unpacked there from its bytes), float32 accumulation, result in ``out_dtype`` (default
-    ``x.dtype``). Per-channel weights at <= 64 tokens go
+    ``x.dtype``). ``act="fp8"`` weights quantize ``x`` per token (:func:`quantize_tokens_fp8`) and multiply fp8 by
+    fp8 with float32 accumulation, both scales on the output. Other per-channel weights at <= 64 tokens go
     through the Pallas ``skinny_matmul`` kernel when ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` (read at
     trace time; ``pallas_kernels.skinny_matmul.route``), otherwise XLA's fused convert + dot."""
     out_dtype = out_dtype or x.dtype
     acc = jnp.promote_types(x.dtype, F32)
+    if w.act == "fp8":
+        xq, sx = quantize_tokens_fp8(x)
+        y = jnp.einsum("...i,oi->...o", xq, w.data, preferred_element_type=F32)
+        return (y * sx * w.scale).astype(out_dtype)
     if w.block is None:
         if acc == F32:
             from pallas_kernels import skinny_matmul
@@ -285,8 +313,9 @@ LeafQuantizer = Callable[[tuple[Any, ...], Any], Any]
 
 
 def leaf_quantizer(quantization: str | None, block: tuple[int, int] | None = None) -> LeafQuantizer:
-    """``f(path, leaf)``: the quantized version of a quantizable leaf (fp8: per channel, or ``block`` scales; int8:
-    Q8_0 blocks; int4: packed Q4_0 blocks), else the leaf."""
+    """``f(path, leaf)``: the quantized version of a quantizable leaf (fp8: per channel, or ``block`` scales;
+    fp8_dynamic: per channel, activations quantized at the matmul; int8: Q8_0 blocks; int4: packed Q4_0 blocks),
+    else the leaf."""
     q = check_quantization(quantization)
 
     def f(path, leaf):
@@ -297,6 +326,10 @@ def leaf_quantizer(quantization: str | None, block: tuple[int, int] | None = Non
                 return quantize_int4(leaf)
             except ValueError as e:
                 raise ValueError(f"{jax.tree_util.keystr(tuple(path))}: {e}") from e
+        if q == "fp8_dynamic":
+            if block is not None:
+                raise ValueError("fp8_dynamic quantizes weights per channel: it takes no block scales")
+            return quantize_fp8(leaf, act="fp8")
         return quantize_int8(leaf) if q == "int8" else quantize_fp8(leaf, block)
 
     return f

@@ -223,8 +223,8 @@ def _joinable(a: Any, b: Any) -> bool:
     if quant.is_quantized(a) or quant.is_quantized(b):
         if not (quant.is_quantized(a) and quant.is_quantized(b)):
             return False
-        same = (a.dtype, a.packing, a.block, a.data.dtype, a.scale.dtype) == (b.dtype, b.packing, b.block,
-                                                                               b.data.dtype, b.scale.dtype)
+        same = (a.dtype, a.packing, a.block, a.act, a.data.dtype, a.scale.dtype) == (
+            b.dtype, b.packing, b.block, b.act, b.data.dtype, b.scale.dtype)
         return same and a.shape[1] == b.shape[1] and (a.block is None or a.shape[0] % a.block[0] == 0)
     return a.ndim == b.ndim == 2 and a.dtype == b.dtype and a.shape[1] == b.shape[1]
 

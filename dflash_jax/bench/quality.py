@@ -1,0 +1,147 @@
+"""``python -m dflash_jax.bench quality``: what quantized weights and quantized KV pages cost in quality, on the
+model set's held-out text, each format against the first (the reference: ``--quantization none``, bf16 pages).
+
+For each weight format of ``--quantization`` (target and drafter quantized alike) and, with the reference weights,
+each KV page format of ``--kv-dtypes``:
+
+* ``{f}.ppl``: held-out perplexity, teacher-forced through the engine's own paged prefill (the prompt log-probs
+  of ``--rows`` rows of ``--row-len`` tokens: quantized pages are written and read as in serving);
+  ``{f}.ppl_ratio`` = ``{f}.ppl`` / the reference's;
+* ``{f}.greedy_agreement``: the reference's greedy continuations (``--agree-tokens`` after each row's first
+  ``--agree-prefix`` tokens) teacher-forced through the format's engine: the fraction of continuation positions
+  where the format's most likely token is the reference's (1.0 = every greedy token reproduced; the reference
+  itself measures the prefill vs decode agreement of one model, its floor);
+* weight formats also: ``{f}.chain.tau`` / ``{f}.ddtree.tau`` (``bench acceptance``'s teacher-forced acceptance:
+  the format's drafter against the format's own greedy labels, ``--budget`` nodes) and ``{f}.ddtree.tau_ratio``.
+
+Format names: ``bf16`` / ``f32`` (the reference weights), ``fp8``, ``fp8_dynamic``, ``int8``, ``int4``;
+``kv_fp8``, ``kv_int8`` for pages. Issue targets: fp8 weights perplexity within 1 % and DDTree tau within 5 %,
+fp8 pages greedy agreement >= 99 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from dflash_jax.bench import results
+from dflash_jax.bench.acceptance import (anchor_positions, chain_tau, draft_logprobs, greedy_labels, held_out_files,
+                                         held_out_rows, tree_tau)
+from dflash_jax.bench.ar import variant_label
+from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+from dflash_jax.models import quant
+from dflash_jax.models.tokenizer import Tokenizer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="trained target checkpoint (with its tokenizer)")
+    p.add_argument("--drafter", help="its DFlash drafter checkpoint (tau figures; without it none)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--quantization", nargs="+", choices=quant.QUANTIZATIONS, default=["none", "fp8"],
+                   help="weight formats, the first the reference")
+    p.add_argument("--kv-dtypes", nargs="*", choices=("fp8", "int8"), default=["fp8"],
+                   help="KV page formats measured with the reference weights")
+    p.add_argument("--files", nargs="+", help="held-out text files (default: the model set's held-out stdlib files)")
+    p.add_argument("--report", help="train_report.json listing the held-out files (default: next to --model)")
+    p.add_argument("--rows", type=int, default=16, help="held-out rows")
+    p.add_argument("--row-len", type=int, default=512, help="tokens per row")
+    p.add_argument("--agree-prefix", type=int, default=256, help="tokens of a row before its greedy continuation")
+    p.add_argument("--agree-tokens", type=int, default=64, help="greedy tokens per row compared")
+    p.add_argument("--anchors", type=int, default=8, help="anchor positions per row (tau)")
+    p.add_argument("--budget", type=int, default=22, help="DDTree budget (nodes besides the root)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine(target, tok, max_len: int, kv_dtype: str | None) -> Engine:
+    return Engine(target, tok, EngineOptions(max_batch=8, max_model_len=max_len, prefill_chunk=128,
+                                             prompt_logprobs=True, kv_dtype=kv_dtype))
+
+
+def prompt_scores(eng: Engine, prompts: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per prompt: the log-probability ``[n - 1]`` and rank (1 = most likely) of each token after the first."""
+    outs = eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
+    return [(np.asarray(o.prompt_logprobs[1:], np.float64), np.asarray(o.prompt_ranks[1:], np.int64)) for o in outs]
+
+
+def perplexity(eng: Engine, rows: np.ndarray) -> float:
+    lps = [lp for lp, _ in prompt_scores(eng, [list(map(int, r)) for r in rows])]
+    return float(np.exp(-np.concatenate(lps).mean()))
+
+
+def continuations(eng: Engine, rows: np.ndarray, prefix: int, n: int) -> list[list[int]]:
+    """Each row's first ``prefix`` tokens followed by ``eng``'s ``n`` greedy tokens."""
+    heads = [list(map(int, r[:prefix])) for r in rows]
+    outs = eng.generate(heads, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return [h + list(o.token_ids) for h, o in zip(heads, outs)]
+
+
+def agreement(eng: Engine, seqs: list[list[int]], prefix: int) -> float:
+    """Fraction of the positions after ``prefix`` whose token is ``eng``'s most likely one (teacher-forced)."""
+    ranks = [r[prefix - 1:] for _, r in prompt_scores(eng, seqs)]
+    return float(np.mean(np.concatenate(ranks) == 1))
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    from dflash_jax import load_target
+
+    if not 0 < args.agree_prefix < args.row_len:
+        raise SystemExit(f"--agree-prefix must be in (0, --row-len {args.row_len})")
+    quants = list(dict.fromkeys(args.quantization))
+    tok = Tokenizer.from_dir(args.model)
+    files = args.files or held_out_files(args.model, args.report)
+    rows = held_out_rows(tok, files, args.rows, args.row_len)
+    max_len = -(-(max(args.row_len, args.agree_prefix + args.agree_tokens) + 32) // 64) * 64
+    figures: dict[str, float] = {"rows": int(len(rows)), "row_len": int(rows.shape[1])}
+    seconds: dict[str, float] = {}
+    ref_name, ref_seqs, ref_target = None, None, None
+    for q in quants:
+        t0 = time.perf_counter()
+        name = variant_label(args.dtype, q)
+        target = load_target(args.model, dtype=args.dtype, quantization=quant.check_quantization(q))
+        target.fuse_projections()
+        eng = _engine(target, tok, max_len, None)
+        figures[f"{name}.ppl"] = perplexity(eng, rows)
+        if ref_name is None:
+            ref_name, ref_target = name, target
+            ref_seqs = continuations(eng, rows, args.agree_prefix, args.agree_tokens)
+        figures[f"{name}.greedy_agreement"] = agreement(eng, ref_seqs, args.agree_prefix)
+        if args.drafter:
+            from dflash_jax.models.dflash_loader import load_drafter
+
+            dcfg, dparams = load_drafter(args.drafter, dtype=target.params["embed"].dtype,
+                                         quantization=quant.check_quantization(q))
+            anchors = anchor_positions(rows.shape[1], dcfg.block_size, args.anchors, args.seed, len(rows))
+            labels = greedy_labels(eng, rows, anchors, dcfg.block_size)
+            lp = draft_logprobs(target, dcfg, dparams, rows, anchors)
+            figures[f"{name}.chain.tau"] = float(chain_tau(lp, labels).mean())
+            figures[f"{name}.ddtree.tau"] = float(tree_tau(lp, labels, args.budget).mean())
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
+              f"{figures[f'{name}.greedy_agreement']:.4f}"
+              + (f", ddtree tau {figures[f'{name}.ddtree.tau']:.3f}" if args.drafter else "")
+              + f" ({seconds[name]} s)", flush=True)
+        del eng
+    for dt in dict.fromkeys(args.kv_dtypes):
+        t0 = time.perf_counter()
+        name = f"kv_{dt}"
+        eng = _engine(ref_target, tok, max_len, dt)
+        figures[f"{name}.ppl"] = perplexity(eng, rows)
+        figures[f"{name}.greedy_agreement"] = agreement(eng, ref_seqs, args.agree_prefix)
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
+              f"{figures[f'{name}.greedy_agreement']:.4f} ({seconds[name]} s)", flush=True)
+        del eng
+    for name in [variant_label(args.dtype, q) for q in quants] + [f"kv_{dt}" for dt in args.kv_dtypes]:
+        figures[f"{name}.ppl_ratio"] = figures[f"{name}.ppl"] / figures[f"{ref_name}.ppl"]
+        if f"{name}.ddtree.tau" in figures:
+            figures[f"{name}.ddtree.tau_ratio"] = figures[f"{name}.ddtree.tau"] / figures[f"{ref_name}.ddtree.tau"]
+    results.print_table(figures)
+    if not args.no_write:
+        extra = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "reference": ref_name,
+                 "quantization": quants, "kv_dtypes": list(args.kv_dtypes), "agree_prefix": args.agree_prefix,
+                 "agree_tokens": args.agree_tokens, "budget": args.budget, "anchors": args.anchors,
+                 "files": [f.rsplit("/", 1)[-1] for f in files], "seconds": seconds}
+        print("wrote", results.write_result("quality", figures, command, extra, out_dir=args.out_dir))
+    return 0

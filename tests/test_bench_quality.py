@@ -1,0 +1,33 @@
+"""``bench quality``: held-out perplexity, greedy agreement and DDTree tau of quantized weights and pages against the
+reference format, on the shipped model set."""
+
+import json
+import os
+
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.bench.__main__ import main
+
+
+def test_quality_compares_weight_and_page_formats_with_the_reference(tmp_path):
+    rc = main(["quality", "--model", os.path.join(dj.SHIPPED_MODELS, "target"),
+               "--drafter", os.path.join(dj.SHIPPED_MODELS, "drafter"), "--dtype", "float32",
+               "--quantization", "none", "fp8_dynamic", "--kv-dtypes", "int8", "--rows", "2", "--row-len", "96",
+               "--agree-prefix", "64", "--agree-tokens", "8", "--anchors", "2", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    [f] = list(tmp_path.iterdir())
+    res = json.loads(f.read_text())
+    fig = res["figures"]
+    assert res["bench"] == "quality" and res["extra"]["reference"] == "f32"
+    # the reference reproduces its own greedy tokens when they are teacher-forced through its prefill (fp32)
+    assert fig["f32.greedy_agreement"] == 1.0 and fig["f32.ppl_ratio"] == 1.0
+    for name in ("f32", "fp8_dynamic", "kv_int8"):
+        assert 1 < fig[f"{name}.ppl"] < 1000 and 0 <= fig[f"{name}.greedy_agreement"] <= 1
+        assert fig[f"{name}.ppl_ratio"] == pytest.approx(fig[f"{name}.ppl"] / fig["f32.ppl"])
+    # int8 pages and W8A8 move the model a little, not a lot
+    assert 0.9 < fig["kv_int8.ppl_ratio"] < 1.1 and 0.8 < fig["fp8_dynamic.ppl_ratio"] < 1.25
+    for name in ("f32", "fp8_dynamic"):
+        assert 1 <= fig[f"{name}.chain.tau"] <= fig[f"{name}.ddtree.tau"] <= 16
+    assert fig["fp8_dynamic.ddtree.tau_ratio"] == pytest.approx(fig["fp8_dynamic.ddtree.tau"] / fig["f32.ddtree.tau"])
+    assert "kv_int8.ddtree.tau" not in fig
