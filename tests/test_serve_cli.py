@@ -90,6 +90,10 @@ def test_kvflash_flags_are_accepted():
     assert _resolve("--model", MODEL, "--kvflash", "8192", "--kvflash-max-page-in", "16").kvflash_max_page_in == 16
     with pytest.raises(StartupError, match="--kvflash-max-page-in -1: must be >= 0"):
         _resolve("--model", MODEL, "--kvflash-max-page-in", "-1")
+    assert ns.kvflash_host_prewarm_gb == 8.0
+    assert _resolve("--model", MODEL, "--kvflash", "8192", "--kvflash-host-prewarm-gb", "0.5").kvflash_host_prewarm_gb == 0.5
+    with pytest.raises(StartupError, match="--kvflash-host-prewarm-gb -1.0: must be >= 0"):
+        _resolve("--model", MODEL, "--kvflash-host-prewarm-gb", "-1")
 
 
 def test_kvflash_drafter_scoring_needs_ddtree_and_presets_are_checked(tmp_path):

@@ -161,6 +161,19 @@ def read_preset(path: str, known: set[str] | None = None) -> dict:
     return out
 
 
+
+def _non_negative(ns: argparse.Namespace, dest: str, kind: type, zero: str = "") -> None:
+    """Set ``ns.<dest>`` to its value as ``kind`` (a preset may give a string), or raise a StartupError naming the
+    flag when it is not a number or is negative (``zero``: what 0 means, appended to that message)."""
+    flag, raw = "--" + dest.replace("_", "-"), getattr(ns, dest)
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise StartupError(f"{flag} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+    if value < 0:
+        raise StartupError(f"{flag} {value}: must be >= 0{zero}")
+    setattr(ns, dest, value)
+
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Merge preset file < command line; apply defaults; reject what this build cannot do."""
     merged = dict(DEFAULTS)
@@ -210,25 +223,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     ns.kvflash = _kvflash_flag(ns.kvflash)
     if ns.kvflash_scoring not in SCORINGS:  # a preset bypasses argparse's choices
         raise StartupError(f"--kvflash-scoring must be one of {', '.join(SCORINGS)}, got {ns.kvflash_scoring!r}")
-    try:
-        ns.kvflash_max_page_in = int(ns.kvflash_max_page_in)
-    except (TypeError, ValueError):
-        raise StartupError(f"--kvflash-max-page-in must be an integer, got {ns.kvflash_max_page_in!r}") from None
-    if ns.kvflash_max_page_in < 0:
-        raise StartupError(f"--kvflash-max-page-in {ns.kvflash_max_page_in}: must be >= 0 (0 = only the pages a "
-                           "step writes)")
-    try:
-        ns.kvflash_host_prewarm_gb = float(ns.kvflash_host_prewarm_gb)
-    except (TypeError, ValueError):
-        raise StartupError(f"--kvflash-host-prewarm-gb must be a number, got {ns.kvflash_host_prewarm_gb!r}") from None
-    if ns.kvflash_host_prewarm_gb < 0:
-        raise StartupError(f"--kvflash-host-prewarm-gb {ns.kvflash_host_prewarm_gb}: must be >= 0")
-    try:
-        ns.prefix_cache = int(ns.prefix_cache)
-    except (TypeError, ValueError):
-        raise StartupError(f"--prefix-cache must be an integer, got {ns.prefix_cache!r}") from None
-    if ns.prefix_cache < 0:
-        raise StartupError(f"--prefix-cache {ns.prefix_cache}: must be >= 0 (0 = off)")
+    _non_negative(ns, "kvflash_max_page_in", int, " (0 = only the pages a step writes)")
+    _non_negative(ns, "kvflash_host_prewarm_gb", float)
+    _non_negative(ns, "prefix_cache", int, " (0 = off)")
     if ns.prefix_cache and ns.kvflash is not None:
         raise StartupError("--prefix-cache and --kvflash cannot be combined (a cached prefix's pages stay resident)")
     if ns.kvflash is not None and ns.kvflash_scoring == "drafter" and not ns.ddtree:
