@@ -117,7 +117,7 @@ def test_quantization_flag_and_preset_value_are_checked(tmp_path):
     assert _resolve("--model", MODEL, "--quantization", "int4").quantization == "int4"
     preset = tmp_path / "p.yaml"
     preset.write_text("quantization: int3\n")
-    with pytest.raises(StartupError, match="--quantization must be one of none, fp8, int8, int4"):
+    with pytest.raises(StartupError, match="--quantization must be one of none, fp8, fp8_dynamic, int8, int4"):
         _resolve("--model", MODEL, "--config", str(preset))
 
 
