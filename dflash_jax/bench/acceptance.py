@@ -44,22 +44,27 @@ from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.spec.ddtree import build_tree
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_source_arguments(p)
-    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
+def add_held_out_arguments(p: argparse.ArgumentParser, anchors: int = 16) -> None:
+    """The held-out rows and the anchors / DDTree budget of the teacher-forced tau (shared with ``bench quality``)."""
     p.add_argument("--files", nargs="+", help="held-out text files (default: the model set's held-out stdlib files)")
     p.add_argument("--report", help="train_report.json listing the held-out files (default: next to --model)")
     p.add_argument("--rows", type=int, default=16, help="held-out rows")
     p.add_argument("--row-len", type=int, default=512, help="tokens per row")
-    p.add_argument("--anchors", type=int, default=16, help="anchor positions per row")
+    p.add_argument("--anchors", type=int, default=anchors, help="anchor positions per row")
     p.add_argument("--budget", type=int, default=22, help="DDTree budget (nodes besides the root)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_source_arguments(p)
+    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"))
+    add_held_out_arguments(p)
     p.add_argument("--chain-seed", action=argparse.BooleanOptionalAction, default=False,
                    help="the engine's trees (and ddtree.tau) around the drafter's top-1 chain (SpecConfig.chain_seed)")
     p.add_argument("--sweep-budgets", type=int, nargs="*", default=[3, 7, 15, 31],
                    help="also report both tree kinds at these budgets")
     p.add_argument("--engine-prompts", type=int, default=8, help="prompts for the engine AR/DDTree run (0 = skip)")
     p.add_argument("--engine-tokens", type=int, default=64, help="tokens generated per engine prompt")
-    p.add_argument("--seed", type=int, default=0)
 
 
 def held_out_files(model_dir: str, report: str | None = None) -> list[str]:

@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from dflash_jax.bench import results
-from dflash_jax.bench.acceptance import (anchor_positions, chain_tau, draft_logprobs, greedy_labels, held_out_files,
-                                         held_out_rows, tree_tau)
+from dflash_jax.bench.acceptance import (add_held_out_arguments, anchor_positions, chain_tau, draft_logprobs,
+                                         greedy_labels, held_out_files, held_out_rows, tree_tau)
 from dflash_jax.bench.ar import variant_label
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.models import quant
@@ -43,15 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight formats, the first the reference")
     p.add_argument("--kv-dtypes", nargs="*", choices=("fp8", "int8"), default=["fp8"],
                    help="KV page formats measured with the reference weights")
-    p.add_argument("--files", nargs="+", help="held-out text files (default: the model set's held-out stdlib files)")
-    p.add_argument("--report", help="train_report.json listing the held-out files (default: next to --model)")
-    p.add_argument("--rows", type=int, default=16, help="held-out rows")
-    p.add_argument("--row-len", type=int, default=512, help="tokens per row")
+    add_held_out_arguments(p, anchors=8)
     p.add_argument("--agree-prefix", type=int, default=256, help="tokens of a row before its greedy continuation")
     p.add_argument("--agree-tokens", type=int, default=64, help="greedy tokens per row compared")
-    p.add_argument("--anchors", type=int, default=8, help="anchor positions per row (tau)")
-    p.add_argument("--budget", type=int, default=22, help="DDTree budget (nodes besides the root)")
-    p.add_argument("--seed", type=int, default=0)
 
 
 def _engine(target, tok, max_len: int, kv_dtype: str | None) -> Engine:
