@@ -199,7 +199,7 @@ def _kvflash_arg(v: str) -> int | str:
 # ---- recipes ---------------------------------------------------------------------------------------------------------
 # server preset flags that say where or how to serve, not what runs: recorded, not applied
 PRESET_NOT_APPLIED = ("target_device", "draft_device", "host", "port", "api_key", "served_model_name",
-                      "enable_thinking", "max_concurrency", "model", "drafter")
+                      "enable_thinking", "max_concurrency", "model", "drafter", "gpu_memory_utilization")
 # server preset flag -> the benchmark's dest, copied as is
 PRESET_COPIED = {"ddtree_budget": "budget", "ddtree_max_verify_tokens": "max_verify_tokens",
                  "ddtree_chain_seed": "chain_seed",

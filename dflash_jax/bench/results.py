@@ -86,7 +86,8 @@ def write_result(bench: str, figures: dict[str, float], command: str, extra: dic
 
     A file of the same name (same bench, device and minute) is never overwritten: ``-2``, ``-3``...
     is appended instead. ``out_path`` names the file exactly instead (replaced if it exists). The record
-    carries ``DFLASH_KERNELS`` as ``kernel_overrides`` and ``XLA_FLAGS`` as ``xla_flags`` (None when unset).
+    carries ``DFLASH_KERNELS`` as ``kernel_overrides``, ``XLA_FLAGS`` as ``xla_flags`` and
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` as ``memory_fraction`` (None when unset).
     """
     import jax
 
@@ -107,6 +108,7 @@ def write_result(bench: str, figures: dict[str, float], command: str, extra: dic
         "versions": _versions(),
         "kernel_overrides": os.environ.get("DFLASH_KERNELS") or None,  # not in `command`: set in the environment
         "xla_flags": os.environ.get("XLA_FLAGS") or None,
+        "memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or None,
         "date": now.isoformat(timespec="seconds"),
         "figures": figs,
         "extra": extra or {},

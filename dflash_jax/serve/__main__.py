@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "GGUF keeps them); quantized as they load (an FP8 checkpoint stays FP8 either way)")
     ap.add_argument("--enable-thinking", choices=("true", "false"), default=None,
                     help="server default for chat_template_kwargs.enable_thinking (true: Qwen3.6's own default)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                    help="fraction of each accelerator's memory JAX's allocator may take, weights, KV pages and "
+                         "work space (default: XLA_PYTHON_CLIENT_MEM_FRACTION if set, else 0.9; JAX alone takes 0.75)")
     ap.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="JAX persistent compilation cache: a restart with the same model and flags loads its "
                          "executables instead of compiling them (or set JAX_COMPILATION_CACHE_DIR)")
@@ -223,6 +226,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     ns.kvflash = _kvflash_flag(ns.kvflash)
     if ns.kvflash_scoring not in SCORINGS:  # a preset bypasses argparse's choices
         raise StartupError(f"--kvflash-scoring must be one of {', '.join(SCORINGS)}, got {ns.kvflash_scoring!r}")
+    if ns.gpu_memory_utilization is not None:
+        try:
+            ns.gpu_memory_utilization = float(ns.gpu_memory_utilization)
+        except (TypeError, ValueError):
+            raise StartupError(f"--gpu-memory-utilization must be a number, got {ns.gpu_memory_utilization!r}") from None
+        if not 0 < ns.gpu_memory_utilization <= 1:
+            raise StartupError(f"--gpu-memory-utilization {ns.gpu_memory_utilization}: must be in (0, 1]")
     _non_negative(ns, "kvflash_max_page_in", int, " (0 = only the pages a step writes)")
     _non_negative(ns, "kvflash_host_prewarm_gb", float)
     _non_negative(ns, "prefix_cache", int, " (0 = off)")
@@ -310,6 +320,9 @@ def _select_device(spec: str | None, flag: str = "--target-device"):
 def main(argv: list[str] | None = None) -> int:
     args = resolve(build_parser().parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dflash_jax.device_memory import set_memory_fraction
+
+    set_memory_fraction(args.gpu_memory_utilization)  # before JAX touches a device
     import jax
     import uvicorn
 
