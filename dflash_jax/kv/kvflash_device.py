@@ -287,9 +287,11 @@ class KVFlashDevice:
         if max_bytes < n * self.slab_bytes:
             n = int(max_bytes // self.slab_bytes)
         t0 = time.perf_counter()
-        tensors, held = _tensors(state.kv, dkv), []
-        for _, b in self._chunks([0] * n):
+        tensors, held, left = _tensors(state.kv, dkv), [], n
+        while left:  # whole buckets only (no padding rows), so exactly n buffers
+            b = max(x for x in BUCKETS if x <= left)
             held.append(self._out_fn(b)(tensors, np.zeros(b, np.int32)))
+            left -= b
         jax.block_until_ready(held)
         del held
         return {"slabs": n, "bytes": n * self.slab_bytes, "seconds": time.perf_counter() - t0}
