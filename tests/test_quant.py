@@ -388,7 +388,9 @@ def test_fp8_engine_greedy_equals_the_fp8_reference():
 def test_fp8_dynamic_target_fuses_keeps_act_and_its_engine_is_greedy_exact():
     q = _target(quantization="fp8_dynamic")
     flat = jax.tree_util.tree_flatten_with_path(q.params, is_leaf=quant.is_quantized)[0]
-    assert all(leaf.act == "fp8" for path, leaf in flat if quant.path_name(path) in quant.MATMUL_NAMES)
+    acts = {quant.path_name(path): leaf.act for path, leaf in flat if quant.path_name(path) in quant.MATMUL_NAMES}
+    assert acts and all((a == "fp8") == (n in quant.DYNAMIC_ACT_NAMES) for n, a in acts.items()), acts
+    assert {"gate", "down", "qkv", "o"} <= set(acts)  # both kinds present in this model
     fused = qwen36.fuse_projections(q.params)
     assert fused["layers"][0]["mlp"]["gate+up"].act == "fp8"
     # through its own reference; activations are quantized too, so it is close to, not equal to, weight-only fp8

@@ -23,7 +23,9 @@ Activations stay in the model dtype (bf16) and accumulate in float32, except wit
 also quantizes the activations to e4m3, one scale per token (its largest magnitude maps to 448), computed at the
 matmul, so the dot is fp8 x fp8 (on Hopper, an fp8 tensor-core GEMM) and both scales multiply the float32
 output (``QuantizedWeight.act = "fp8"``). Per matrix on an H100 (``bench linear``) it beat weight-only fp8 on the
-MLP matrices (1.58-1.67x bf16 at 1 and 16 tokens) but not on the narrower projections at 16 tokens (0.71-0.78x). ``QuantizedWeight.dtype`` is the activation dtype, so code that
+MLP matrices (1.58-1.67x bf16 at 1 and 16 tokens) but not on the narrower projections at 16 tokens (0.71-0.78x),
+so ``fp8_dynamic`` quantizes the activations of the MLP matrices only (:data:`DYNAMIC_ACT_NAMES`); the other
+matmuls stay weight-only fp8. ``QuantizedWeight.dtype`` is the activation dtype, so code that
 reads a weight's ``.dtype`` to pick the activation dtype works unchanged.
 """
 
@@ -54,6 +56,8 @@ ACTS = (None, "fp8")  # QuantizedWeight.act: activations as they are, or quantiz
 # Parameter names (the last key of a pytree path) of the large matmul weights, target and drafter alike.
 # Not quantized: the embedding (a row gather), norms, conv taps, A_log/dt_bias and the tiny GDN b/a gates.
 MATMUL_NAMES = frozenset({"q", "k", "v", "o", "qkv", "z", "out", "gate", "up", "down", "fc", "lm_head"})
+# the matrices whose inputs ``fp8_dynamic`` quantizes too (H100, bench linear: W8A8 won on these only)
+DYNAMIC_ACT_NAMES = frozenset({"gate", "up", "down"})
 
 # A block-scaled matmul at few tokens reduces each input block separately and reads only the quantized weight, but
 # writes float32 partial sums [tokens, out, in / bi]; once they pass a quarter of the weight's own bytes, the
@@ -315,7 +319,8 @@ LeafQuantizer = Callable[[tuple[Any, ...], Any], Any]
 
 def leaf_quantizer(quantization: str | None, block: tuple[int, int] | None = None) -> LeafQuantizer:
     """``f(path, leaf)``: the quantized version of a quantizable leaf (fp8: per channel, or ``block`` scales;
-    fp8_dynamic: per channel, activations quantized at the matmul; int8: Q8_0 blocks; int4: packed Q4_0 blocks),
+    fp8_dynamic: per channel, the MLP matrices' activations quantized at the matmul; int8: Q8_0 blocks; int4: packed
+    Q4_0 blocks),
     else the leaf."""
     q = check_quantization(quantization)
 
@@ -330,7 +335,7 @@ def leaf_quantizer(quantization: str | None, block: tuple[int, int] | None = Non
         if q == "fp8_dynamic":
             if block is not None:
                 raise ValueError("fp8_dynamic quantizes weights per channel: it takes no block scales")
-            return quantize_fp8(leaf, act="fp8")
+            return quantize_fp8(leaf, act="fp8" if path_name(path) in DYNAMIC_ACT_NAMES else None)
         return quantize_int8(leaf) if q == "int8" else quantize_fp8(leaf, block)
 
     return f

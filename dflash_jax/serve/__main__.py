@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
     ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                     help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales; fp8_dynamic: "
-                         "the same weights, and each matmul's input quantized per token to e4m3 (W8A8: fp8 tensor "
-                         "cores); int8: int8 "
+                         "the same weights, the MLP matmuls' inputs quantized per token to e4m3 too (W8A8: fp8 "
+                         "tensor cores); int8: int8 "
                          "with one scale per 32 inputs (llama.cpp's Q8_0 layout: a Q8_0 GGUF keeps its values); "
                          "int4: packed 4-bit, two per byte, a float16 scale per 32 inputs (Q4_0's values: a Q4_0 "
                          "GGUF keeps them); quantized as they load (an FP8 checkpoint stays FP8 either way)")
