@@ -298,6 +298,7 @@ def test_quantized_weight_is_a_pytree_and_jits():
 @settings(max_examples=25, deadline=None)
 @given(out=st.integers(1, 48), inn=st.sampled_from([8, 16, 40]), tokens=st.integers(1, 5), seed=st.integers(0, 999),
        log_range=st.floats(0, 4), zero_row=st.booleans())
+@example(out=25, inn=8, tokens=4, seed=3, log_range=3.0, zero_row=False)  # a row that cancels to ~2 from ~1e3 terms
 def test_fp8_dynamic_quantizes_each_token_within_e4m3_and_multiplies_fp8_by_fp8(out, inn, tokens, seed, log_range,
                                                                                  zero_row):
     """W8A8: per-token e4m3 activations within half an ulp of x (scale: the token's largest magnitude -> 448; an
@@ -318,7 +319,9 @@ def test_fp8_dynamic_quantizes_each_token_within_e4m3_and_multiplies_fp8_by_fp8(
     assert q.act == "fp8" and q.block is None
     got = qwen36.linear(x, q)
     chex.assert_shape(got, x.shape[:-1] + (out,))
-    np.testing.assert_allclose(np.asarray(got), xd @ np.asarray(quant.dequantize(q)).T, rtol=1e-5, atol=1e-5)
+    wd = np.asarray(quant.dequantize(q))
+    # float32 sums in another order: within 1e-5 of the sum of the terms' magnitudes (the rows may cancel)
+    np.testing.assert_array_less(np.abs(np.asarray(got) - xd @ wd.T), 1e-5 * (np.abs(xd) @ np.abs(wd).T) + 1e-6)
 
 
 def test_fp8_dynamic_is_per_channel_only():
