@@ -71,6 +71,8 @@ def test_summary_figures():
     assert f["paged_decode.bandwidth_fraction_min"] == pytest.approx(0.7)
     assert f["tree_attention.b16.speedup"] == pytest.approx(2.5)
     assert f["tree_attention.vs_paged_decode_max"] == pytest.approx(1.4)  # trees of 16-32 slots only
+    # the prefixes the tree-attention minima cover (512 and 64-slot trees are outside the region)
+    assert (f["tree_attention.summary_prefix_min"], f["tree_attention.summary_prefix_max"]) == (2048, 16384)
 
 
 def test_sweep_names_configs_and_reports_the_best(tmp_path, monkeypatch):

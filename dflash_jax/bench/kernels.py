@@ -24,7 +24,8 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
    paged decode's for the same prefix bytes; the issue's bound is 1.5).
 3. Summaries for the targets: ``paged_decode.bandwidth_fraction`` (median over prefixes >= 8K),
    ``tree_attention.b{B}.speedup`` (minimum over trees 16-32 and prefixes 2K-16K at that batch),
-   ``tree_attention.vs_paged_decode_max`` (maximum over the same region and every batch).
+   ``tree_attention.vs_paged_decode_max`` (maximum over the same region and every batch);
+   ``tree_attention.summary_prefix_min`` / ``_max``: the prefixes of that region this run timed (``--quick``: 4K).
 
 4. **Quantized KV pages** (``--kv-dtypes fp8 int8``, default ``fp8``; ``--kv-dtypes`` alone: none) for
    ``paged_decode`` and ``tree_attention``: the registered kernel on ``QuantizedPages`` (the same pages
@@ -736,8 +737,9 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
 
 def summarize(figures: dict) -> None:
     """The targets' figures: paged decode's median (and min) bandwidth fraction over prefixes >= 8K; tree
-    attention's minimum speedup per batch over trees of 16-32 slots and prefixes of 2K-16K."""
-    fractions, speedups, vs_decode = [], {}, []
+    attention's minimum speedup per batch over trees of 16-32 slots and prefixes of 2K-16K, and the prefixes that
+    region held in this run (``tree_attention.summary_prefix_min`` / ``_max``)."""
+    fractions, speedups, vs_decode, prefixes = [], {}, [], set()
     for k, v in figures.items():
         parts = k.split(".")
         if parts[0] == "paged_decode" and len(parts) == 4 and parts[1][0] == "b" and parts[3] == "bandwidth_fraction":
@@ -747,6 +749,7 @@ def summarize(figures: dict) -> None:
                 and parts[4] in ("speedup", "vs_paged_decode")):
             b, n, p = int(parts[1][1:]), int(parts[2][1:]), int(parts[3][1:])
             if 16 <= n <= 32 and 2048 <= p <= 16384:
+                prefixes.add(p)
                 if parts[4] == "speedup":
                     speedups.setdefault(b, []).append(v)
                 else:
@@ -756,6 +759,9 @@ def summarize(figures: dict) -> None:
         figures["paged_decode.bandwidth_fraction_min"] = float(np.min(fractions))
     for b, vs in sorted(speedups.items()):
         figures[f"tree_attention.b{b}.speedup"] = float(np.min(vs))
+    if prefixes:  # the prefixes those minima cover (--quick: 4K only)
+        figures["tree_attention.summary_prefix_min"] = min(prefixes)
+        figures["tree_attention.summary_prefix_max"] = max(prefixes)
     if vs_decode:
         figures["tree_attention.vs_paged_decode_max"] = float(np.max(vs_decode))
 
