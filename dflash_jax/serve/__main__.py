@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from typing import Callable
 
 from dflash_jax import SHIPPED_MODELS as SHIPPED
 from dflash_jax.kv.kvflash import SCORINGS
@@ -165,16 +166,16 @@ def read_preset(path: str, known: set[str] | None = None) -> dict:
 
 
 
-def _non_negative(ns: argparse.Namespace, dest: str, kind: type, zero: str = "") -> None:
+def _number(ns: argparse.Namespace, dest: str, kind: type, ok: Callable[[float], bool], rule: str) -> None:
     """Set ``ns.<dest>`` to its value as ``kind`` (a preset may give a string), or raise a StartupError naming the
-    flag when it is not a number or is negative (``zero``: what 0 means, appended to that message)."""
+    flag when it is not a number or ``ok`` rejects it (``rule``: what it must be)."""
     flag, raw = "--" + dest.replace("_", "-"), getattr(ns, dest)
     try:
         value = kind(raw)
     except (TypeError, ValueError):
         raise StartupError(f"{flag} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
-    if value < 0:
-        raise StartupError(f"{flag} {value}: must be >= 0{zero}")
+    if not ok(value):
+        raise StartupError(f"{flag} {value}: {rule}")
     setattr(ns, dest, value)
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -227,15 +228,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.kvflash_scoring not in SCORINGS:  # a preset bypasses argparse's choices
         raise StartupError(f"--kvflash-scoring must be one of {', '.join(SCORINGS)}, got {ns.kvflash_scoring!r}")
     if ns.gpu_memory_utilization is not None:
-        try:
-            ns.gpu_memory_utilization = float(ns.gpu_memory_utilization)
-        except (TypeError, ValueError):
-            raise StartupError(f"--gpu-memory-utilization must be a number, got {ns.gpu_memory_utilization!r}") from None
-        if not 0 < ns.gpu_memory_utilization <= 1:
-            raise StartupError(f"--gpu-memory-utilization {ns.gpu_memory_utilization}: must be in (0, 1]")
-    _non_negative(ns, "kvflash_max_page_in", int, " (0 = only the pages a step writes)")
-    _non_negative(ns, "kvflash_host_prewarm_gb", float)
-    _non_negative(ns, "prefix_cache", int, " (0 = off)")
+        _number(ns, "gpu_memory_utilization", float, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    _number(ns, "kvflash_max_page_in", int, lambda v: v >= 0, "must be >= 0 (0 = only the pages a step writes)")
+    _number(ns, "kvflash_host_prewarm_gb", float, lambda v: v >= 0, "must be >= 0")
+    _number(ns, "prefix_cache", int, lambda v: v >= 0, "must be >= 0 (0 = off)")
     if ns.prefix_cache and ns.kvflash is not None:
         raise StartupError("--prefix-cache and --kvflash cannot be combined (a cached prefix's pages stay resident)")
     if ns.kvflash is not None and ns.kvflash_scoring == "drafter" and not ns.ddtree:
