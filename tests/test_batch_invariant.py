@@ -26,8 +26,8 @@ def test_tokens_and_logprobs_do_not_depend_on_the_batch():
                                              page_size=8, batch_invariant=True))
     assert eng.decode_buckets == (8,) and eng.prefill_buckets == (2,)
     eng.warmup()
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-    hot = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=3)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True)
+    hot = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.95, seed=3, logprobs=True)
     with CompileWatch() as w:
         alone = [eng.generate([p], sp)[0] for p in ps for sp in (greedy, hot)]
         together = eng.generate([p for p in ps for _ in range(2)], [greedy, hot] * len(ps))

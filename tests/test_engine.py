@@ -466,7 +466,7 @@ def test_min_tokens_bans_a_stop_id_listed_after_duplicates(eng):
 def test_sampling_seeds_top_k_and_logprobs(eng):
     ps = prompts(A)
     p, gr = ps[0], greedy_golden(A, 0)
-    hot = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)
+    hot = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, logprobs=True)
     first = alone(eng, p, hot)
     assert alone(eng, p, hot).token_ids == first.token_ids  # same seed, same tokens
     assert first.token_ids != gr[:12]  # really sampled at temperature 1
@@ -475,8 +475,8 @@ def test_sampling_seeds_top_k_and_logprobs(eng):
 
     # the same seeded request inside a batch of greedy and differently sampled neighbours
     outs = eng.generate([ps[1], p, ps[2][:30], p], [
-        GREEDY, hot, SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=7),
-        SamplingParams(max_tokens=12, temperature=1.0, seed=4321)])
+        GREEDY, hot, SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=7, logprobs=True),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=4321, logprobs=True)])
     assert outs[1].token_ids == first.token_ids
     assert outs[3].token_ids == other.token_ids
     assert outs[0].token_ids == greedy_golden(A, 1)  # greedy rows unaffected by sampled ones
@@ -485,10 +485,12 @@ def test_sampling_seeds_top_k_and_logprobs(eng):
         out = alone(eng, p, SamplingParams(max_tokens=16, temperature=1.0, seed=99, **kw))
         assert out.token_ids == gr, kw
 
-    greedy = alone(eng, p, GREEDY)
-    for o in (first, other, greedy, *outs):
-        assert len(o.logprobs) == len(o.token_ids)
+    greedy = alone(eng, p, dataclasses.replace(GREEDY, logprobs=True))
+    for o in (first, other, greedy, *outs[1:]):
+        assert len(o.logprobs) == len(o.top_logprobs) == len(o.token_ids)
         assert all(math.isfinite(x) and x <= 0.0 for x in o.logprobs), o.logprobs
+    # a request that did not ask gets none, even in a step whose other rows computed theirs
+    assert all(math.isnan(x) for x in outs[0].logprobs) and outs[0].top_logprobs == [[]] * len(outs[0].token_ids)
     # a greedy step's log-probability is that of the token under the model's full distribution
     ref = np.asarray(jax.nn.log_softmax(target(A).logits(p)[-1]))
     assert greedy.logprobs[0] == pytest.approx(float(ref[gr[0]]), abs=1e-4)

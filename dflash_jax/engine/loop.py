@@ -171,7 +171,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: FinishReason | None
-    logprobs: list[float]
+    logprobs: list[float]  # per generated token; NaN unless SamplingParams.logprobs
     stats: dict
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     # with SamplingParams.prompt_logprobs: per prompt token its log-probability (None for the first) and the most
@@ -1647,6 +1647,9 @@ class Engine:
 
     # ---- the decode contract ----------------------------------------------------------------------
     def _accept(self, r: _Request, out: StepOutput, row: int) -> None:
+        if not r.sp.logprobs:  # the step computed log-probabilities only if some row wanted them
+            self._accept_token(r, int(out.tokens[row]), float("nan"), [])
+            return
         self._accept_token(r, int(out.tokens[row]), float(out.logprobs[row]),
                            [(int(t), float(lp)) for t, lp in zip(out.top_ids[row], out.top_logprobs[row])])
 

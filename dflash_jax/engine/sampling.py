@@ -205,6 +205,14 @@ def sample(logits: jax.Array, sa: SamplingArrays):
     any_sampled = jnp.any(sa.temperature > 0)
     drawn = jax.lax.cond(any_sampled, _sample_rows, lambda l, s: greedy, logits, sa)
     tok = jnp.where(sa.temperature > 0, drawn, greedy).astype(jnp.int32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logp, min(TOP_LOGPROBS, v))
-    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+    k = min(TOP_LOGPROBS, v)
+
+    def scored(_):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logp, k)
+        return jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    b = logits.shape[0]
+    zeros = (jnp.zeros((b,), jnp.float32), jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32))
+    lp, top_ids, top_lp = jax.lax.cond(jnp.any(sa.want_logprobs), scored, lambda _: zeros, None)
+    return tok, lp, top_ids, top_lp

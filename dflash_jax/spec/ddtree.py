@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.spec import topk
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +188,8 @@ def build_tree(draft_logprobs: jax.Array, budget: int, top_k: int | None = None,
     lp = jnp.asarray(draft_logprobs, jnp.float32)
     _, L, V = lp.shape
     k = _resolve_k(top_k, budget, V)
-    top_lp, top_tok = jax.lax.top_k(lp, k)  # [B, L, K], sorted descending, ties -> lower id first
-    out = _build(top_lp, top_tok.astype(jnp.int32), budget, chain_seed)
+    top_lp, top_tok = topk.top_k(lp, k)  # [B, L, K], sorted descending, ties -> lower id first
+    out = _build(top_lp, top_tok, budget, chain_seed)
     return Tree(**out, max_depth=L)
 
 
