@@ -1,0 +1,75 @@
+"""The drafter's top-k at a vocabulary's size: ``jax.lax.top_k`` against the two-stage ``spec.topk.top_k``.
+
+    python experiments/topk_sweep.py [--vocab 248320] [--positions 15] [--batch 1 4 16] [--k 22]
+                                     [--chunks 64 128 256] [--iters 50] [--out-dir experiments/results]
+
+A DDTree round takes the top ``k`` (= the budget) of each of the drafter's ``positions`` log-probability rows; above
+k = 16 XLA's GPU top-k becomes a sort of the whole vocabulary. Times both on ``[B, positions, vocab]`` float32 and
+checks they agree. Figures ``topk.b<B>.{lax_us,two_stage_us,speedup}`` (the default chunk) and
+``topk.b<B>.chunk<C>.us``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dflash_jax.bench import results  # noqa: E402
+from dflash_jax.spec import topk  # noqa: E402
+
+
+def time_us(fn, x, iters: int) -> float:
+    """Median wall time of ``fn(x)`` in microseconds, each call waited for."""
+    jax.block_until_ready(fn(x))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts) * 1e6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--positions", type=int, default=15)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--k", type=int, default=22)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[64, topk.CHUNK, 256])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out-dir", default="experiments/results")
+    args = ap.parse_args(argv)
+
+    lax_fn = jax.jit(lambda x: jax.lax.top_k(x, args.k))
+    figures: dict[str, float] = {}
+    for b in args.batch:
+        x = jax.nn.log_softmax(jax.random.normal(jax.random.key(b), (b, args.positions, args.vocab)) * 3, axis=-1)
+        want_v, want_i = lax_fn(x)
+        figures[f"topk.b{b}.lax_us"] = time_us(lax_fn, x, args.iters)
+        for c in args.chunks:
+            fn = jax.jit(functools.partial(topk.top_k, k=args.k, chunk=c))
+            got_v, got_i = fn(x)
+            if not (np.array_equal(np.asarray(got_i), np.asarray(want_i))
+                    and np.array_equal(np.asarray(got_v), np.asarray(want_v))):
+                raise SystemExit(f"two-stage top-k (chunk {c}) differs from jax.lax.top_k at B={b}")
+            figures[f"topk.b{b}.chunk{c}.us"] = time_us(fn, x, args.iters)
+        figures[f"topk.b{b}.two_stage_us"] = figures[f"topk.b{b}.chunk{topk.CHUNK}.us"]
+        figures[f"topk.b{b}.speedup"] = figures[f"topk.b{b}.lax_us"] / figures[f"topk.b{b}.two_stage_us"]
+    results.print_table(figures)
+    extra = {"vocab": args.vocab, "positions": args.positions, "k": args.k, "iters": args.iters}
+    print("wrote", results.write_result("topk", figures, results.script_command(__file__, argv), extra,
+                                        out_dir=args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
