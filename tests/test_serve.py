@@ -184,6 +184,18 @@ def test_echo_returns_the_prompt_and_its_logprobs(server, client):
     assert chunks[0].text.startswith("def add(a, b):")
     assert "".join(ch.text for ch in chunks) == echoed.text
     assert sum((ch.logprobs.tokens for ch in chunks if ch.logprobs), []) == echoed.logprobs.tokens
+    assert sum((ch.logprobs.text_offset for ch in chunks if ch.logprobs), []) == echoed.logprobs.text_offset
+    # each chunk carries only its new tokens, offsets continuing where the last chunk's ended
+    for streamed, whole in ((chunks, echoed), ([ch.choices[0] for ch in client.completions.create(stream=True, **kw)
+                                                if ch.choices], plain)):
+        lps = [ch.logprobs for ch in streamed if ch.logprobs]
+        assert sum((lp.tokens for lp in lps), []) == whole.logprobs.tokens
+        assert sum((lp.text_offset for lp in lps), []) == whole.logprobs.text_offset
+        got = sum((lp.token_logprobs for lp in lps), [])
+        assert [x is None for x in got] == [x is None for x in whole.logprobs.token_logprobs]
+        assert [x for x in got if x is not None] == pytest.approx(
+            [x for x in whole.logprobs.token_logprobs if x is not None], abs=1e-5)
+        assert sum((lp.top_logprobs for lp in lps), []) == whole.logprobs.top_logprobs
     # echo without logprobs needs no scoring
     assert client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, echo=True).choices[0].text.startswith(
         "".join(lp.tokens[:2]))

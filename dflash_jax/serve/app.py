@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import time
@@ -479,16 +480,13 @@ class Server:
         return (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else self._tok_str
 
     def _completion_logprobs(self, o: RequestOutput, k: int, name: Callable[[int], str],
-                             start: int = 0) -> dict[str, Any]:
-        """OpenAI's completion logprobs of the generated tokens, named by ``name`` (``_namer``); ``text_offset``
-        counted from ``start``."""
-        toks = [name(t) for t in o.token_ids]
-        offsets, pos = [], start
-        for s in toks:
-            offsets.append(pos)
-            pos += len(s)
-        return {"tokens": toks, "token_logprobs": o.logprobs, "text_offset": offsets,
-                "top_logprobs": [self._top_dict(alts[:k], name) for alts in o.top_logprobs] if k else None}
+                             start: int = 0, first: int = 0) -> dict[str, Any]:
+        """OpenAI's completion logprobs of the generated tokens from index ``first`` on (a stream's new tokens),
+        named by ``name`` (``_namer``); ``text_offset`` counted from ``start``, token ``first``'s offset."""
+        toks = [name(t) for t in o.token_ids[first:]]
+        offsets = list(itertools.accumulate(map(len, toks[:-1]), initial=start)) if toks else []
+        return {"tokens": toks, "token_logprobs": o.logprobs[first:], "text_offset": offsets,
+                "top_logprobs": [self._top_dict(alts[:k], name) for alts in o.top_logprobs[first:]] if k else None}
 
     def _top_dict(self, alts: list[tuple[int, float]], name: Callable[[int], str]) -> dict[str, float]:
         """Alternatives keyed by token name, most likely first; ids that decode alike (partial UTF-8) keep the
@@ -543,6 +541,7 @@ class Server:
         created = int(time.time())
         sent_text = [0] * len(subs)
         sent_tok = [0] * len(subs)
+        lp_end = [0] * len(subs)  # completion logprobs: the text offset after the last token sent
         echoed = [echo is None] * len(subs)  # the echoed prompt went out (in a choice's first chunk)
         finals: dict[int, RequestOutput] = {}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -591,12 +590,12 @@ class Server:
                 if chat and req.logprobs and len(o.token_ids) > sent_tok[i]:
                     lp = self._chat_logprobs(o, req.top_logprobs or 0, self._namer(req), sent_tok[i])
                 elif not chat and req.logprobs is not None and (len(o.token_ids) > sent_tok[i] or not echoed[i]):
-                    if echo is None:
-                        full, skip = self._completion_logprobs(o, req.logprobs, self._namer(req)), sent_tok[i]
-                    else:  # the prompt's entries go out with the first chunk
-                        full = self._echo_logprobs(o, req.logprobs, self._namer(req))
-                        skip = sent_tok[i] + len(o.prompt_token_ids) if echoed[i] else 0
-                    lp = {k: (v[skip:] if isinstance(v, list) else v) for k, v in full.items()}
+                    if echo is not None and not echoed[i]:  # the prompt's entries go out with the first chunk
+                        lp = self._echo_logprobs(o, req.logprobs, self._namer(req))
+                    else:  # only the new tokens, their offsets continuing from the last chunk's
+                        lp = self._completion_logprobs(o, req.logprobs, self._namer(req), lp_end[i], sent_tok[i])
+                    if lp["tokens"]:
+                        lp_end[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 sent_tok[i] = len(o.token_ids)
                 if not chat:
                     piece = visible[sent_text[i]:]
