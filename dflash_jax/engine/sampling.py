@@ -85,15 +85,9 @@ class RowSampling:
 
 def filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                     min_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The distribution a sampled row draws from, in vLLM's order: ``logits`` [B, ..., V] float32 and per-row
-    settings [B] -> (order [B, ..., V] token ids by descending logit, the kept scaled logits in that order, -inf
-    where dropped).
-
-    Temperature first; then min-p (tokens whose probability is below ``min_p`` times the most likely one's) and
-    top-k; then top-p over what is left, renormalised (the smallest set of leading tokens whose mass reaches
-    ``top_p``). The most likely token is always kept. Used by both AR sampling and the speculative verify, so
-    acceptance draws from exactly this distribution.
-    """
+    """The reference for :func:`kept` (a full sort of the vocabulary; tests compare the two): ``logits``
+    [B, ..., V] float32 and per-row settings [B] -> (order [B, ..., V] token ids by descending logit, ties to the
+    lower id; the kept scaled logits in that order, -inf where dropped)."""
     col = (slice(None),) + (None,) * (logits.ndim - 1)
     scaled = logits / jnp.maximum(temperature, 1e-6)[col]
     order = jnp.argsort(-scaled, axis=-1)
@@ -107,15 +101,111 @@ def filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return order, jnp.where(keep, srt, -jnp.inf)
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (-0.0 just below +0.0)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+_DIGIT = 4  # bits of the key settled per pass: 8 passes, each testing 15 thresholds at once
+
+
+def _search(keys: jax.Array, enough) -> jax.Array:
+    """The largest key ``t`` [R] uint32 with ``enough(t)``, for ``enough`` monotone (true up to some key, false
+    above it; true at 0): ``keys`` [R, V]; ``enough(cand [R, M]) -> [R, M] bool`` for M candidate thresholds.
+    A 16-ary search from the top bits: 8 passes over ``keys``."""
+    t = jnp.zeros(keys.shape[0], jnp.uint32)
+    digits = jnp.arange(1, 1 << _DIGIT, dtype=jnp.uint32)  # [M]
+    for shift in range(32 - _DIGIT, -1, -_DIGIT):
+        cand = t[:, None] | (digits[None, :] << shift)  # [R, M]
+        ok = enough(cand)
+        t = t | (jnp.sum(ok, axis=-1).astype(jnp.uint32) << shift)  # ok is a prefix of the digits
+    return t
+
+
+def _ties_before(tie: jax.Array, values: jax.Array) -> jax.Array:
+    """Exclusive running sum of ``values`` [R, V] over the positions where ``tie`` [R, V] holds, in id order (0
+    elsewhere). A running sum over the vocabulary is only needed when some row has more than one tie; usually
+    none has, and every sum is 0."""
+    def running(_):
+        v = jnp.where(tie, values, jnp.zeros((), values.dtype))
+        return jnp.cumsum(v, axis=-1) - v
+
+    multiple = jnp.any(jnp.sum(tie, axis=-1) > 1)
+    return jax.lax.cond(multiple, running, lambda _: jnp.zeros(tie.shape, values.dtype), None)
+
+
+def kept(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Which tokens a sampled row may draw, without sorting the vocabulary: ``scaled`` [R, V] float32 logits
+    after temperature and per-row settings [R] -> keep [R, V] bool, in token order.
+
+    vLLM's order: min-p (tokens whose probability is below ``min_p`` times the most likely one's) and top-k, then
+    top-p over what is left, renormalised (the smallest set of leading tokens whose mass reaches ``top_p``);
+    the most likely token is always kept. "Leading" ranks by logit, ties to the lower id: the kept set is a
+    prefix of that order, so it is found as a threshold key plus a count of the ties at it. Each threshold is a
+    16-ary search over the logits' order-preserving integer keys (8 passes of counts or masses per threshold),
+    the top-k one only when some row has top-k, the top-p one only when some row has top-p < 1. Equal to
+    :func:`filtered_sorted`'s set up to float rounding of the masses compared with ``top_p``.
+    """
+    keys = _order_keys(scaled)
+    m = jnp.max(scaled, axis=-1, keepdims=True)
+    keep = scaled >= m + jnp.log(min_p)[:, None]  # min-p: a threshold on the value (log 0 = -inf keeps all)
+    n_minp = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+    v = scaled.shape[-1]
+    k1 = jnp.minimum(n_minp, jnp.where(top_k > 0, top_k, v))  # the first k1 tokens pass min-p and top-k
+
+    def rank_cut(keep):
+        t = _search(keys, lambda c: jnp.sum(keys[:, None, :] >= c[:, :, None], axis=-1, dtype=jnp.int32)
+                    >= k1[:, None])  # the k1-th largest key
+        above = keys > t[:, None]
+        tie = keys == t[:, None]
+        room = k1 - jnp.sum(above, axis=-1, dtype=jnp.int32)
+        ones = jnp.ones(tie.shape, jnp.int32)
+        return keep & (above | (tie & (_ties_before(tie, ones) < room[:, None])))
+
+    keep = jax.lax.cond(jnp.any(k1 < n_minp), rank_cut, lambda keep: keep, keep)
+    e = jnp.where(keep, jnp.exp(scaled - m), 0.0)
+    target = top_p * jnp.sum(e, axis=-1)  # top-p of the kept mass
+
+    def mass_cut(keep):
+        def mass_at_or_above(c):  # [R, M]: the kept mass at keys >= each candidate
+            return jnp.sum(jnp.where(keys[:, None, :] >= c[:, :, None], e[:, None, :], 0.0), axis=-1)
+
+        t = _search(keys, lambda c: mass_at_or_above(c) >= target[:, None])  # the last key kept (at least partly)
+        above = keys > t[:, None]
+        tie = keys == t[:, None]
+        ahead = jnp.sum(jnp.where(above, e, 0.0), axis=-1, keepdims=True) + _ties_before(tie, e)
+        cut = above | (tie & (ahead < target[:, None]))
+        best = jnp.argmax(jnp.where(keep, keys, 0), axis=-1)  # the most likely token, the lowest id among equals
+        first = jnp.arange(keys.shape[-1])[None, :] == best[:, None]
+        return keep & (cut | first | (top_p >= 1)[:, None])
+
+    return jax.lax.cond(jnp.any(top_p < 1), mass_cut, lambda keep: keep, keep)
+
+
+def filtered(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+             min_p: jax.Array) -> jax.Array:
+    """The distribution a sampled row draws from: ``logits`` [B, ..., V] float32 and per-row settings [B] ->
+    the kept scaled logits [B, ..., V] in token order, -inf where dropped (temperature first, then :func:`kept`).
+    Used by both AR sampling and the speculative verify, so acceptance draws from exactly this distribution."""
+    shape = logits.shape
+    lead = shape[:-1]
+    col = (slice(None),) + (None,) * (logits.ndim - 1)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[col]
+    per_row = lambda x: jnp.broadcast_to(x[col[:-1]], lead).reshape(-1)  # noqa: E731  [B] -> [R]
+    flat = scaled.reshape(-1, shape[-1])
+    keep = kept(flat, per_row(top_k), per_row(top_p), per_row(min_p)).reshape(shape)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
 def _sample_rows(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
-    order, masked = filtered_sorted(logits, sa.temperature, sa.top_k, sa.top_p, sa.min_p)
+    masked = filtered(logits, sa.temperature, sa.top_k, sa.top_p, sa.min_p)
 
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.key(seed), step)
         return jax.random.categorical(key, row)
 
-    idx = jax.vmap(draw)(sa.seed, sa.step, masked)
-    return jnp.take_along_axis(order, idx[:, None], axis=-1)[:, 0]
+    return jax.vmap(draw)(sa.seed, sa.step, masked)
 
 
 TOP_LOGPROBS = 8  # alternatives returned per step, for the API's top_logprobs

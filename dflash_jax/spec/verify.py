@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.engine.sampling import filtered_sorted
+from dflash_jax.engine.sampling import filtered
 from dflash_jax.spec.ddtree import Tree
 
 
@@ -77,7 +77,7 @@ def sample_per_slot(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
     Per-row ``temperature`` (0 = greedy: argmax), ``top_k`` (0 = off), ``top_p`` (1 = off), ``seed`` (uint32),
     ``step`` (int32, tokens generated so far) and ``min_p`` (0 = off; None: off for every row), all [B]: the
-    distribution of ``engine.sampling.filtered_sorted``. Slot j of row b
+    distribution of ``engine.sampling.filtered``. Slot j of row b
     draws with ``fold_in(fold_in(key(seed_b), step_b), j)``: independent across slots (what makes the
     sampled walk lossless) and independent of the rest of the batch.
     """
@@ -92,15 +92,14 @@ def sample_per_slot(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def drawn(logits):
-        order, masked = filtered_sorted(logits, temperature, top_k, top_p, min_p)
+        masked = filtered(logits, temperature, top_k, top_p, min_p)
 
         def row(seed, step, m):
             base = jax.random.fold_in(jax.random.key(seed), step)
             keys = jax.vmap(lambda j: jax.random.fold_in(base, j))(jnp.arange(n))
             return jax.vmap(jax.random.categorical)(keys, m)
 
-        idx = jax.vmap(row)(seed, step, masked)
-        return jnp.take_along_axis(order, idx[..., None], axis=-1)[..., 0].astype(jnp.int32)
+        return jax.vmap(row)(seed, step, masked).astype(jnp.int32)
 
     tok = jax.lax.cond(jnp.any(temperature > 0), drawn, lambda l: greedy, logits)
     return jnp.where((temperature > 0)[:, None], tok, greedy)
