@@ -12,8 +12,9 @@ checks they agree. Figures ``topk.b<B>.{lax_us,two_stage_us,speedup}`` (the defa
 
 A sampled row (temperature > 0) draws from the tokens min-p, top-k and top-p keep; ``--sampler-rows`` rows of
 ``[R, vocab]`` logits (16 = an AR step at C16, 368 = a C16 speculative round's 16 x 23 tree nodes) with mixed
-settings (top-k 0 / 50, top-p 0.95 / 1, min-p 0 / 0.05), both filters timed, their kept sets compared. Figures
-``sampler.r<R>.{sort_us,kept_us,speedup}``.
+settings (top-k 0 / 50, top-p 0.95 / 1, min-p 0 / 0.05), both filters timed, their kept sets compared (equal up to
+a few tokens at a large top-p set's boundary: float32 rounding of the running mass). Figures
+``sampler.r<R>.{sort_us,kept_us,speedup,rows_differing,max_kept_difference,mean_kept}``.
 """
 
 from __future__ import annotations
@@ -65,8 +66,17 @@ def sampler_figures(figures: dict[str, float], rows: int, vocab: int, iters: int
     kept_fn = jax.jit(lambda x: sampling.kept(x, top_k, top_p, min_p))
     a, b = np.asarray(sort_fn(x)), np.asarray(kept_fn(x))
     rows_p = np.asarray(top_p) < 1
-    if not np.array_equal(a[rows_p], b[rows_p]):
-        raise SystemExit(f"the sampling filters keep different tokens at {rows} rows")
+    na, nb = a.sum(-1)[rows_p], b.sum(-1)[rows_p]
+    nested = ((a & ~b).sum(-1) == 0) | ((b & ~a).sum(-1) == 0)  # both are prefixes of one order
+    diff = np.abs(na - nb)
+    if not nested[rows_p].all() or np.any(diff > 2 + 0.01 * np.maximum(na, nb)):
+        raise SystemExit(f"the sampling filters keep different tokens at {rows} rows: kept {na.tolist()} vs "
+                         f"{nb.tolist()}")
+    # the boundary of a top-p set with thousands of tokens moves by a few tokens with the float32 rounding of its
+    # running mass (the sorting filter's cumulative sum over the vocabulary; ``kept``'s tree-reduced masses)
+    figures[f"sampler.r{rows}.rows_differing"] = int(np.sum(diff > 0))
+    figures[f"sampler.r{rows}.max_kept_difference"] = int(diff.max(initial=0))
+    figures[f"sampler.r{rows}.mean_kept"] = float(nb.mean()) if nb.size else 0.0
     figures[f"sampler.r{rows}.sort_us"] = time_us(sort_fn, x, iters)
     figures[f"sampler.r{rows}.kept_us"] = time_us(kept_fn, x, iters)
     figures[f"sampler.r{rows}.speedup"] = figures[f"sampler.r{rows}.sort_us"] / figures[f"sampler.r{rows}.kept_us"]
