@@ -4,15 +4,18 @@
                                            [--warps 4 8 16] [--iters 200] [--out-dir experiments/results]
 
 One layer's decode token between its projections (conv, gates, delta-rule step, gated norm, the slots' state
-written in place), for a batch of rows in distinct slots of a pool of ``4 * max(batch)`` slots. Figures per batch B:
-``gdn_decode.bB.reference_us``, ``gdn_decode.bB.wW_us`` (kernel at W warps a program), ``gdn_decode.bB.best_us`` /
-``.best_warps`` / ``.speedup`` (reference / best), ``.state_gbps`` (the state read and written, over the best time).
+written in place), for a batch of rows in distinct slots of a pool of ``4 * max(batch)`` slots; device time per call
+from a jitted loop of ``--iters`` calls. Figures per batch B: ``gdn_decode.bB.reference_us``, ``gdn_decode.bB.wW_us``
+(the one-kernel form at W warps a program), ``.split.wW_us`` (the split form: a q / k kernel, then a program per
+value head), ``.split_speedup`` (best one-kernel / best split), ``.best_us`` / ``.best_warps`` / ``.best_split`` /
+``.speedup`` (reference / best), ``.state_gbps`` (the state read and written, over the best time).
 Off a GPU the kernel runs in interpret mode (a check that the script works, not a timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -43,17 +46,28 @@ def layer_case(cfg: TargetConfig, b: int, n_slots: int, dtype, seed: int = 0) ->
             jnp.ones((b,), bool))
 
 
-def time_us(fn, args: tuple, iters: int) -> float:
-    """Median microseconds of ``fn(*args)`` with the two state arrays threaded through (donated) call to call."""
+def time_us(step, args: tuple, iters: int) -> float:
+    """Device microseconds of one ``step(*args)``: ``iters`` calls in one jitted loop, the two state arrays threaded
+    from call to call (no host dispatch between calls: at B = 1 a dispatched call costs more than the kernel), the
+    loop timed once compiled (median of 3)."""
     args = list(args)
+    y0 = jax.eval_shape(step, *args)[0]
+
+    def body(_, carry):
+        _, conv, ssm = carry
+        return step(*args[:5], conv, ssm, *args[7:])
+
+    loop = jax.jit(lambda conv, ssm: jax.lax.fori_loop(0, iters, body, (jnp.zeros(y0.shape, y0.dtype), conv, ssm)),
+                   donate_argnums=(0, 1))
+    conv, ssm = args[5], args[6]
     times = []
-    for it in range(iters + 3):
+    for it in range(4):
         t0 = time.perf_counter()
-        y, args[5], args[6] = fn(*args)
+        y, conv, ssm = loop(conv, ssm)
         jax.block_until_ready(y)
-        if it >= 3:
+        if it:
             times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    return 1e6 * statistics.median(times) / iters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,25 +87,28 @@ def main(argv: list[str] | None = None) -> int:
     interpret = registry.current_backend() not in registry.GPU_BACKENDS
     static = dict(n_k_heads=cfg.lin_num_k_heads, eps=cfg.rms_norm_eps)
     n_slots = 4 * max(args.batch)
-    ref = jax.jit(lambda *a: qwen36.gdn_decode_reference(*a, **static), donate_argnums=(5, 6))
+    ref = functools.partial(qwen36.gdn_decode_reference, **static)
     figures: dict[str, float] = {}
     for b in args.batch:
         tag = f"gdn_decode.b{b}"
         figures[f"{tag}.reference_us"] = time_us(ref, layer_case(cfg, b, n_slots, dtype), args.iters)
         best = None
-        for w in args.warps:
-            fn = jax.jit(lambda *a, w=w: decode.gdn_decode(*a, **static, num_warps=w, interpret=interpret),
-                         donate_argnums=(5, 6))
-            us = time_us(fn, layer_case(cfg, b, n_slots, dtype), args.iters)
-            figures[f"{tag}.w{w}_us"] = us
-            if best is None or us < best[0]:
-                best = (us, w)
-        figures[f"{tag}.best_us"], figures[f"{tag}.best_warps"] = best
+        for split in (False, True):
+            for w in args.warps:
+                fn = functools.partial(decode.gdn_decode, **static, num_warps=w, split=split, interpret=interpret)
+                us = time_us(fn, layer_case(cfg, b, n_slots, dtype), args.iters)
+                figures[f"{tag}.{'split.' if split else ''}w{w}_us"] = us
+                if best is None or us < best[0]:
+                    best = (us, w, split)
+        figures[f"{tag}.best_us"], figures[f"{tag}.best_warps"], figures[f"{tag}.best_split"] = best[0], best[1], int(best[2])
+        figures[f"{tag}.split_speedup"] = (min(figures[f"{tag}.w{w}_us"] for w in args.warps)
+                                           / min(figures[f"{tag}.split.w{w}_us"] for w in args.warps))
         figures[f"{tag}.speedup"] = figures[f"{tag}.reference_us"] / best[0]
         state_bytes = 2 * b * cfg.lin_num_v_heads * cfg.lin_k_dim * cfg.lin_v_dim * 4
         figures[f"{tag}.state_gbps"] = state_bytes / (best[0] * 1e-6) / 1e9
         print(f"b{b}: reference {figures[f'{tag}.reference_us']:.1f} us, kernel best {best[0]:.1f} us at {best[1]} "
-              f"warps ({figures[f'{tag}.speedup']:.2f}x), state {figures[f'{tag}.state_gbps']:.0f} GB/s", flush=True)
+              f"warps{' split' if best[2] else ''} ({figures[f'{tag}.speedup']:.2f}x), split / one kernel "
+              f"{figures[f'{tag}.split_speedup']:.2f}x, state {figures[f'{tag}.state_gbps']:.0f} GB/s", flush=True)
     command = results.script_command(__file__, argv)
     extra = {"config": args.config, "dtype": args.dtype, "interpret": interpret}
     print("wrote", results.write_result("gdn_decode_sweep", figures, command, extra, out_dir=args.out_dir))

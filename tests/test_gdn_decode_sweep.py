@@ -22,8 +22,10 @@ def test_sweep_writes_every_figure(tmp_path):
     for b in (1, 3):
         t = f"gdn_decode.b{b}"
         assert figs[f"{t}.reference_us"] > 0 and figs[f"{t}.w4_us"] > 0 and figs[f"{t}.w8_us"] > 0
-        assert figs[f"{t}.best_us"] == min(figs[f"{t}.w4_us"], figs[f"{t}.w8_us"])
-        assert figs[f"{t}.best_warps"] in (4, 8) and figs[f"{t}.speedup"] > 0 and figs[f"{t}.state_gbps"] > 0
+        times = [figs[f"{t}.{s}w{w}_us"] for s in ("", "split.") for w in (4, 8)]
+        assert figs[f"{t}.best_us"] == min(times) and figs[f"{t}.split_speedup"] > 0
+        assert figs[f"{t}.best_warps"] in (4, 8) and figs[f"{t}.best_split"] in (0, 1)
+        assert figs[f"{t}.speedup"] > 0 and figs[f"{t}.state_gbps"] > 0
     assert rec["extra"]["interpret"] is True
 
 

@@ -46,14 +46,15 @@ def run_kernel(case: dict, hk: int, **static):
     return fn.lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_kernel", "split"])
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 4), hk=st.integers(1, 2), r=st.sampled_from([1, 3]),
        dk=st.sampled_from([16, 32]), dv=st.sampled_from([16, 32]), dtype=st.sampled_from(["float32", "bfloat16"]))
-def test_kernel_matches_reference(seed, b, hk, r, dk, dv, dtype):
+def test_kernel_matches_reference(split, seed, b, hk, r, dk, dv, dtype):
     dtype = jnp.dtype(dtype)
     case, hk = make_case(seed, b, hk, r, dk, dv, n_slots=b + 3, dtype=dtype)
     want = qwen36.gdn_decode_reference(*case.values(), n_k_heads=hk, eps=1e-6)
-    got = run_kernel(case, hk, num_warps=4 if seed % 2 else None)
+    got = run_kernel(case, hk, num_warps=4 if seed % 2 else None, split=split)
     rtol = 1e-5 if dtype == jnp.float32 else 2e-2
     live = np.asarray(case["slots"]) > 0
     for name, w, g in zip(("y", "conv_all", "ssm_all"), want, got):
@@ -66,6 +67,17 @@ def test_kernel_matches_reference(seed, b, hk, r, dk, dv, dtype):
     untouched = np.setdiff1d(np.arange(b + 3), np.asarray(case["slots"]))  # incl. the null slot 0
     for name, before, after in (("conv", case["conv_all"], got[1]), ("ssm", case["ssm_all"], got[2])):
         np.testing.assert_array_equal(np.asarray(after)[untouched], np.asarray(before)[untouched], err_msg=name)
+
+
+def test_split_form_is_the_default_only_for_few_programs():
+    assert decode.use_split(1, 16) and decode.use_split(3, 16)  # the 27B at B1-3: 16-48 (row, key head) programs
+    assert not decode.use_split(4, 16) and not decode.use_split(64, 16)
+    case, hk = make_case(2, 2, 2, 3, 16, 16, 5, jnp.float32)
+    kernels = lambda **kw: [e.params["name"] for e in jax.make_jaxpr(  # noqa: E731
+        lambda *a: decode.gdn_decode(*a, n_k_heads=hk, eps=1e-6, interpret=True, **kw))(*case.values()).eqns[0]
+        .params["jaxpr"].eqns if e.primitive.name == "pallas_call"]
+    assert kernels() == ["gdn_decode_hk2_dk16_dv16_qk", "gdn_decode_hk2_dk16_dv16_v"]
+    assert kernels(split=False) == ["gdn_decode_hk2_dk16_dv16"]
 
 
 def test_rejects_mismatched_shapes_and_split_segments():

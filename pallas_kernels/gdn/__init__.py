@@ -26,12 +26,16 @@ with a warning.
 [dv], conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv],
 conv_all, ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
 projections, the slots' state updated in place): ``"reference"`` = ``qwen36.gdn_decode_reference``;
-``"pallas_triton"`` = :func:`decode.gdn_decode` (one kernel a layer), **the GPU default** (H200, 27B shapes, bf16:
-AR decode 1.05x at C1 and 1.34x at C16 over the reference path in one run, ``ar_nvidia-h200_20261203-2225*.json``);
+``"pallas_triton"`` = :func:`decode.gdn_decode` (one kernel a layer; two, a q / k kernel then a program per value
+head, when a batch gives fewer than ``decode.SPLIT_BELOW_PROGRAMS`` (row, key head) programs), **the GPU default**
+(H200, 27B shapes, bf16: AR decode 1.05x at C1 and 1.34x at C16 over the reference path in one run,
+``ar_nvidia-h200_20261203-2225*.json``); ``"pallas_triton_one_kernel"`` (opt-in) never splits;
 ``DFLASH_KERNELS=gdn_decode=reference`` turns it off.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -99,9 +103,10 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
 
 
 def gdn_decode_pallas(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
-                      n_k_heads: int, groups: int = 1, eps: float):
-    """The registered fused decode kernel; channel layouts other than the checkpoint's (``groups > 1``, tensor
-    parallel) and head dims its tiles cannot take run the reference, with a warning."""
+                      n_k_heads: int, groups: int = 1, eps: float, split: bool | None = None):
+    """The registered fused decode kernel (``split``: :func:`decode.gdn_decode`'s; None = by the batch); channel
+    layouts other than the checkpoint's (``groups > 1``, tensor parallel) and head dims its tiles cannot take run
+    the reference, with a warning."""
     backend = registry.current_backend()
     hv, dv = a_log.shape[0], norm_w.shape[0]
     dk = (conv_w.shape[0] - hv * dv) // (2 * n_k_heads)
@@ -113,7 +118,8 @@ def gdn_decode_pallas(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, 
     except ValueError as e:
         registry.warn_fallback("gdn_decode", e)
         return gdn_decode_reference(*args, n_k_heads=n_k_heads, groups=groups, eps=eps)
-    return _decode.gdn_decode(*args, n_k_heads=n_k_heads, eps=eps, interpret=backend not in registry.GPU_BACKENDS)
+    return _decode.gdn_decode(*args, n_k_heads=n_k_heads, eps=eps, split=split,
+                              interpret=backend not in registry.GPU_BACKENDS)
 
 
 registry.register("gdn_chunked", "reference", gdn_chunked_reference, backends=("any",))
@@ -123,6 +129,8 @@ registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",
 registry.register("gdn_tree", "reference", gdn_tree_reference, backends=("any",))
 registry.register("gdn_decode", "reference", gdn_decode_reference, backends=("any",))
 registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",))  # the GPU default
+registry.register("gdn_decode", "pallas_triton_one_kernel", functools.partial(gdn_decode_pallas, split=False),
+                  backends=("gpu",), preferred=False)
 registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",

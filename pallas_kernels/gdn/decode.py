@@ -61,68 +61,113 @@ def _kernel(*refs, n_parts, locs, hk, dk, dv, hv, r, kk, eps):
 
     @pl.when(slot > 0)
     def _():
-        _row(parts, locs, w_ref, alog_ref, dtb_ref, nw_ref, fresh_ref, valid_ref, cs_ref, s_ref, y_ref, cs_out_ref,
-             s_out_ref, i=i, j=j, slot=slot, heads=heads, hk=hk, dk=dk, dv=dv, kk=kk, eps=eps)
+        row = _Row(parts, locs, w_ref, cs_ref, cs_out_ref, fresh_ref, valid_ref, i=i, slot=slot, kk=kk)
+        states = [s_ref[slot, h] for h in heads]  # every tile's load first: r independent reads in flight
+        q, k = row.qk(j, hk=hk, dk=dk)
+        for h, st in zip(heads, states):
+            row.value_head(h, q, k, st, alog_ref, dtb_ref, nw_ref, s_out_ref, y_ref, hk=hk, dk=dk, dv=dv, eps=eps)
 
 
-def _row(parts, locs, w_ref, alog_ref, dtb_ref, nw_ref, fresh_ref, valid_ref, cs_ref, s_ref, y_ref, cs_out_ref,
-         s_out_ref, *, i, j, slot, heads, hk, dk, dv, kk, eps):
-    """Row ``i`` (slot ``slot`` > 0), key head ``j`` and its value heads ``heads``: the step, state written back."""
+def _qk_kernel(*refs, n_parts, locs, hk, dk, kk):
+    """Split form, first kernel, grid ``(B, Hk)``: a key head's q / k (conv, SiLU, L2 norm) into ``qk_ref``
+    ``[B, Hk, 2, dk]`` f32 and their new conv rows written in place."""
+    parts = refs[:n_parts]
+    w_ref, slot_ref, fresh_ref, valid_ref, cs_ref, qk_ref, cs_out_ref = refs[n_parts:]
+    i = pl.program_id(0)
+    j = pl.program_id(1)
+    slot = slot_ref[i]
 
-    def seg(name, idx):
+    @pl.when(slot == 0)
+    def _():
+        qk_ref[i, j] = jnp.zeros((2, dk), F32)
+
+    @pl.when(slot > 0)
+    def _():
+        row = _Row(parts, locs, w_ref, cs_ref, cs_out_ref, fresh_ref, valid_ref, i=i, slot=slot, kk=kk)
+        q, k = row.qk(j, hk=hk, dk=dk)
+        qk_ref[i, j, 0] = q
+        qk_ref[i, j, 1] = k
+
+
+def _value_kernel(*refs, n_parts, locs, hk, dk, dv, r, kk, eps):
+    """Split form, second kernel, grid ``(B, Hv)``: one value head's conv, gates, delta-rule step and gated norm
+    from its key head's q / k (``qk_ref``); its v conv rows and state tile written in place."""
+    parts = refs[:n_parts]
+    (w_ref, alog_ref, dtb_ref, nw_ref, slot_ref, fresh_ref, valid_ref, qk_ref, cs_ref, s_ref, y_ref, cs_out_ref,
+     s_out_ref) = refs[n_parts:]
+    i = pl.program_id(0)
+    h = pl.program_id(1)
+    slot = slot_ref[i]
+
+    @pl.when(slot == 0)
+    def _():
+        y_ref[i, h] = jnp.zeros((dv,), y_ref.dtype)
+
+    @pl.when(slot > 0)
+    def _():
+        st = s_ref[slot, h]
+        row = _Row(parts, locs, w_ref, cs_ref, cs_out_ref, fresh_ref, valid_ref, i=i, slot=slot, kk=kk)
+        j = h // r
+        row.value_head(h, qk_ref[i, j, 0], qk_ref[i, j, 1], st, alog_ref, dtb_ref, nw_ref, s_out_ref, y_ref,
+                       hk=hk, dk=dk, dv=dv, eps=eps)
+
+
+class _Row:
+    """Row ``i`` (slot ``slot`` > 0) of a kernel: its in-projection segments, conv rows and flags."""
+
+    def __init__(self, parts, locs, w_ref, cs_ref, cs_out_ref, fresh_ref, valid_ref, *, i, slot, kk):
+        self.parts, self.locs, self.w_ref, self.cs_ref, self.cs_out_ref = parts, locs, w_ref, cs_ref, cs_out_ref
+        self.i, self.slot, self.kk = i, slot, kk
+        self.fresh = fresh_ref[i] != 0
+        self.m = (valid_ref[i] != 0).astype(F32)
+
+    def seg(self, name, idx):
         """Element(s) ``idx`` (an int or a ``pl.ds``, relative to the segment) of this row's segment ``name``."""
-        part, base = locs[name]
+        part, base = self.locs[name]
         if isinstance(idx, pl.Slice):
-            return parts[part][i, pl.ds(base + idx.start, idx.size)]
-        return parts[part][i, base + idx]
+            return self.parts[part][self.i, pl.ds(base + idx.start, idx.size)]
+        return self.parts[part][self.i, base + idx]
 
-    fresh = fresh_ref[i] != 0
-    m = (valid_ref[i] != 0).astype(F32)
-    key_dim = hk * dk
-    # every state tile's load first: r independent 64 KiB reads in flight, not one after another
-    states = [s_ref[slot, h] for h in heads]
-
-    def conv(off, n):
-        """Conv + SiLU of channels [off, off + n) (rounded to x's dtype, as the reference), and their new rows."""
+    def conv(self, off, n):
+        """Conv + SiLU of channels [off, off + n) (rounded to x's dtype, as the reference); their new rows are
+        written in place."""
+        kk, slot = self.kk, self.slot
         ch = pl.ds(off, n)
-        x = seg("x", ch)
-        rows = [jnp.where(fresh, jnp.zeros_like(x), cs_ref[slot, t, ch]) for t in range(kk - 1)]
-        acc = x.astype(F32) * w_ref[ch, kk - 1].astype(F32)
+        x = self.seg("x", ch)
+        rows = [jnp.where(self.fresh, jnp.zeros_like(x), self.cs_ref[slot, t, ch]) for t in range(kk - 1)]
+        acc = x.astype(F32) * self.w_ref[ch, kk - 1].astype(F32)
         for t in range(kk - 1):
-            acc = acc + rows[t].astype(F32) * w_ref[ch, t].astype(F32)
+            acc = acc + rows[t].astype(F32) * self.w_ref[ch, t].astype(F32)
         c = _silu(acc).astype(x.dtype).astype(F32)
-        new = [jnp.where(m > 0, (rows + [x])[t + 1], rows[t]) for t in range(kk - 1)]
-        return c, new
-
-    def store_rows(off, n, new):
         for t in range(kk - 1):
-            cs_out_ref[slot, t, pl.ds(off, n)] = new[t]
+            self.cs_out_ref[slot, t, ch] = jnp.where(self.m > 0, (rows + [x])[t + 1], rows[t])
+        return c
 
-    q, q_rows = conv(j * dk, dk)
-    k, k_rows = conv(key_dim + j * dk, dk)
-    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * (dk ** -0.5)
-    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6) * m
-    store_rows(j * dk, dk, q_rows)
-    store_rows(key_dim + j * dk, dk, k_rows)
-    nw = nw_ref[...].astype(F32)
-    for h, s in zip(heads, states):
-        v_off = 2 * key_dim + h * dv
-        v, v_rows = conv(v_off, dv)
-        v = v * m
-        store_rows(v_off, dv, v_rows)
-        braw = seg("b", h).astype(F32)
-        araw = seg("a", h).astype(F32)
+    def qk(self, j, *, hk, dk):
+        """Key head ``j``'s L2-normalised q (scaled by dk^-1/2) and k (zero on an invalid row)."""
+        q = self.conv(j * dk, dk)
+        k = self.conv(hk * dk + j * dk, dk)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * (dk ** -0.5)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6) * self.m
+        return q, k
+
+    def value_head(self, h, q, k, s, alog_ref, dtb_ref, nw_ref, s_out_ref, y_ref, *, hk, dk, dv, eps):
+        """Value head ``h``: v conv, gates, the delta-rule step on state ``s`` [dk, dv], gated norm; the state
+        and the output written."""
+        m = self.m
+        v = self.conv(2 * hk * dk + h * dv, dv) * m
+        braw = self.seg("b", h).astype(F32)
+        araw = self.seg("a", h).astype(F32)
         beta = m / (1.0 + jnp.exp(-braw))
         g = -jnp.exp(alog_ref[h].astype(F32)) * _softplus(araw + dtb_ref[h].astype(F32)) * m
-        s = jnp.where(fresh, jnp.zeros_like(s), s.astype(F32)) * jnp.exp(g)
+        s = jnp.where(self.fresh, jnp.zeros_like(s), s.astype(F32)) * jnp.exp(g)
         read = jnp.sum(s * k[:, None], axis=0)                      # S^T k [dv]
         s = s + k[:, None] * (beta * (v - read))[None, :]
         o = jnp.sum(s * q[:, None], axis=0)                         # S^T q [dv]
-        s_out_ref[slot, h] = s.astype(s_out_ref.dtype)
-
-        z = seg("z", pl.ds(h * dv, dv)).astype(F32)
+        s_out_ref[self.slot, h] = s.astype(s_out_ref.dtype)
+        z = self.seg("z", pl.ds(h * dv, dv)).astype(F32)
         ms = jnp.sum(o * o) / dv
-        y_ref[i, h] = (o * jax.lax.rsqrt(ms + eps) * nw * _silu(z)).astype(y_ref.dtype)
+        y_ref[self.i, h] = (o * jax.lax.rsqrt(ms + eps) * nw_ref[...].astype(F32) * _silu(z)).astype(y_ref.dtype)
 
 
 def block_plan(*, dk: int, dv: int) -> None:
@@ -136,14 +181,30 @@ def default_num_warps(r: int) -> int:
     return 16 if r > 1 else 8
 
 
-@functools.partial(jax.jit, static_argnames=("n_k_heads", "eps", "num_warps", "interpret"))
+SPLIT_BELOW_PROGRAMS = 64  # fewer (row, key head) programs than this: the split form (more programs a step)
+
+
+def use_split(b: int, n_k_heads: int) -> bool:
+    """Whether ``gdn_decode`` runs as two kernels by default: when one program per (row, key head) would leave
+    most of the GPU idle (at B = 1 the 27B has 16 key heads: 16 programs, one per SM, each walking three 64 KiB
+    state tiles in turn)."""
+    return b * n_k_heads < SPLIT_BELOW_PROGRAMS
+
+
+@functools.partial(jax.jit, static_argnames=("n_k_heads", "eps", "num_warps", "split", "interpret"))
 def gdn_decode(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *, n_k_heads: int,
-               eps: float, num_warps: int | None = None, interpret: bool = False):
+               eps: float, num_warps: int | None = None, split: bool | None = None, interpret: bool = False):
     """The fused decode step (module doc). parts: a tuple of [B, *] arrays, the in-projections' outputs, that
     concatenated along the last axis are the row ``[x | z | b | a]`` (C + Hv*dv + 2*Hv; each segment inside one part:
     one part for the fused ``"qkv+z+b+a"``, four for separate matrices); conv_w [C, K]; a_log, dt_bias [Hv]; norm_w
     [dv]; conv_all [S, K-1, C]; ssm_all [S, Hv, dk, dv]; slots [B] int32; fresh, valid [B]. Returns (y [B, Hv, dv]
-    in the parts' dtype, conv_all, ssm_all), the state updated in place."""
+    in the parts' dtype, conv_all, ssm_all), the state updated in place.
+
+    ``split`` (default :func:`use_split`): two kernels instead of one: grid ``(B, Hk)`` for the key heads' q / k
+    (their conv rows written), then grid ``(B, Hv)``, one program per value head's state tile (its v conv rows and
+    state written). One kernel cannot give a key head's value heads programs of their own: the program that
+    rewrites the key head's q / k conv rows would race the others reading them. ``num_warps`` applies to the
+    fused kernel and the value-head kernel."""
     parts = tuple(parts)
     b = parts[0].shape[0]
     hv, dv = a_log.shape[0], norm_w.shape[0]
@@ -159,19 +220,32 @@ def gdn_decode(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, 
     locs = segment_locations(tuple(x.shape[1] for x in parts), {"x": ch, "z": hv * dv, "b": hv, "a": hv})
     block_plan(dk=dk, dv=dv)
     r = hv // hk
-    kernel = functools.partial(_kernel, n_parts=len(parts), locs=locs, hk=hk, dk=dk, dv=dv, hv=hv, r=r, kk=kk,
-                               eps=eps)
-    n_in = len(parts) + 9
-    y, conv_all, ssm_all = pl.pallas_call(
-        kernel,
-        grid=(b, hk),
-        out_shape=[jax.ShapeDtypeStruct((b, hv, dv), parts[0].dtype),
-                   jax.ShapeDtypeStruct(conv_all.shape, conv_all.dtype),
-                   jax.ShapeDtypeStruct(ssm_all.shape, ssm_all.dtype)],
-        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps or default_num_warps(r), num_stages=1),
-        name=f"gdn_decode_hk{hk}_dk{dk}_dv{dv}",
-    )(*parts, conv_w, a_log, dt_bias, norm_w, slots.astype(jnp.int32), fresh.astype(jnp.int32),
-      valid.astype(jnp.int32), conv_all, ssm_all)
-    return y, conv_all, ssm_all
+    name = f"gdn_decode_hk{hk}_dk{dk}_dv{dv}"
+    flags = (slots.astype(jnp.int32), fresh.astype(jnp.int32), valid.astype(jnp.int32))
+    y_shape = jax.ShapeDtypeStruct((b, hv, dv), parts[0].dtype)
+    conv_shape = jax.ShapeDtypeStruct(conv_all.shape, conv_all.dtype)
+    ssm_shape = jax.ShapeDtypeStruct(ssm_all.shape, ssm_all.dtype)
+    if not (use_split(b, hk) if split is None else split):
+        kernel = functools.partial(_kernel, n_parts=len(parts), locs=locs, hk=hk, dk=dk, dv=dv, hv=hv, r=r, kk=kk,
+                                   eps=eps)
+        n_in = len(parts) + 9
+        return tuple(pl.pallas_call(
+            kernel, grid=(b, hk), out_shape=[y_shape, conv_shape, ssm_shape],
+            input_output_aliases={n_in - 2: 1, n_in - 1: 2}, interpret=interpret,
+            compiler_params=plt.CompilerParams(num_warps=num_warps or default_num_warps(r), num_stages=1), name=name,
+        )(*parts, conv_w, a_log, dt_bias, norm_w, *flags, conv_all, ssm_all))
+    n_in = len(parts) + 5
+    qk, conv_all = pl.pallas_call(
+        functools.partial(_qk_kernel, n_parts=len(parts), locs=locs, hk=hk, dk=dk, kk=kk),
+        grid=(b, hk), out_shape=[jax.ShapeDtypeStruct((b, hk, 2, dk), F32), conv_shape],
+        input_output_aliases={n_in - 1: 1}, interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1), name=name + "_qk",
+    )(*parts, conv_w, *flags, conv_all)
+    n_in = len(parts) + 10
+    return tuple(pl.pallas_call(
+        functools.partial(_value_kernel, n_parts=len(parts), locs=locs, hk=hk, dk=dk, dv=dv, r=r, kk=kk, eps=eps),
+        grid=(b, hv), out_shape=[y_shape, conv_shape, ssm_shape],
+        input_output_aliases={n_in - 2: 1, n_in - 1: 2}, interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps or default_num_warps(1), num_stages=1),
+        name=name + "_v",
+    )(*parts, conv_w, a_log, dt_bias, norm_w, *flags, qk, conv_all, ssm_all))
