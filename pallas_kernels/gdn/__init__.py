@@ -27,7 +27,7 @@ with a warning.
 conv_all, ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
 projections, the slots' state updated in place): ``"reference"`` = ``qwen36.gdn_decode_reference``;
 ``"pallas_triton"`` = :func:`decode.gdn_decode` (one kernel a layer; two, a q / k kernel then a program per value
-head, when a batch gives fewer than ``decode.SPLIT_BELOW_PROGRAMS`` (row, key head) programs), **the GPU default**
+head, when a batch gives at most ``decode.SPLIT_MAX_PROGRAMS`` (row, key head) programs), **the GPU default**
 (H200, 27B shapes, bf16: AR decode 1.05x at C1 and 1.34x at C16 over the reference path in one run,
 ``ar_nvidia-h200_20261203-2225*.json``); ``"pallas_triton_one_kernel"`` (opt-in) never splits;
 ``DFLASH_KERNELS=gdn_decode=reference`` turns it off.
