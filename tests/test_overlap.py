@@ -100,3 +100,15 @@ def test_overlap_is_off_where_the_host_must_see_every_step():
     eng = Engine(target(), None, dataclasses.replace(OPTS, kvflash=128, prefill_chunk=16))
     assert not eng.overlap and eng.ahead == 0
     assert engine(False, True).overlap and engine(False, True).ahead == 1
+
+
+def test_overlap_defaults_on_only_for_large_targets_on_a_gpu(monkeypatch):
+    from dflash_jax.engine import loop
+    from pallas_kernels import registry
+
+    big = {"w": jax.ShapeDtypeStruct((loop.OVERLAP_AUTO_BYTES // 2,), jnp.bfloat16)}
+    small = {"w": jax.ShapeDtypeStruct((1024,), jnp.bfloat16)}
+    monkeypatch.setattr(registry, "current_backend", lambda: "cuda")
+    assert loop.overlap_by_default(big) and not loop.overlap_by_default(small)
+    monkeypatch.setattr(registry, "current_backend", lambda: "cpu")
+    assert not loop.overlap_by_default(big)

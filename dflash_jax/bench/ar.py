@@ -48,9 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile every serving bucket (powers of two up to the largest concurrency), as the server "
                         "does, so startup_compile_s is the server's start-up figure; default: only the measured "
                         "concurrencies")
-    p.add_argument("--overlap", action="store_true",
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlapped engine loop (EngineOptions.overlap): the next decode step is dispatched before the "
-                        "one in flight is applied")
+                        "one in flight is applied; default: the engine's (on for a target of at least 16 GiB of "
+                        "weights on a GPU)")
     p.add_argument("--overlap-compare", action="store_true",
                    help="every case synchronous, then overlapped, on one engine (cN.overlap.*, cN.overlap_speedup)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
@@ -146,7 +147,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
                                              batch_buckets=None if args.all_buckets or args.batch_invariant else
                                              replica_buckets(args.concurrency, args.data_parallel),
                                              batch_invariant=args.batch_invariant,
-                                             overlap=args.overlap or args.overlap_compare,
+                                             overlap=True if args.overlap_compare else args.overlap,
                                              **parallel_options(args)))
     modes = ((False, ""), (True, "overlap.")) if args.overlap_compare else ((eng.overlap, ""),)
     if (args.overlap or args.overlap_compare) and not eng.overlap:
@@ -197,7 +198,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
             figures[f"c{c}.{tag}ceiling_ratio"] = figures[f"c{c}.{tag}tok_s"] / ceil[c]["tok_s"]
     figures["kv_bytes_per_token"] = cfg.kv_bytes_per_token(kv_itemsize)
     figures["recurrent_bytes_per_seq"] = cfg.recurrent_bytes_per_seq(dtype.itemsize)
-    extra = {"compile_s": report, "kv_pool_pages": eng.pages.n_pages,
+    extra = {"compile_s": report, "kv_pool_pages": eng.pages.n_pages, "overlap": eng.overlap,
              "sharding": eng.layout.plan.describe() if eng.layout else None,
              "sharding_notes": list(eng.layout.plan.notes) if eng.layout else []}
     return figures, extra

@@ -135,8 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on tree tokens verified per round over a batch bucket (SpecConfig.max_verify_tokens)")
     p.add_argument("--cohort-yield-min", type=float, default=6.0,
                    help="a cohort whose first round emits fewer tokens per request goes AR (0 = never)")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
-                   help="chain decode / speculative steps on the device ahead of the host (EngineOptions.overlap)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="chain decode / speculative steps on the device ahead of the host (EngineOptions.overlap; "
+                        "default: the engine's, on for a target of at least 16 GiB of weights on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: prompt-len-max + output-len")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=1024)

@@ -84,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fast-rollback", action="store_true", default=None,
                     help="single sequence (--ddtree, --max-concurrency 1): commit by selecting the accepted tree "
                          "node's kept recurrent state instead of the closed-form replay")
-    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="dispatch each decode / speculative step from the device outputs of the one in flight, "
-                         "before its tokens reach the host (one replica, no KVFlash)")
+                         "before its tokens reach the host (one replica, no KVFlash); default: on for a target of "
+                         "at least 16 GiB of weights on a GPU (EngineOptions.overlap)")
     ap.add_argument("--prefix-cache", type=int, default=None, metavar="N",
                     help="cache prompt prefixes at prefill-chunk boundaries: N recurrent-state snapshots, each with "
                          "its prefix's KV pages, per data-parallel replica (0 = off; not with --kvflash)")
