@@ -1,6 +1,7 @@
 """The suite's ``--dist loadgroup`` scheduler: a test whose worker dies runs once more on a fresh worker; a second
 crash fails it; the run always goes on to the end."""
 
+import collections
 import os
 import subprocess
 import sys
@@ -62,3 +63,57 @@ def test_a_crashed_test_runs_again_and_fails_only_on_a_second_crash(tmp_path, wo
     assert "1 failed, 9 passed, 2 rerun" in summary, run.stdout[-3000:]
     assert "FAILED test_suite.py::test_crash" in run.stdout
     assert run.stdout.count("node down") == 3  # test_crash twice, test_crashes_once once
+
+
+def test_a_worker_still_collecting_gets_no_work_until_it_has_collected():
+    """Two crashes in a row start two replacement workers; the first to finish collecting reschedules every
+    worker, the other included. That worker must be skipped, not fail the scheduler (a KeyError there, raised
+    inside ``remove_node``, made xdist drop a crash report and the dead worker's tests)."""
+    from xdist_scheduling import CrashSafeLoadGroupScheduling
+
+    class Node:
+        shutting_down = False
+
+        def send_runtest_some(self, indexes):
+            sent.append(indexes)
+
+        def shutdown(self):
+            sent.append("shutdown")
+
+    sched = CrashSafeLoadGroupScheduling.__new__(CrashSafeLoadGroupScheduling)
+    sched.registered_collections = {}
+    sched.assigned_work = {}
+    sched.workqueue = collections.OrderedDict(g={"t::a": False})
+    sent = []
+    node = Node()
+    sched.assigned_work[node] = {}
+    sched._reschedule(node)  # still collecting: nothing assigned, nothing raised
+    assert sent == [] and sched.workqueue == {"g": {"t::a": False}}
+    sched.registered_collections[node] = ["t::a"]
+    sched._reschedule(node)
+    assert sent[0] == [0]
+
+
+def test_a_send_to_a_worker_that_just_died_keeps_the_work_queued():
+    """A worker can die between reporting a test and its "node down" event: sending it work then raises OSError
+    (xdist made that an INTERNALERROR that ended the run). The unit stays first in the queue for the next worker."""
+    from xdist_scheduling import CrashSafeLoadGroupScheduling
+
+    class Dead:
+        shutting_down = False
+
+        def send_runtest_some(self, indexes):
+            raise OSError("cannot send (already closed?)")
+
+        def shutdown(self):
+            raise OSError("cannot send (already closed?)")
+
+    sched = CrashSafeLoadGroupScheduling.__new__(CrashSafeLoadGroupScheduling)
+    node = Dead()
+    sched.registered_collections = {node: ["t::a", "t::b"]}
+    sched.assigned_work = {node: {}}
+    sched.workqueue = collections.OrderedDict(g={"t::a": False}, h={"t::b": False})
+    sched._reschedule(node)
+    assert list(sched.workqueue) == ["g", "h"] and sched.assigned_work[node] == {}
+    sched.workqueue.clear()
+    sched._reschedule(node)  # nothing left: the shutdown's OSError is ignored too

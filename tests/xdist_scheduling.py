@@ -54,25 +54,40 @@ class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
             self._reschedule(other)
         return crashitem
 
-    def _assign_work_unit(self, node: WorkerController) -> None:
+    def _assign_work_unit(self, node: WorkerController) -> bool:
+        """Send the next unit with pending tests to ``node``; False if none was sent."""
         while self.workqueue:
             scope, unit = self.workqueue.popitem(last=False)
             indexes = [self.registered_collections[node].index(nodeid) for nodeid, done in unit.items() if not done]
             if indexes:
+                try:
+                    node.send_runtest_some(indexes)
+                except OSError:  # the worker has died and its "node down" event is still queued: keep the unit
+                    self.workqueue[scope] = unit
+                    self.workqueue.move_to_end(scope, last=False)
+                    return False
                 self.assigned_work.setdefault(node, {})[scope] = unit
-                node.send_runtest_some(indexes)
-                return
+                return True
+        return False
 
     def _reschedule(self, node: WorkerController) -> None:
-        if node.shutting_down:
+        # a replacement worker that has not finished collecting gets work once it has (``schedule()``): assigning
+        # it work now raised a KeyError, which xdist swallows when it comes out of ``remove_node``, losing the dead
+        # worker's crash report and its pending tests
+        if node.shutting_down or node not in self.registered_collections:
             return
         if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
-            self._assign_work_unit(node)
+            sent = self._assign_work_unit(node)
             # a worker runs an item only once it holds the next one (or has been told to shut down)
-            while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
-                self._assign_work_unit(node)
+            while sent and self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+                sent = self._assign_work_unit(node)
+            if not sent and self.workqueue:  # the send failed: the node is dead
+                return
         if not self.workqueue:
-            node.shutdown()
+            try:
+                node.shutdown()
+            except OSError:  # dead already; its "node down" event follows
+                pass
 
 
 def rerun_crashed(crashitem: str, report: pytest.TestReport, sched: object) -> None:
