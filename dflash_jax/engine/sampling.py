@@ -113,9 +113,9 @@ _DIGIT = 4  # bits of the key settled per pass: 8 passes, each testing 15 thresh
 def _search(keys: jax.Array, enough) -> jax.Array:
     """The largest key ``t`` [R] uint32 with ``enough(t)``, for ``enough`` monotone (true up to some key, false
     above it; true at 0): ``keys`` [R, V]; ``enough(cand [R, M]) -> [R, M] bool`` for M candidate thresholds.
-    A 16-ary search from the top bits: 8 passes over ``keys``. (``enough`` reduces a ``[R, V, M]`` comparison over
-    its middle axis: with the M thresholds minor, XLA's GPU reduction reads each key once a pass; reduced over a
-    minor V it read each row once a threshold, 0.97x the sort at 368 x 248K rows on an H100.)"""
+    A 16-ary search from the top bits: 8 passes over ``keys``, each a ``[R, M, V]`` comparison reduced over V.
+    (On an H100 at 248K columns the filter took 0.54x the sort's time at 16 rows and 0.97x at 368; reducing a
+    ``[R, V, M]`` comparison over its middle axis instead measured 0.60x and 1.13x.)"""
     t = jnp.zeros(keys.shape[0], jnp.uint32)
     digits = jnp.arange(1, 1 << _DIGIT, dtype=jnp.uint32)  # [M]
     for shift in range(32 - _DIGIT, -1, -_DIGIT):
@@ -157,7 +157,7 @@ def kept(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
     k1 = jnp.minimum(n_minp, jnp.where(top_k > 0, top_k, v))  # the first k1 tokens pass min-p and top-k
 
     def rank_cut(keep):
-        t = _search(keys, lambda c: jnp.sum(keys[:, :, None] >= c[:, None, :], axis=1, dtype=jnp.int32)
+        t = _search(keys, lambda c: jnp.sum(keys[:, None, :] >= c[:, :, None], axis=-1, dtype=jnp.int32)
                     >= k1[:, None])  # the k1-th largest key
         above = keys > t[:, None]
         tie = keys == t[:, None]
@@ -171,7 +171,7 @@ def kept(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
 
     def mass_cut(keep):
         def mass_at_or_above(c):  # [R, M]: the kept mass at keys >= each candidate
-            return jnp.sum(jnp.where(keys[:, :, None] >= c[:, None, :], e[:, :, None], 0.0), axis=1)
+            return jnp.sum(jnp.where(keys[:, None, :] >= c[:, :, None], e[:, None, :], 0.0), axis=-1)
 
         t = _search(keys, lambda c: mass_at_or_above(c) >= target[:, None])  # the last key kept (at least partly)
         above = keys > t[:, None]
