@@ -12,7 +12,9 @@ decode step that is otherwise weight streaming; here it is one.
 Grid ``(B, n_k_heads)``: a program owns one row's key head ``j``: its q / k conv channels and the ``r = Hv / Hk``
 value heads that read them (their v channels, states and outputs), so every byte of state it writes is its own
 (value heads sharing a key head in one program: no other program reads the q / k conv rows it rewrites). Each
-value head's ``[dk, dv]`` state tile is read, updated and written once. Rows whose slot is 0 (padding) read and
+value head's ``[dk, dv]`` state tile is read, updated and written once. The split form (``split``, the default up
+to ``SPLIT_MAX_PROGRAMS`` programs) runs the key heads' q / k first (grid ``(B, n_k_heads)``, their conv rows
+written), then a program per value head (grid ``(B, Hv)``): r times the programs, each one state tile. Rows whose slot is 0 (padding) read and
 write no state (a decode bucket's padding would otherwise read the null slot's state once a row) and output zeros.
 The checkpoint's channel layout ``[q | k | v]`` only (``groups == 1``); other layouts run the reference.
 """
