@@ -23,7 +23,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,20 +30,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dflash_jax.bench import results  # noqa: E402
+from dflash_jax.bench import results, timing  # noqa: E402
 from dflash_jax.engine import sampling  # noqa: E402
 from dflash_jax.spec import topk  # noqa: E402
 
 
 def time_us(fn, x, iters: int) -> float:
     """Median wall time of ``fn(x)`` in microseconds, each call waited for."""
-    jax.block_until_ready(fn(x))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts) * 1e6)
+    return timing.median_seconds(lambda: fn(x), iters) * 1e6
 
 
 def sampler_figures(figures: dict[str, float], rows: int, vocab: int, iters: int) -> None:
