@@ -338,3 +338,12 @@ def test_penalized_requests_stay_speculative_and_follow_the_host_reference():
     assert outs[0].stats["accepted_tokens"] >= 8 and outs[1].stats["accepted_tokens"] >= 8
     assert want[2] != plain[tuple(prompts[2])]  # the third request's proposals are wrong somewhere
     assert len(set(want[1])) < len(want[1])  # negative frequency: repeats on the accepted paths
+
+
+def test_an_oracle_proposing_the_wrong_number_of_tokens_is_named():
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    opts = EngineOptions(max_batch=1, prefill_batch=1, prefill_chunk=16, max_model_len=64, page_size=8,
+                         spec=SpecConfig(budget=4), cohort_yield_min=0.0, spec_oracle=lambda prompt, toks: [1, 2, 3])
+    eng = Engine(t, None, opts, drafter=(dcfg, dparams))
+    with pytest.raises(ValueError, match=f"spec_oracle returned 3 token ids .* = {dcfg.block_size - 1}"):
+        eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4))

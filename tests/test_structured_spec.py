@@ -55,8 +55,8 @@ def ar(target, tok):
 
 
 def _oracle(prompt, toks):
-    full = PROPOSALS.get(tuple(prompt), []) + [0] * 16
-    return full[len(toks): len(toks) + 15]
+    """The next 15 tokens of the stored text after ``toks`` (zeros past its end)."""
+    return (PROPOSALS.get(tuple(prompt), [])[len(toks):] + [0] * 15)[:15]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +100,14 @@ def test_sampled_constrained_rounds_match_their_constraint(ar, oracle_eng, c, ch
     outs = oracle_eng.generate([p] * 3, [SamplingParams(max_tokens=48, constraint=c, temperature=1.0, seed=s)
                                          for s in range(3)])
     for o in outs:
-        assert o.finish_reason == "stop" and check(o.text), o.text
         assert o.stats["spec_mode"] == "ddtree"
+        m = oracle_eng.structured.start(c)
+        for t in o.token_ids:  # every token the automaton allows (it raises otherwise): a reply cut by max_tokens
+            assert m.mask()[t // 32] >> (t % 32) & 1, (o.text, t)  # is a valid prefix
+            m.advance(t)
+        if o.finish_reason == "stop":
+            assert check(o.text), o.text
+    assert any(o.finish_reason == "stop" for o in outs)  # and a complete reply is checked whole
 
 
 def test_drafted_rounds_with_penalties_equal_ar(target, tok, drafter, ar):

@@ -876,7 +876,8 @@ class Engine:
         """Compile every bucket ahead of time; returns seconds per bucket.
 
         Lowering (Python tracing) runs in this thread; XLA compilations run concurrently on
-        ``workers`` threads (default: one per CPU core, up to the number of buckets).
+        ``workers`` threads (default: one per CPU core, up to the number of buckets; one on the CPU backend, whose
+        compiler has segfaulted a few times in CI while two warm-up threads compiled at once).
         """
         todo = [(kind, b) for kind, buckets in self._kinds() for b in buckets if (kind, b) not in self._exec]
         if not todo:
@@ -907,7 +908,7 @@ class Engine:
                 self.kvb.warmup(self.state, [(b, 1) for b in self.decode_buckets]
                                 + [(b, t) for b in self.prefill_buckets])
             self.warmup_report["kvflash"] = time.perf_counter() - t0
-        n = workers or min(len(todo), os.cpu_count() or 1)
+        n = workers or (1 if jax.default_backend() == "cpu" else min(len(todo), os.cpu_count() or 1))
         hits0 = compile_mod.compile_cache_hits()
         with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
             for key, exe, dt in pool.map(build, todo):
@@ -1386,6 +1387,15 @@ class Engine:
                          self._banned(r.sp), r.sp.repetition_penalty, r.sp.frequency_penalty, r.sp.presence_penalty,
                          r.sp.penalized, r.sp.min_p, r.sp.logprobs) for r in rows], b)
 
+    @staticmethod
+    def _proposal(oracle, r: _Request, depth: int) -> list[int]:
+        """``spec_oracle``'s proposal for a row, checked to be ``depth`` (block_size - 1) token ids."""
+        ids = [int(t) for t in oracle(r.prompt, r.tokens)]
+        if len(ids) != depth:
+            raise ValueError(f"spec_oracle returned {len(ids)} token ids after {len(r.tokens)} tokens; it must "
+                             f"return block_size - 1 = {depth}")
+        return ids
+
     def _dispatch_spec(self, rows: list[_Request]) -> "_InFlight | None":
         """Dispatch one speculative round for every row (KVFlash may defer some: None when none runs)."""
         rows = self._reside(rows, [(r.n_cached, r.n_cached + self.spec_span) for r in rows])
@@ -1402,7 +1412,7 @@ class Engine:
                             active=np.array([True] * len(rs) + [False] * pad),
                             page_table=self.pools[k].page_tables([r.rid for r in rs] + [None] * pad, self.width),
                             proposal=None if oracle is None else np.array(
-                                [list(oracle(r.prompt, r.tokens)) for r in rs] + [[0] * depth] * pad, np.int32))
+                                [self._proposal(oracle, r, depth) for r in rs] + [[0] * depth] * pad, np.int32))
             return inp, self._row_sampling(rs, b)
 
         b, (inp, samp), take = self._by_replica(rows, self.decode_buckets, make)
