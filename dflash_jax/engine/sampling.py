@@ -166,10 +166,11 @@ def kept(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
         return keep & (above | (tie & (_ties_before(tie, ones) < room[:, None])))
 
     keep = jax.lax.cond(jnp.any(k1 < n_minp), rank_cut, lambda keep: keep, keep)
-    e = jnp.where(keep, jnp.exp(scaled - m), 0.0)
-    target = top_p * jnp.sum(e, axis=-1)  # top-p of the kept mass
 
     def mass_cut(keep):
+        e = jnp.where(keep, jnp.exp(scaled - m), 0.0)
+        target = top_p * jnp.sum(e, axis=-1)  # top-p of the kept mass
+
         def mass_at_or_above(c):  # [R, M]: the kept mass at keys >= each candidate
             return jnp.sum(jnp.where(keys[:, None, :] >= c[:, :, None], e[:, None, :], 0.0), axis=-1)
 
