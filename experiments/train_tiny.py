@@ -969,6 +969,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
                     help="start the drafter from this exported drafter (config.json + safetensors, e.g. "
                          "dflash_jax/assets/tiny/drafter; its config must be this preset's) instead of a fresh init "
                          "and continue training it; needs --init-target (the target it was trained on)")
+    ap.add_argument("--drafter-seed", type=int, default=None,
+                    help="seed of the drafter's batch order and anchors (default: --seed, or --seed + "
+                         f"{CONTINUE_SEED_OFFSET} with --init-drafter); give a new one to continue a drafter that was "
+                         "itself continued, so its rows and anchors are not the ones it last saw")
     ap.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                     help="allow non-deterministic GPU reductions (default: XLA_FLAGS --xla_gpu_deterministic_ops, "
                          "so a rerun with the same seed reproduces the weights)")
@@ -1243,7 +1247,8 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     # ---- drafter -------------------------------------------------------------------------------------------------
     dp = dp_init if dp_init is not None else dflash.init_params(dcfg, jax.random.fold_in(jax.random.key(seed), 1),
                                                                  F32)
-    d_seed = seed + CONTINUE_SEED_OFFSET if dp_init is not None else seed
+    d_seed = args.drafter_seed if args.drafter_seed is not None else (
+        seed + CONTINUE_SEED_OFFSET if dp_init is not None else seed)
     hp_d = cfg["train"]["drafter"]
     frozen_t = compute_params(tp, cdtype)
     layers = tuple(dcfg.target_layer_ids)
