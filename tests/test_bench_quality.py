@@ -22,8 +22,12 @@ def test_quality_compares_weight_and_page_formats_with_the_reference(tmp_path):
     assert res["bench"] == "quality" and res["extra"]["reference"] == "f32"
     # the reference reproduces its own greedy tokens when they are teacher-forced through its prefill (fp32)
     assert fig["f32.greedy_agreement"] == 1.0 and fig["f32.ppl_ratio"] == 1.0
+    assert fig["f32.greedy_agreement_ci95_lo"] == pytest.approx(16 / (16 + 1.959964 ** 2))  # Wilson at p = 1
     for name in ("f32", "fp8_dynamic", "kv_int8"):
         assert 1 < fig[f"{name}.ppl"] < 1000 and 0 <= fig[f"{name}.greedy_agreement"] <= 1
+        assert fig[f"{name}.greedy_agreement_positions"] == 2 * 8  # rows x agree-tokens
+        assert fig[f"{name}.greedy_agreement_ci95_lo"] <= fig[f"{name}.greedy_agreement"]
+        assert fig[f"{name}.greedy_agreement"] <= fig[f"{name}.greedy_agreement_ci95_hi"]
         assert fig[f"{name}.ppl_ratio"] == pytest.approx(fig[f"{name}.ppl"] / fig["f32.ppl"])
     # int8 pages and W8A8 move the model a little, not a lot
     assert 0.9 < fig["kv_int8.ppl_ratio"] < 1.1 and 0.8 < fig["fp8_dynamic.ppl_ratio"] < 1.25
@@ -31,3 +35,10 @@ def test_quality_compares_weight_and_page_formats_with_the_reference(tmp_path):
         assert 1 <= fig[f"{name}.chain.tau"] <= fig[f"{name}.ddtree.tau"] <= 16
     assert fig["fp8_dynamic.ddtree.tau_ratio"] == pytest.approx(fig["fp8_dynamic.ddtree.tau"] / fig["f32.ddtree.tau"])
     assert "kv_int8.ddtree.tau" not in fig
+
+
+@pytest.mark.parametrize("p,n,lo,hi", [(0.5, 100, 0.4038, 0.5962), (0.987, 1024, 0.9780, 0.9923), (0.0, 10, 0.0, 0.2775)])
+def test_wilson_interval_matches_the_textbook_values(p, n, lo, hi):
+    from dflash_jax.bench.quality import wilson_interval
+
+    assert wilson_interval(p, n) == pytest.approx((lo, hi), abs=1e-4)

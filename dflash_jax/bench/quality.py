@@ -10,7 +10,9 @@ each KV page format of ``--kv-dtypes``:
 * ``{f}.greedy_agreement``: the reference's greedy continuations (``--agree-tokens`` after each row's first
   ``--agree-prefix`` tokens) teacher-forced through the format's engine: the fraction of continuation positions
   where the format's most likely token is the reference's (1.0 = every greedy token reproduced; the reference
-  itself measures the prefill vs decode agreement of one model, its floor);
+  itself measures the prefill vs decode agreement of one model, its floor); ``{f}.greedy_agreement_positions`` the
+  positions compared, ``{f}.greedy_agreement_ci95_lo`` / ``_hi`` the Wilson 95 % interval of the fraction (at ~1000
+  positions and 0.99 it is about +-0.006: whether a format meets a 0.99 target needs that many);
 * weight formats also: ``{f}.chain.tau`` / ``{f}.ddtree.tau`` (``bench acceptance``'s teacher-forced acceptance:
   the format's drafter against the format's own greedy labels, ``--budget`` nodes) and ``{f}.ddtree.tau_ratio``.
 
@@ -71,10 +73,28 @@ def continuations(eng: Engine, rows: np.ndarray, prefix: int, n: int) -> list[li
     return [h + list(o.token_ids) for h, o in zip(heads, outs)]
 
 
-def agreement(eng: Engine, seqs: list[list[int]], prefix: int) -> float:
-    """Fraction of the positions after ``prefix`` whose token is ``eng``'s most likely one (teacher-forced)."""
-    ranks = [r[prefix - 1:] for _, r in prompt_scores(eng, seqs)]
-    return float(np.mean(np.concatenate(ranks) == 1))
+def agreement(eng: Engine, seqs: list[list[int]], prefix: int) -> tuple[float, int]:
+    """(fraction, count) of the positions after ``prefix`` whose token is ``eng``'s most likely one (teacher-forced)."""
+    ranks = np.concatenate([r[prefix - 1:] for _, r in prompt_scores(eng, seqs)])
+    return float(np.mean(ranks == 1)), int(ranks.size)
+
+
+def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a binomial fraction ``p`` of ``n`` trials (95 % by default)."""
+    if n <= 0:
+        return 0.0, 1.0
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return float(max(0.0, c - h)), float(min(1.0, c + h))
+
+
+def agreement_figures(name: str, eng: Engine, seqs: list[list[int]], prefix: int) -> dict[str, float]:
+    """``{name}.greedy_agreement``, its positions and its Wilson 95 % interval."""
+    p, n = agreement(eng, seqs, prefix)
+    lo, hi = wilson_interval(p, n)
+    return {f"{name}.greedy_agreement": p, f"{name}.greedy_agreement_positions": n,
+            f"{name}.greedy_agreement_ci95_lo": lo, f"{name}.greedy_agreement_ci95_hi": hi}
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -100,7 +120,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         if ref_name is None:
             ref_name, ref_target = name, target
             ref_seqs = continuations(eng, rows, args.agree_prefix, args.agree_tokens)
-        figures[f"{name}.greedy_agreement"] = agreement(eng, ref_seqs, args.agree_prefix)
+        figures.update(agreement_figures(name, eng, ref_seqs, args.agree_prefix))
         if args.drafter:
             from dflash_jax.models.dflash_loader import load_drafter
 
@@ -122,7 +142,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         name = f"kv_{dt}"
         eng = _engine(ref_target, tok, max_len, dt)
         figures[f"{name}.ppl"] = perplexity(eng, rows)
-        figures[f"{name}.greedy_agreement"] = agreement(eng, ref_seqs, args.agree_prefix)
+        figures.update(agreement_figures(name, eng, ref_seqs, args.agree_prefix))
         seconds[name] = round(time.perf_counter() - t0, 1)
         print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
               f"{figures[f'{name}.greedy_agreement']:.4f} ({seconds[name]} s)", flush=True)
