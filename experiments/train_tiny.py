@@ -34,7 +34,8 @@ latest checkpoint of a phase, a finished phase is not re-run):
    drafter's argmax block at fixed anchors against the target's exact greedy continuation from the anchor.
    ``--init-drafter DIR`` (with ``--init-target``) starts from an exported drafter instead of a fresh init (its
    config must be the preset's): the phase continues it, with its own batch order and anchors
-   (``CONTINUE_SEED_OFFSET``), under the schedule of ``train.drafter``.
+   (``CONTINUE_SEED_OFFSET``; ``--drafter-seed N`` for a drafter continued before), under the schedule of
+   ``train.drafter``.
 4. scorer: a tiny plain Qwen3 dense LM (``tiny_configs.dense_*``) with the same recipe as the target.
 5. export (HF layout) to ``--out/{target,drafter,scorer}`` + ``train_report.json`` (+ ``loss_curves.png`` when
    matplotlib is installed); a target over ``--max-file-bytes`` (15 MiB) is written as index + shards, and any
