@@ -24,11 +24,14 @@ records this script's command line.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, as `python experiments/...`
 
 
 def select_cond(pred, true_fun, false_fun, *operands):
