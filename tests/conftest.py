@@ -4,8 +4,15 @@ import sys
 # The suite compiles hundreds of small executables and runs each a few times: XLA:CPU's LLVM at -O0 without its
 # expensive passes compiles them in a fraction of the time and leaves the numerics alone (the dots are library
 # calls either way); measured on 2 cores, engine-heavy files ran 1.2-1.45x faster end to end.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def xla_flags(n_devices: int) -> str:
+    """``XLA_FLAGS`` for a test process (or a subprocess a test starts) with ``n_devices`` host CPU devices."""
+    return f"--xla_force_host_platform_device_count={n_devices} {FAST_XLA_FLAGS}"
+
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(1))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 

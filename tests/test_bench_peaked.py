@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, nano_drafter_config
+from conftest import FIXTURES, nano_drafter_config, xla_flags
 from dflash_jax.bench.__main__ import main
 from dflash_jax.bench.peaked import peak_target, successor
 from dflash_jax.bench.spec import accepted_lengths, chain_keep_prob
@@ -125,8 +125,7 @@ def test_peaked_flag_is_refused_for_a_checkpoint(tmp_path):
 def test_peaked_embedding_is_rewritten_shard_locally_under_tensor_parallelism():
     """Under TP=2 (vocabulary split) the rewrite matches the unsharded one, keeps the embedding's sharding and its
     compiled program moves no data between devices (2 CPU devices, in a subprocess: JAX must start with them)."""
-    # optimisation level 0 (as test_sharding.py): the same HLO and collectives, a fraction of the compile time
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2),
            "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                           os.environ.get("PYTHONPATH", "")])}

@@ -27,6 +27,7 @@ N_NEW = 6
 if __name__ != "__main__":
     import numpy as np
     import pytest
+    from conftest import xla_flags
 
     pytestmark = pytest.mark.xdist_group("multihost")
 
@@ -45,8 +46,7 @@ if __name__ != "__main__":
     def _job(argv: list[str], timeout: float = 300) -> list[tuple[int, str]]:
         """Run ``python argv`` as the ``N_PROC`` processes of one JAX job on localhost; (exit code, output) each."""
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "OPENBLAS_NUM_THREADS": "1",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES} "
-                            "--xla_backend_optimization_level=0",
+               "XLA_FLAGS": xla_flags(LOCAL_DEVICES),
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": str(N_PROC),
                "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
         logs = [tempfile.TemporaryFile("w+") for _ in range(N_PROC)]  # not pipes: a full one would stall a process

@@ -33,9 +33,9 @@ if __name__ != "__main__":
     def results(tmp_path_factory) -> dict:
         out = tmp_path_factory.mktemp("sharding") / "results.json"
         root = os.path.dirname(HERE)
-        # optimisation level 0: the same numerics, a fraction of the compile time of the many small executables
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={N_DEVICES} "
-                                          "--xla_backend_optimization_level=0",
+        from conftest import xla_flags
+
+        env = {**os.environ, "XLA_FLAGS": xla_flags(N_DEVICES),
                "JAX_PLATFORMS": "cpu", "OPENBLAS_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
