@@ -4,7 +4,10 @@ import sys
 # The suite compiles hundreds of small executables and runs each a few times: XLA:CPU's LLVM at -O0 without its
 # expensive passes compiles them in a fraction of the time (engine-heavy files ran 1.2-1.45x faster end to end on 2
 # cores). No fast-math either way, and every golden / equality test of the suite passes under these flags.
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# FAST_COMPILE is the same as per-executable ``compiler_options``, for tests that must compile fast whatever
+# XLA_FLAGS says (the interpret-mode Pallas kernels are big scans, whose test time it halves).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
 
 
 def xla_flags(n_devices: int) -> str:

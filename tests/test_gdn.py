@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from conftest import FAST_COMPILE
 from dflash_jax.models import gdn
 from dflash_jax.models.qwen36 import causal_conv
 
@@ -20,10 +21,9 @@ RTOL = ATOL = 1e-4
 
 # Every new shape compiles; these tests are compile-bound on CPU, so skip the expensive LLVM passes (the numerics
 # of the HLO are unchanged) to stay well inside the time budget.
-_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-gdn_recurrent = jax.jit(gdn.gdn_recurrent, compiler_options=_FAST)
-gdn_chunked = jax.jit(gdn.gdn_chunked, static_argnames="chunk", compiler_options=_FAST)
-conv = jax.jit(causal_conv, compiler_options=_FAST)
+gdn_recurrent = jax.jit(gdn.gdn_recurrent, compiler_options=FAST_COMPILE)
+gdn_chunked = jax.jit(gdn.gdn_chunked, static_argnames="chunk", compiler_options=FAST_COMPILE)
+conv = jax.jit(causal_conv, compiler_options=FAST_COMPILE)
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------

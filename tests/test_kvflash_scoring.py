@@ -3,7 +3,6 @@
 shadow): the written tables, the query windows, the scores (every bucket, padded pages and queries, context pages,
 several sequences a call), and no compiles after warmup."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings

@@ -15,7 +15,7 @@ from dflash_jax.models import gdn
 from pallas_kernels import registry
 from pallas_kernels.gdn import (block_plan, default_config, default_precision, gdn_chunked,
                                 gdn_chunked_reference, operand_dtype)
-from test_pallas_paged_decode import FAST_COMPILE
+from conftest import FAST_COMPILE
 
 pytestmark = pytest.mark.xdist_group("pallas_gdn")
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from dflash_jax.models import qwen36
 from pallas_kernels import registry
 from pallas_kernels.gdn import decode
-from test_pallas_paged_decode import FAST_COMPILE
+from conftest import FAST_COMPILE
 
 pytestmark = pytest.mark.xdist_group("pallas_gdn")
 

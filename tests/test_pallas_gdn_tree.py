@@ -18,7 +18,7 @@ from dflash_jax.models import gdn
 from pallas_kernels import registry
 from pallas_kernels.gdn import gdn_tree, gdn_tree_reference, tree_block_plan, tree_default_config
 from pallas_kernels.gdn.tree import padded_slots
-from test_pallas_paged_decode import FAST_COMPILE
+from conftest import FAST_COMPILE
 from test_tree_gdn import make_inputs, np_ancestors, random_parents
 
 pytestmark = pytest.mark.xdist_group("pallas_gdn_tree")

@@ -10,15 +10,13 @@ import jax.numpy as jnp
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from conftest import FAST_COMPILE
 from dflash_jax.models import attention
 from pallas_kernels import registry
 from pallas_kernels.paged_decode import (auto_partitions, block_plan, default_config, paged_decode,
                                          paged_decode_reference)
 
-# Interpret-mode kernels are big scans: compiling them without LLVM's expensive passes halves test time.
 pytestmark = pytest.mark.xdist_group("pallas_paged_decode")
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def run_kernel(q, k, v, pt, lens, scale, **static):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dflash_jax.models import attention, tree_ops
 from pallas_kernels import registry
 from pallas_kernels.tree_attention import block_plan, default_config, tree_attention, tree_attention_reference
-from test_pallas_paged_decode import FAST_COMPILE
+from conftest import FAST_COMPILE
 
 pytestmark = pytest.mark.xdist_group("pallas_tree_attention")
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, xla_flags
 from dflash_jax.serve.__main__ import StartupError, build_parser, resolve
 
 MODEL = os.path.join(FIXTURES, "qwen36_tiny_b")
@@ -151,7 +151,7 @@ def test_draft_device_other_than_the_target_is_refused_at_start():
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-m", "dflash_jax.serve", "--model", MODEL, "--draft-device", "cpu:1"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and "--draft-device cpu:1 is not the target's device" in r.stderr, r.stderr

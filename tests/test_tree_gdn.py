@@ -11,21 +11,21 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import FAST_COMPILE
 from dflash_jax.models import gdn, tree_ops
 from dflash_jax.models.qwen36 import causal_conv
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 
 # compile-bound on CPU: skip the expensive LLVM passes (the HLO numerics are unchanged)
-_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-gdn_tree = jax.jit(gdn.gdn_tree, compiler_options=_FAST)
-node_state = jax.jit(gdn.tree_node_state, compiler_options=_FAST)
-gdn_recurrent = jax.jit(gdn.gdn_recurrent, compiler_options=_FAST)
-gdn_chunked = jax.jit(gdn.gdn_chunked, static_argnames="chunk", compiler_options=_FAST)
-ancestors_of = jax.jit(tree_ops.tree_ancestors, compiler_options=_FAST)
-tree_conv = jax.jit(tree_ops.tree_conv, compiler_options=_FAST)
-tree_conv_state = jax.jit(tree_ops.tree_conv_state, compiler_options=_FAST)
-conv = jax.jit(causal_conv, compiler_options=_FAST)
+gdn_tree = jax.jit(gdn.gdn_tree, compiler_options=FAST_COMPILE)
+node_state = jax.jit(gdn.tree_node_state, compiler_options=FAST_COMPILE)
+gdn_recurrent = jax.jit(gdn.gdn_recurrent, compiler_options=FAST_COMPILE)
+gdn_chunked = jax.jit(gdn.gdn_chunked, static_argnames="chunk", compiler_options=FAST_COMPILE)
+ancestors_of = jax.jit(tree_ops.tree_ancestors, compiler_options=FAST_COMPILE)
+tree_conv = jax.jit(tree_ops.tree_conv, compiler_options=FAST_COMPILE)
+tree_conv_state = jax.jit(tree_ops.tree_conv_state, compiler_options=FAST_COMPILE)
+conv = jax.jit(causal_conv, compiler_options=FAST_COMPILE)
 
 
 # ---- trees and inputs ----------------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def test_every_node_state_at_once_equals_one_at_a_time():
     par = random_parents(rng, b, n, 0.2)
     args = make_inputs(5, b, n, h, dk, dv, "mixed", 1.0, jnp.float32)
     _, cache = gdn_tree(*args, ancestors_of(jnp.asarray(par, jnp.int32)))
-    every = jax.jit(gdn.tree_node_states, compiler_options=_FAST)(cache, args[-1])
+    every = jax.jit(gdn.tree_node_states, compiler_options=FAST_COMPILE)(cache, args[-1])
     assert every.shape == (b, n, h, dk, dv)
     assert_close(every, all_node_states(cache, args[-1], n), 1e-5)
 
