@@ -129,16 +129,17 @@ def test_tree_attention_lowers_quantized(platform, kv_dtype, b, n, parts, prefet
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("m,n,k", [(1, 5120, 17408), (16, 10240, 5120), (64, 17408, 5120)])
-def test_skinny_matmul_lowers(platform, w_dtype, m, n, k):
+@pytest.mark.parametrize("m,n,k,form", [(1, 5120, 17408, "gemv"), (3, 10240, 5120, "gemv"), (1, 5120, 17408, "dot"),
+                                         (16, 10240, 5120, "dot"), (64, 17408, 5120, "dot")])
+def test_skinny_matmul_lowers(platform, w_dtype, m, n, k, form):
     from pallas_kernels import skinny_matmul
 
     if platform == "rocm" and w_dtype == jnp.float8_e4m3fn:
         pytest.skip("gfx942's Triton converts only e4m3fnuz")
     scale = sd((n,), jnp.float32) if w_dtype == jnp.float8_e4m3fn else None
-    fn = lambda *a: skinny_matmul.skinny_matmul_pallas(*a, interpret=False)  # noqa: E731
+    fn = lambda *a: skinny_matmul.skinny_matmul_pallas(*a, form=form, interpret=False)  # noqa: E731
     text = lower(platform, fn, sd((m, k), jnp.bfloat16), sd((n, k), w_dtype), scale)
-    assert "__gpu$xla.gpu.triton" in text
+    assert "__gpu$xla.gpu.triton" in text and f"skinny_matmul_{form}" in text
 
 
 H200_BUDGET = 227 * 1024

@@ -1,5 +1,6 @@
 """The weight-streaming skinny matmul (``pallas_kernels.skinny_matmul``) in interpret mode: equal to the reference
-for bf16 / f32 and per-channel fp8 weights, any M (padded tiles, several M tiles), split-K 1 and > 1; the auto
+for bf16 / f32 and per-channel fp8 weights, any M (padded tiles, several M tiles), both forms (``dot``; ``gemv``
+at M <= 4), split-K 1 and > 1; the auto
 split-K rule; the static tile check; and the model's routing (``DFLASH_KERNELS=skinny_matmul=pallas_triton``),
 kept off tensor-parallel meshes."""
 
@@ -37,11 +38,12 @@ def _operands(m: int, n: int, k: int, weight: str, seed: int = 0):
 
 
 @pytest.mark.parametrize("weight", ["bf16", "fp8"])
-@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("m,form", [(1, "gemv"), (3, "gemv"), (4, "gemv"), (1, "dot"), (3, "dot"), (16, "dot"),
+                                    (40, "dot")])
 @pytest.mark.parametrize("split_k", [1, 4])
-def test_kernel_equals_reference(weight, m, split_k):
+def test_kernel_equals_reference(weight, m, form, split_k):
     x, w, s = _operands(m, 64, 512, weight, seed=m)
-    got = sm.skinny_matmul_pallas(x, w, s, block_n=32, block_k=64, split_k=split_k)
+    got = sm.skinny_matmul_pallas(x, w, s, block_n=32, block_k=64, split_k=split_k, form=form)
     chex.assert_shape(got, (m, 64))
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(sm.skinny_matmul_reference(x, w, s)),
@@ -57,7 +59,7 @@ def test_kernel_equals_reference_property(m, n_blocks, k_blocks, weight, split):
     x, w, s = _operands(m, 16 * n_blocks, k, "fp8" if weight == "fp8" else "bf16", seed=m)
     if weight == "f32":
         x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    got = sm.skinny_matmul_pallas(x, w, s, block_n=16, block_k=32, split_k=split)
+    got = sm.skinny_matmul_pallas(x, w, s, block_n=16, block_k=32, split_k=split)  # the default form for m
     np.testing.assert_allclose(np.asarray(got), np.asarray(sm.skinny_matmul_reference(x, w, s)),
                                rtol=1e-4, atol=1e-3)
 
@@ -94,14 +96,29 @@ def test_static_check_names_the_block():
     with pytest.raises(ValueError, match="split_k=3"):
         sm.block_plan(1, 64, 512, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, block_n=64, block_k=128,
                       split_k=3, num_stages=3)
+    with pytest.raises(ValueError, match="gemv form takes 1..4 rows"):
+        sm.block_plan(5, 64, 512, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, block_n=32, block_k=128,
+                      split_k=1, num_stages=2, form="gemv")
+    with pytest.raises(ValueError, match="form 'mma'"):
+        sm.block_plan(1, 64, 512, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, block_n=32, block_k=128,
+                      split_k=1, num_stages=2, form="mma")
+    # the gemv form has no dot: K steps below tl.dot's 16 pass its check
+    assert sm.block_plan(2, 64, 64, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16, block_n=32, block_k=8,
+                         split_k=1, num_stages=2, form="gemv")["bm"] == 2
     x, w, _ = _operands(1, 64, 128, "fp8")
     with pytest.raises(ValueError, match="needs its per-output-channel scale"):
         sm.skinny_matmul_pallas(x, w)
 
 
 def test_default_config_and_supports():
-    assert sm.default_config(48, 5120) == dict(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=3)
-    assert sm.default_config(17408, 5120, 1, jnp.float8_e4m3fn)["block_k"] == 512
+    assert sm.default_config(48, 5120, 8) == dict(form="dot", block_n=16, block_k=256, split_k=None, num_warps=4,
+                                                  num_stages=3)
+    assert sm.default_config(17408, 5120, 8, jnp.float8_e4m3fn)["block_k"] == 512
+    # gemv up to 4 rows: one 128-bit load per thread of a warp per K step (256 bf16 / 512 fp8 weights)
+    assert sm.default_config(17408, 5120) == dict(form="gemv", block_n=32, block_k=256, split_k=None, num_warps=4,
+                                                  num_stages=2)
+    assert sm.default_config(5120, 17408, 4, jnp.float8_e4m3fn)["block_k"] == 512
+    assert [sm.default_form(m) for m in (1, 4, 5, 64)] == ["gemv", "gemv", "dot", "dot"]
     assert sm.default_config(100, 5120) is None  # N without a power-of-two divisor >= 16
     assert sm.default_config(5120, 17408, 64, jnp.float8_e4m3fn)["block_k"] == 256  # fits 64 rows
     assert sm.supports(64, 5120, 17408, jnp.bfloat16, jnp.float8_e4m3fn)

@@ -534,7 +534,8 @@ def test_bench_linear_smoke(tmp_path, monkeypatch):
     assert figs["int4_speedup.tiny.b1"] > 0 and figs["int8_speedup.tiny.b1"] > 0
     for v in ("bf16_pallas", "fp8_pallas"):  # a zero budget still times the default config
         assert figs[f"{v}.tiny.b1.best_us"] > 0 and figs[f"{v}.tiny.b1.best_gbps"] > 0
-        assert set(extra["best_configs"][f"{v}.tiny.b1"]) == {"block_n", "block_k", "split_k", "num_warps",
+        assert extra["best_configs"][f"{v}.tiny.b1"]["form"] == "gemv"  # the default at one row
+        assert set(extra["best_configs"][f"{v}.tiny.b1"]) == {"form", "block_n", "block_k", "split_k", "num_warps",
                                                               "num_stages"}
         assert len(extra["sweep"][f"{v}.tiny.b1"]) == 1
     assert not extra["errors"]

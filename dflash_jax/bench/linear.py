@@ -11,12 +11,12 @@ Pallas kernel), ``int8`` (Q8_0 blocks: a scale per 32 inputs, XLA: per-block par
 ``int4`` (packed Q4_0 blocks: two 4-bit values per byte and a float16 scale per 32 inputs, unpacked inside the
 jitted matmul; ``.gbps`` counts the packed bytes, so it reaches the copy bandwidth only if XLA fuses the unpack
 into the dot). The XLA variants run ``qwen36.linear`` with the ``skinny_matmul`` op held at its reference, the
-Pallas ones call the kernel with its ``default_config``. Figures per variant: ``{variant}.{shape}.b{B}.us``
+Pallas ones call the kernel with its ``default_config`` (the ``gemv`` form at batches <= 4). Figures per variant: ``{variant}.{shape}.b{B}.us``
 (microseconds per matrix) and ``.gbps`` (weight bytes read per second), and ``{variant}_speedup.{shape}.b{B}``
 = bf16 time / variant time (``fp8_speedup`` for ``fp8``).
 
-``--sweep`` also times each Pallas variant over a pruned launch grid (:data:`SWEEP_GRID`: block_n, block_k,
-split_k (None = auto), num_warps, num_stages; configs failing the static tile check or resolving to a config
+``--sweep`` also times each Pallas variant over a pruned launch grid (:data:`SWEEP_GRID`: form (``gemv`` at
+batches <= 4, ``dot``), block_n, block_k, split_k (None = auto), num_warps, num_stages; configs failing the static tile check or resolving to a config
 already timed are skipped) per shape and batch, with ``--sweep-copies`` weights; each (variant, shape, batch)
 sweep gets an even share of what is left of ``--budget-s`` (the whole command's wall-time target, 170 s: the
 default config is always timed first, the rest in :data:`SWEEP_GRID` order until the share is spent). It records
@@ -45,16 +45,24 @@ SHAPES = {"mlp_gate": (17408, 5120), "mlp_down": (5120, 17408), "gdn_qkv": (1024
           "gdn_out": (5120, 6144), "attn_q": (12288, 5120), "tiny": (128, 512)}  # tiny: a CPU smoke test
 VARIANTS = ("bf16", "bf16_pallas", "fp8", "fp8_dynamic", "fp8_block128", "fp8_pallas", "int8", "int4")
 PALLAS = ("bf16_pallas", "fp8_pallas")
-# (block_n, block_k, split_k (None: auto), num_warps, num_stages), pruned from block_n 32/64/128 x block_k
-# 128/256/512 x split_k auto/1/2/4/8 x warps 4/8 x stages 2/3/4 to 16, most telling first (a sweep cut short by
-# its time share keeps those): the split-K extremes, the tile sizes at 3 stages, then deeper / shallower pipelines.
+# (form, block_n, block_k, split_k (None: auto), num_warps, num_stages). "gemv" (batches <= sm.GEMV_MAX_M; the
+# static check skips it above): tile widths around the default's one 128-bit load per thread, then warps and
+# pipeline depth. "dot": pruned from block_n 32/64/128 x block_k 128/256/512 x split_k auto/1/2/4/8 x warps 4/8 x
+# stages 2/3/4 to 16, most telling first (a sweep cut short by its time share keeps those): the split-K
+# extremes, the tile sizes at 3 stages, then deeper / shallower pipelines.
 SWEEP_GRID = (
-    (64, 256, None, 4, 3), (64, 256, 1, 4, 3), (64, 512, None, 4, 2), (128, 256, None, 8, 3),
-    (32, 256, None, 4, 3), (64, 256, 8, 4, 3), (64, 128, None, 4, 4), (64, 512, None, 8, 3),
-    (64, 256, 2, 4, 3), (64, 256, 4, 4, 3), (32, 512, None, 4, 3), (128, 512, None, 8, 2),
-    (64, 256, None, 8, 4), (32, 128, None, 4, 4), (128, 128, None, 8, 4), (32, 256, None, 4, 4),
+    ("gemv", 32, 512, None, 4, 2), ("gemv", 16, 512, None, 4, 2), ("gemv", 64, 512, None, 4, 2),
+    ("gemv", 32, 1024, None, 4, 2), ("gemv", 32, 512, None, 8, 2), ("gemv", 32, 512, None, 4, 3),
+    ("gemv", 32, 512, None, 4, 1), ("gemv", 16, 1024, None, 4, 2), ("gemv", 32, 256, None, 4, 3),
+    ("gemv", 32, 512, 1, 4, 2), ("gemv", 32, 512, 8, 4, 2), ("gemv", 64, 256, None, 8, 2),
+    ("dot", 64, 256, None, 4, 3), ("dot", 64, 256, 1, 4, 3), ("dot", 64, 512, None, 4, 2),
+    ("dot", 128, 256, None, 8, 3), ("dot", 32, 256, None, 4, 3), ("dot", 64, 256, 8, 4, 3),
+    ("dot", 64, 128, None, 4, 4), ("dot", 64, 512, None, 8, 3), ("dot", 64, 256, 2, 4, 3),
+    ("dot", 64, 256, 4, 4, 3), ("dot", 32, 512, None, 4, 3), ("dot", 128, 512, None, 8, 2),
+    ("dot", 64, 256, None, 8, 4), ("dot", 32, 128, None, 4, 4), ("dot", 128, 128, None, 8, 4),
+    ("dot", 32, 256, None, 4, 4),
 )
-CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+CONFIG_KEYS = ("form", "block_n", "block_k", "split_k", "num_warps", "num_stages")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,7 +133,8 @@ def _resolved(shape: tuple[int, int], b: int, w_dtype, cfg: dict) -> dict:
     """``cfg`` with split_k resolved (ValueError when it fails the static tile check)."""
     n, k = shape
     plan = sm.block_plan(b, n, k, x_dtype=jnp.bfloat16, w_dtype=w_dtype, block_n=cfg["block_n"],
-                         block_k=cfg["block_k"], split_k=cfg["split_k"], num_stages=cfg["num_stages"])
+                         block_k=cfg["block_k"], split_k=cfg["split_k"], num_stages=cfg["num_stages"],
+                         form=cfg["form"])
     return {**cfg, "split_k": plan["split_k"]}
 
 
