@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -350,6 +351,9 @@ class DrafterConfig:
     num_target_layers: int | None = None
     vocab_size: int | None = None
     is_causal: bool | None = None  # None: per layer type (sliding causal, full bidirectional)
+    # nats added per DDTree level to this drafter's log-probs (spec.ddtree's level bonus), calibrated on training
+    # text; an inference setting, not architecture (``dflash_config.ddtree_level_bonus``, absent = 0)
+    ddtree_level_bonus: float = 0.0
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -489,6 +493,9 @@ class DrafterConfig:
         vocab = d.get("vocab_size")
         if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0):
             raise ConfigError(f"{w}: key 'vocab_size' must be a positive int, got {vocab!r}")
+        bonus = dc.get("ddtree_level_bonus", 0.0)
+        if isinstance(bonus, bool) or not isinstance(bonus, (int, float)) or not math.isfinite(bonus):
+            raise ConfigError(f"{w}: key 'dflash_config.ddtree_level_bonus' must be a finite number, got {bonus!r}")
         eps = _rms_norm_eps(d, w)
         return cls(
             **attention,
@@ -503,6 +510,7 @@ class DrafterConfig:
             num_target_layers=n_target,
             vocab_size=vocab,
             is_causal=causal,
+            ddtree_level_bonus=float(bonus),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -534,6 +542,8 @@ class DrafterConfig:
             out["vocab_size"] = self.vocab_size
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
+        if self.ddtree_level_bonus:
+            out["dflash_config"]["ddtree_level_bonus"] = self.ddtree_level_bonus
         return out
 
     @classmethod

@@ -1242,7 +1242,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     t_eval = target_eval(tp)
     if res_l or res_t:
         (res_l or res_t).history["eval"].append({"step": (res_l or res_t).steps, **t_eval})
-    log(f"[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
+    log("[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
         f" ({time.perf_counter() - t0:.1f}s)")
 
     # ---- drafter -------------------------------------------------------------------------------------------------
@@ -1439,9 +1439,11 @@ def load_trained_target(path: str, tcfg: TargetConfig, tokenizer_dir: str) -> An
 
 def load_trained_drafter(path: str, dcfg: DrafterConfig) -> Any:
     """The float32 parameters of an exported drafter (``--init-drafter``, read with ``load_drafter``), refused
-    unless its config.json is the drafter config this run would train (same preset, same target, same mask id)."""
+    unless its config.json is the drafter config this run would train (same preset, same target, same mask id). Its
+    DDTree level bonus is an inference setting calibrated for those weights: not compared, and not carried over
+    (calibrate the continued drafter again, ``experiments/calibrate_level_bonus.py``)."""
     got, params = load_drafter(path, dtype=F32)
-    if got != dcfg:
+    if dataclasses.replace(got, ddtree_level_bonus=dcfg.ddtree_level_bonus) != dcfg:
         diff = {k: (v, getattr(dcfg, k)) for k, v in dataclasses.asdict(got).items()
                 if v != getattr(dcfg, k, None)} if dataclasses.is_dataclass(got) else {}
         raise SystemExit(f"--init-drafter {path}: its config.json is not this preset's drafter config"

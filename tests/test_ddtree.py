@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from dflash_jax.spec import ddtree
 from dflash_jax.spec.ddtree import brute_force_prefixes, build_tree_reference, tree_paths
 
-_build = jax.jit(ddtree.build_tree, static_argnames=("budget", "top_k", "chain_seed"))
+_build = jax.jit(ddtree.build_tree, static_argnames=("budget", "top_k", "chain_seed", "level_bonus"))
 
 
-def build(lp, budget, top_k=None, chain_seed=False):
+def build(lp, budget, top_k=None, chain_seed=False, level_bonus=0.0):
     """Always pass every static argument, so equal configs share one jit cache entry."""
-    return _build(lp, budget=budget, top_k=top_k, chain_seed=chain_seed)
+    return _build(lp, budget=budget, top_k=top_k, chain_seed=chain_seed, level_bonus=level_bonus)
 B = 3
 
 
@@ -31,7 +31,7 @@ def row(tree, b) -> dict:
     return {k: np.asarray(getattr(tree, k)[b]) for k in ("tokens", "parent", "depth", "score", "valid", "ancestors")}
 
 
-def check_invariants(t: dict, lp: np.ndarray, budget: int, k: int):
+def check_invariants(t: dict, lp: np.ndarray, budget: int, k: int, bonus: float = 0.0):
     L, V = lp.shape
     n = budget + 1
     tokens, parent, depth, score, valid, anc = (
@@ -48,7 +48,7 @@ def check_invariants(t: dict, lp: np.ndarray, budget: int, k: int):
         assert 0 <= p < i and valid[p], "parents precede children"
         assert depth[i] == depth[p] + 1 and 1 <= depth[i] <= L
         assert tokens[i] in topk_ids[depth[i] - 1]
-        np.testing.assert_allclose(score[i], score[p] + lp[depth[i] - 1, tokens[i]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(score[i], score[p] + lp[depth[i] - 1, tokens[i]] + bonus, rtol=1e-5, atol=1e-5)
     for i in range(n_valid, n):  # padding
         assert tokens[i] == 0 and parent[i] == 0 and depth[i] == 1 and score[i] == -np.inf
     # ancestors = reflexive-transitive closure of parent (valid rows); padding rows see only themselves
@@ -198,6 +198,38 @@ def test_tree_is_a_pytree_through_jit():
     same = jax.jit(lambda t: t)(tree)
     assert same.max_depth == 3
     np.testing.assert_array_equal(np.asarray(same.ancestors), np.asarray(tree.ancestors))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=st.sampled_from([(3, 5, 6, None, False), (4, 5, 10, 2, False), (3, 5, 6, None, True)]),
+       bonus=st.sampled_from([0.3, 1.5]), seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.5, 2.0, 6.0]))
+def test_level_bonus_tree_is_valid_and_equals_the_reference(cfg, bonus, seed, scale):
+    """A level bonus adds c per level to every score (a child may then outscore its parent): the tree keeps every
+    structural invariant and the jitted builder pops exactly what the heapq reference pops."""
+    L, V, budget, top_k, chain = cfg
+    lp = draft_logprobs(seed, B, L, V, scale)
+    tree = build(lp, budget=budget, top_k=top_k, chain_seed=chain, level_bonus=bonus)
+    k = min(budget, V) if top_k is None else min(top_k, V)
+    for b in range(B):
+        t = row(tree, b)
+        check_invariants(t, lp[b], budget, k, bonus)
+        ref = build_tree_reference(lp[b], budget, top_k, chain_seed=chain, level_bonus=bonus)
+        for key in ("tokens", "parent", "depth", "valid", "ancestors"):
+            np.testing.assert_array_equal(t[key], ref[key], err_msg=key)
+        np.testing.assert_allclose(t["score"], ref["score"], rtol=1e-6)
+
+
+def test_level_bonus_deepens_the_tree_towards_the_chain():
+    """The bonus trades width for depth: on this draft the total depth grows with it, and past every log-prob gap the
+    first L pops are the drafter's top-1 chain (each child then outscores every remaining sibling)."""
+    L, V, budget = 4, 8, 10
+    lp = draft_logprobs(3, B, L, V, 2.0)
+    depths = [np.asarray(build(lp, budget=budget, level_bonus=c).depth).sum(1) for c in (0.0, 0.5, 2.0, 100.0)]
+    assert all(np.all(a <= b) for a, b in zip(depths, depths[1:]))
+    t = build(lp, budget=budget, level_bonus=100.0)
+    greedy = np.argmax(lp, -1)
+    np.testing.assert_array_equal(np.asarray(t.tokens)[:, 1:L + 1], greedy)
+    np.testing.assert_array_equal(np.asarray(t.depth)[:, 1:L + 1], np.broadcast_to(np.arange(1, L + 1), (B, L)))
 
 
 def test_bad_args():

@@ -130,6 +130,16 @@ def test_config_variants():
     assert build_target_layer_ids(64, 5) == (1, 16, 31, 46, 61)
     assert build_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert build_target_layer_ids(10, 1) == (5,)
+    assert c.ddtree_level_bonus == 0.0 and "ddtree_level_bonus" not in c.to_hf_dict()["dflash_config"]
+
+
+def test_config_carries_a_calibrated_level_bonus():
+    raw = copy.deepcopy(NANO)
+    raw["dflash_config"]["ddtree_level_bonus"] = 0.3
+    c = DrafterConfig.from_hf_dict(raw)
+    assert c.ddtree_level_bonus == 0.3
+    assert c.to_hf_dict()["dflash_config"]["ddtree_level_bonus"] == 0.3
+    assert DrafterConfig.from_hf_dict(c.to_hf_dict()) == c
 
 
 def _mut(path: str, value=None, delete=False):
@@ -170,6 +180,8 @@ def _mut(path: str, value=None, delete=False):
     (_mut("dflash_config", []), "dflash_config"),
     (_mut("num_target_layers", -1), "num_target_layers"),
     (_mut("is_causal", "yes"), "is_causal"),
+    (_mut("dflash_config.ddtree_level_bonus", "0.3"), "ddtree_level_bonus"),
+    (_mut("dflash_config.ddtree_level_bonus", float("nan")), "ddtree_level_bonus"),
 ])
 def test_config_errors_name_the_key(mutate, key):
     raw = copy.deepcopy(NANO)

@@ -24,6 +24,7 @@ def _resolve(*argv):
     (("--model", MODEL, "--fast-rollback"), "--fast-rollback selects how DDTree rounds commit"),
     (("--ddtree", "--fast-rollback", "--max-concurrency", "4"), "use --max-concurrency 1"),
     (("--model", MODEL, "--ddtree-chain-seed"), "--ddtree-chain-seed shapes DDTree trees"),
+    (("--model", MODEL, "--ddtree-level-bonus", "0.3"), "--ddtree-level-bonus shapes DDTree trees"),
     (("--cohort-reprobe-tokens", "-1"), "--cohort-reprobe-tokens must be >= 0"),
     (("--model", MODEL, "--ddtree-max-verify-tokens", "64"), "--ddtree-max-verify-tokens caps DDTree rounds"),
     (("--ddtree", "--ddtree-max-verify-tokens", "1"), "--ddtree-max-verify-tokens must be >= 2"),
@@ -70,6 +71,15 @@ def test_a_preset_chain_seed_must_be_a_boolean(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("ddtree: true\nddtree-chain-seed: true\n")
     assert _resolve("--config", str(good)).ddtree_chain_seed is True
+
+
+def test_the_level_bonus_defaults_to_the_drafters_and_a_preset_must_give_a_number(tmp_path):
+    assert _resolve("--ddtree").ddtree_level_bonus is None  # the drafter checkpoint's, resolved by the engine
+    assert _resolve("--ddtree", "--ddtree-level-bonus", "0.25").ddtree_level_bonus == 0.25
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ddtree: true\nddtree-level-bonus: lots\n")
+    with pytest.raises(StartupError, match="--ddtree-level-bonus must be a finite number, got 'lots'"):
+        _resolve("--config", str(bad))
 
 
 def test_presets_load_and_command_line_overrides_them(tmp_path):

@@ -59,7 +59,7 @@ def prefill(params, dparams, cfg, dcfg, state, dkv, tokens, n_valid, slots, tabl
 spec_jit = jax.jit(spec_step, static_argnums=(0, 1, 2), donate_argnums=(5, 6))
 
 
-def run(name, prompts, n_new, budget=6, active_rows=None):
+def run(name, prompts, n_new, budget=6, active_rows=None, level_bonus=None):
     t, dcfg, dparams = setup(name)
     cfg = t.config
     state = EngineState.zeros(cfg, n_pages=ROWS * WIDTH + 1, page_size=PAGE, n_slots=ROWS + 1, dtype=jnp.float32)
@@ -77,7 +77,7 @@ def run(name, prompts, n_new, budget=6, active_rows=None):
                                 jnp.asarray(slots), jnp.asarray(table))
     outs = [[int(first[r])] for r in range(len(prompts))]
     start = nv.copy()
-    spec = SpecConfig(budget=budget, chain_seed=True)
+    spec = SpecConfig(budget=budget, chain_seed=level_bonus is None, level_bonus=level_bonus)
     samp = SamplingArrays.from_rows([RowSampling() for _ in range(ROWS)], ROWS)
     nodes = []
     while min(len(o) for o in outs) < n_new:
@@ -106,6 +106,46 @@ def test_spec_round_equals_ar_greedy_alone_and_batched():
     assert all(1 <= n <= 6 for n in nodes)  # the budget bounds the verified nodes
     both, _ = run("qwen36_tiny_a", prompts, 12)
     assert both == want
+
+
+def test_level_bonus_rounds_stay_lossless():
+    t, _, _ = setup("qwen36_tiny_a")
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, t.config.vocab_size - 1, n).tolist() for n in (9, 14)]
+    got, _ = run("qwen36_tiny_a", prompts, 10, level_bonus=1.0)
+    assert got == [t.greedy(p, 10) for p in prompts]
+
+
+def test_level_bonus_comes_from_the_drafter_unless_the_spec_sets_it():
+    """SpecConfig.level_bonus None takes DrafterConfig.ddtree_level_bonus (a checkpoint's calibrated value); a
+    number overrides it. A bonus past every log-prob gap makes each tree the drafter's top-1 chain."""
+    from dflash_jax.engine.spec_steps import draft_tree
+
+    t, base, dparams = setup("qwen36_tiny_a")
+    cfg = t.config
+    rng = np.random.default_rng(14)
+    state = EngineState.zeros(cfg, n_pages=ROWS * WIDTH + 1, page_size=PAGE, n_slots=ROWS + 1, dtype=jnp.float32)
+    dkv = DraftKV.zeros(base, ROWS * WIDTH + 1, PAGE, jnp.float32)
+    table = np.arange(1, 1 + ROWS * WIDTH, dtype=np.int32).reshape(ROWS, WIDTH)
+    tok = rng.integers(0, cfg.vocab_size - 1, (ROWS, 32)).astype(np.int32)
+    nv = np.array([9, 20, 31], np.int32)
+    slots = np.arange(1, ROWS + 1, dtype=np.int32)
+    state, dkv, first = prefill(t.params, dparams, cfg, base, state, dkv, jnp.asarray(tok), jnp.asarray(nv),
+                                jnp.asarray(slots), jnp.asarray(table))
+    inp = SpecInput(root=first.astype(jnp.int32), start=jnp.asarray(nv), slots=jnp.asarray(slots),
+                    active=jnp.ones(ROWS, bool), page_table=jnp.asarray(table))
+    tree = jax.jit(draft_tree, static_argnums=(0, 1, 2))
+    fields = lambda tr: [np.asarray(getattr(tr[0], f)) for f in ("tokens", "parent", "depth", "score")]  # noqa: E731
+    calibrated = dataclasses.replace(base, ddtree_level_bonus=10.0)
+    from_drafter = fields(tree(cfg, calibrated, SpecConfig(budget=6), t.params, dparams, dkv, inp))
+    from_spec = fields(tree(cfg, base, SpecConfig(budget=6, level_bonus=10.0), t.params, dparams, dkv, inp))
+    overridden = fields(tree(cfg, calibrated, SpecConfig(budget=6, level_bonus=0.0), t.params, dparams, dkv, inp))
+    plain = fields(tree(cfg, base, SpecConfig(budget=6), t.params, dparams, dkv, inp))
+    for a, b in zip(from_drafter, from_spec):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(overridden, plain):
+        np.testing.assert_array_equal(a, b)
+    assert (from_drafter[2][:, 1:] == np.arange(1, 7)).all() and (plain[2] < from_drafter[2]).any()  # a chain
 
 
 def rms(x, w, eps):

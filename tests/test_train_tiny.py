@@ -4,6 +4,7 @@ then the exported set is loaded back the way the engine and the server load it a
 import json
 import math
 import os
+import shutil
 import sys
 
 import jax
@@ -115,8 +116,6 @@ def test_exported_set_loads_and_generates(smoke_run):
 
 def _work_with_data(src, dst):
     """A fresh work dir holding the smoke run's cached data (no corpus / tokenizer rebuild)."""
-    import shutil
-
     dst.mkdir()
     for d in src.iterdir():
         if d.name.startswith("data-"):
@@ -127,11 +126,17 @@ def _work_with_data(src, dst):
 def test_init_drafter_continues_from_the_exported_drafter(smoke_run, tmp_path):
     out, work, report = smoke_run
     new = tmp_path / "cont"
+    # a calibrated DDTree level bonus in the checkpoint is an inference setting: accepted, not carried over
+    init = tmp_path / "calibrated"
+    shutil.copytree(out / "drafter", init)
+    raw = json.loads((init / "config.json").read_text())
+    raw["dflash_config"]["ddtree_level_bonus"] = 0.25
+    (init / "config.json").write_text(json.dumps(raw))
     rep = train_tiny.main(["--smoke", "--out", str(new), "--work-dir", str(_work_with_data(work, tmp_path / "w")),
-                           "--init-target", str(out / "target"), "--init-drafter", str(out / "drafter"),
+                           "--init-target", str(out / "target"), "--init-drafter", str(init),
                            "--no-scorer", "--set", "train.drafter.steps=0"])
-    assert rep["settings"]["init_drafter"] == os.path.abspath(out / "drafter")
-    assert rep["drafter"]["loaded_from"] == str(out / "drafter")
+    assert rep["settings"]["init_drafter"] == os.path.abspath(init)
+    assert rep["drafter"]["loaded_from"] == str(init)
     assert rep["seeds"]["batch_order"]["drafter"] == train_tiny.CONTINUE_SEED_OFFSET + 1
     # the phase starts from the loaded parameters: its tau at init is the exported drafter's final tau, and with
     # zero steps the export is the input (float32 export in --smoke: bit for bit)

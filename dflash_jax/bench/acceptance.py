@@ -11,7 +11,11 @@ Teacher-forced, at fixed anchor positions of held-out rows (the context before a
   the best path of the tree, i.e. what verification would accept. The tree is the engine's (best-first, or
   chain-seeded with ``--chain-seed``); ``ddtree.best_first.tau`` and ``ddtree.chain_seed.tau`` give both, at
   ``--budget`` and at each ``--sweep-budgets`` size (``ddtree.budgetN.*``: the node budgets a capped
-  ``max_verify_tokens`` gives large batch buckets).
+  ``max_verify_tokens`` gives large batch buckets). Trees take the drafter's level bonus
+  (``dflash_config.ddtree_level_bonus``) unless ``--level-bonus`` says otherwise (``ddtree.level_bonus``: the one
+  used; ``ddtree.no_bonus.tau``: the paper's tree, bonus 0, when it differs); ``--sweep-level-bonus`` reports
+  ``ddtree.level_bonus_<v>.tau`` at each value (``experiments/calibrate_level_bonus.py`` picks a drafter's on
+  training text).
 
 Then the real thing (``--engine-prompts`` > 0): the engine decodes held-out prompts greedily with AR and with DDTree
 speculative decoding (cohort-yield off), checks the outputs are identical, and reports the mean tokens emitted per
@@ -61,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_held_out_arguments(p)
     p.add_argument("--chain-seed", action=argparse.BooleanOptionalAction, default=False,
                    help="the engine's trees (and ddtree.tau) around the drafter's top-1 chain (SpecConfig.chain_seed)")
+    p.add_argument("--level-bonus", type=float, default=None, metavar="NATS",
+                   help="nats added per tree level (SpecConfig.level_bonus); default: the drafter's calibrated one")
+    p.add_argument("--sweep-level-bonus", type=float, nargs="*", default=[], metavar="NATS",
+                   help="also report ddtree.level_bonus_<v>.tau (best-first trees at --budget) at these bonuses")
     p.add_argument("--sweep-budgets", type=int, nargs="*", default=[3, 7, 15, 31],
                    help="also report both tree kinds at these budgets")
     p.add_argument("--engine-prompts", type=int, default=8, help="prompts for the engine AR/DDTree run (0 = skip)")
@@ -145,13 +153,14 @@ def label_path(tokens: np.ndarray, parent: np.ndarray, valid: np.ndarray, labels
     return path
 
 
-def tree_tau(lp: np.ndarray, labels: np.ndarray, budget: int, chain_seed: bool = False) -> np.ndarray:
-    """The accepted length of the label path through the DDTree of each block (bonus included)."""
+def tree_tau(lp: np.ndarray, labels: np.ndarray, budget: int, chain_seed: bool = False,
+             level_bonus: float = 0.0) -> np.ndarray:
+    """The accepted length of the label path through the DDTree of each block (bonus token included)."""
     blk, v = lp.shape[-2:]
     flat_lp = lp.reshape(-1, blk, v)[:, 1:]
     flat_lab = labels.reshape(-1, blk)
-    tree = jax.jit(build_tree, static_argnames=("budget", "top_k", "chain_seed"))(
-        jnp.asarray(flat_lp), budget=budget, chain_seed=chain_seed)
+    tree = jax.jit(build_tree, static_argnames=("budget", "top_k", "chain_seed", "level_bonus"))(
+        jnp.asarray(flat_lp), budget=budget, chain_seed=chain_seed, level_bonus=float(level_bonus))
     tok, par, val = (np.asarray(x) for x in (tree.tokens, tree.parent, tree.valid))
     out = np.asarray([len(label_path(tok[b], par[b], val[b], flat_lab[b])) for b in range(len(flat_lab))], np.int64)
     return out.reshape(labels.shape[:-1])
@@ -175,16 +184,23 @@ def run(args: argparse.Namespace, command: str) -> int:
     t0 = time.perf_counter()
     lp = draft_logprobs(target, dcfg, dparams, rows, anchors)
     t_draft = time.perf_counter() - t0
-    c_tau, d_tau = chain_tau(lp, labels), tree_tau(lp, labels, args.budget, args.chain_seed)
+    bonus = dcfg.ddtree_level_bonus if args.level_bonus is None else args.level_bonus
+    c_tau, d_tau = chain_tau(lp, labels), tree_tau(lp, labels, args.budget, args.chain_seed, bonus)
     figures: dict[str, float] = {
         "chain.tau": float(c_tau.mean()), "ddtree.tau": float(d_tau.mean()),
         "chain.first_draft_acc": float((c_tau >= 2).mean()), "ddtree.first_draft_acc": float((d_tau >= 2).mean()),
         "blocks": int(c_tau.size), "block_size": blk, "budget": args.budget, "chain_seed": int(args.chain_seed),
+        "ddtree.level_bonus": float(bonus),
     }
+    if bonus:
+        figures["ddtree.no_bonus.tau"] = float(tree_tau(lp, labels, args.budget, args.chain_seed).mean())
+    for v in args.sweep_level_bonus:
+        figures[f"ddtree.level_bonus_{v:g}.tau"] = float(tree_tau(lp, labels, args.budget, False, v).mean())
     for b in [args.budget] + [b for b in args.sweep_budgets if b != args.budget]:
         name = "ddtree" if b == args.budget else f"ddtree.budget{b}"
         for kind, seeded in (("best_first", False), ("chain_seed", True)):
-            t = d_tau if (b == args.budget and seeded == args.chain_seed) else tree_tau(lp, labels, b, seeded)
+            t = (d_tau if (b == args.budget and seeded == args.chain_seed)
+                 else tree_tau(lp, labels, b, seeded, bonus))
             figures[f"{name}.{kind}.tau"] = float(t.mean())
     for k in (4, 8):
         figures[f"chain.p_tau_ge{k}"] = float((c_tau >= k).mean())
@@ -207,7 +223,8 @@ def _engine_run(args, target, tok, drafter, rows, max_len, ar: Engine, extra: di
     prompts = [list(map(int, r[: rows.shape[1] // 2])) for r in rows[:n]]
     sp = SamplingParams(max_tokens=args.engine_tokens, temperature=0.0, ignore_eos=True)
     spec = Engine(target, tok, EngineOptions(max_batch=16, max_model_len=max_len, prefill_chunk=128,
-                                             spec=SpecConfig(budget=args.budget, chain_seed=args.chain_seed),
+                                             spec=SpecConfig(budget=args.budget, chain_seed=args.chain_seed,
+                                                             level_bonus=args.level_bonus),
                                              cohort_yield_min=0.0),
                   drafter=drafter)
     out_ar = ar.generate(prompts, sp)

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--chain-seed", action=argparse.BooleanOptionalAction, default=False,
                    help="trees around the drafter's top-1 chain (SpecConfig.chain_seed); default best-first")
+    p.add_argument("--level-bonus", type=float, default=None, metavar="NATS",
+                   help="nats added per DDTree level (SpecConfig.level_bonus); default: the drafter's calibrated one")
     p.add_argument("--max-verify-tokens", type=int, default=None,
                    help="cap on tree tokens verified per round over a bucket (lowers the budget at large batch)")
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache when steps are timed")
@@ -312,7 +314,8 @@ def run(args: argparse.Namespace, command: str) -> int:
         target, _ = peak_target(target)
     dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))
-    spec = SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens, chain_seed=args.chain_seed)
+    spec = SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens, chain_seed=args.chain_seed,
+                      level_bonus=args.level_bonus)
     max_len = args.context + args.oracle_tokens + 4 * dcfg.block_size + 8  # oracle_run: 3 blocks of slack
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,

@@ -31,6 +31,9 @@ class SpecConfig:
     # On the shipped pair the best-first tree accepts more at every budget (held-out, 416 blocks: 3.57 vs 3.42 at 22,
     # 2.83 vs 2.52 at 7): the chain leaves only budget - 15 nodes for branches
     chain_seed: bool = False
+    # nats added to each tree level's draft log-prob (spec.ddtree's level bonus); None: the drafter's own
+    # (DrafterConfig.ddtree_level_bonus, 0 unless its checkpoint carries one)
+    level_bonus: float | None = None
     fast_rollback: bool = False  # commit by selecting the accepted node's kept state (one sequence; see commit_tree)
     # also return the drafter's anchor queries (SpecOutput.draft_query; KVFlash drafter scoring). Off by default:
     # the executable is then the plain round, with nothing extra computed or copied to the host
@@ -139,7 +142,8 @@ def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params,
                                ctx_k, ctx_v, ctx_pos, ctx_valid, with_query=spec.draft_query)
     logits, query = out if spec.draft_query else (out, None)
     logp = jax.nn.log_softmax(logits[:, 1:], axis=-1)
-    tree = ddtree.build_tree(logp, spec.budget, spec.top_k, spec.chain_seed)
+    bonus = dcfg.ddtree_level_bonus if spec.level_bonus is None else spec.level_bonus
+    tree = ddtree.build_tree(logp, spec.budget, spec.top_k, spec.chain_seed, float(bonus))
     return tree.with_root(inp.root), query
 
 

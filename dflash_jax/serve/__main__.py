@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import sys
 import time
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ddtree-chain-seed", action=argparse.BooleanOptionalAction, default=None,
                     help="build each tree around the drafter's full top-1 chain (tree contains the chain), then "
                          "best-first; default off: the best-first tree of the budget's highest-scoring prefixes")
+    ap.add_argument("--ddtree-level-bonus", type=float, default=None, metavar="NATS",
+                    help="nats added to each tree level's draft log-prob, favouring deeper trees (a block drafter's "
+                         "hits come in runs its per-position marginals do not show); default: the drafter "
+                         "checkpoint's calibrated dflash_config.ddtree_level_bonus, else 0 (the paper's tree)")
     ap.add_argument("--draft-residency", choices=("persistent",), default=None,
                     help="persistent (the only mode): the drafter and the PFlash scorer stay loaded on the device for "
                          "the server's life, next to the target")
@@ -211,6 +216,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise StartupError(f"--ddtree-chain-seed must be true or false, got {ns.ddtree_chain_seed!r}")
     if ns.ddtree_chain_seed and not ns.ddtree:
         raise StartupError("--ddtree-chain-seed shapes DDTree trees: it needs --ddtree")
+    if ns.ddtree_level_bonus is not None:
+        if isinstance(ns.ddtree_level_bonus, bool) or not isinstance(ns.ddtree_level_bonus, (int, float)) \
+                or not math.isfinite(ns.ddtree_level_bonus):  # a preset bypasses argparse
+            raise StartupError(f"--ddtree-level-bonus must be a finite number, got {ns.ddtree_level_bonus!r}")
+        if not ns.ddtree:
+            raise StartupError("--ddtree-level-bonus shapes DDTree trees: it needs --ddtree")
     if ns.fast_rollback and not ns.ddtree:
         raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
     if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:
@@ -362,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = (load_drafter(args.drafter, dtype=target.params["embed"].dtype, quantization=q)
                    if args.ddtree else None)
         spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback),
-                           chain_seed=bool(args.ddtree_chain_seed),
+                           chain_seed=bool(args.ddtree_chain_seed), level_bonus=args.ddtree_level_bonus,
                            max_verify_tokens=args.ddtree_max_verify_tokens) if args.ddtree else None)
         target.fuse_projections()  # in place: the engine would otherwise hold a fused copy next to these matrices
         try:
@@ -430,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     shown = (args.ddtree_budget if len(set(budgets.values())) <= 1
              else "/".join(f"{v}@B{b}" for b, v in budgets.items()))
     tree = "chain-seeded" if args.ddtree_chain_seed else "best-first"
+    if args.ddtree:
+        bonus = drafter[0].ddtree_level_bonus if args.ddtree_level_bonus is None else args.ddtree_level_bonus
+        tree += f", level_bonus={bonus:g}"
     mode = (f"ddtree(budget={shown}, tree={tree}, drafter={args.drafter}, mode=packed-verify-{commit}, "
             f"cohort_yield_min={args.cohort_yield_min}, cohort_reprobe_tokens={args.cohort_reprobe_tokens})"
             if args.ddtree else "ar")
