@@ -115,7 +115,7 @@ def test_default_config_and_supports():
                                                   num_stages=3)
     assert sm.default_config(17408, 5120, 8, jnp.float8_e4m3fn)["block_k"] == 512
     # gemv up to 4 rows: one 128-bit load per thread of a warp per K step (256 bf16 / 512 fp8 weights)
-    assert sm.default_config(17408, 5120) == dict(form="gemv", block_n=32, block_k=256, split_k=None, num_warps=4,
+    assert sm.default_config(17408, 5120) == dict(form="gemv", block_n=16, block_k=256, split_k=None, num_warps=4,
                                                   num_stages=2)
     assert sm.default_config(5120, 17408, 4, jnp.float8_e4m3fn)["block_k"] == 512
     assert [sm.default_form(m) for m in (1, 4, 5, 64)] == ["gemv", "gemv", "dot", "dot"]

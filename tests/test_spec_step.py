@@ -77,6 +77,7 @@ def run(name, prompts, n_new, budget=6, active_rows=None, level_bonus=None):
                                 jnp.asarray(slots), jnp.asarray(table))
     outs = [[int(first[r])] for r in range(len(prompts))]
     start = nv.copy()
+    # chain-seeded trees, or best-first ones shaped by a given level bonus
     spec = SpecConfig(budget=budget, chain_seed=level_bonus is None, level_bonus=level_bonus)
     samp = SamplingArrays.from_rows([RowSampling() for _ in range(ROWS)], ROWS)
     nodes = []

@@ -11,13 +11,13 @@ Pallas kernel), ``int8`` (Q8_0 blocks: a scale per 32 inputs, XLA: per-block par
 ``int4`` (packed Q4_0 blocks: two 4-bit values per byte and a float16 scale per 32 inputs, unpacked inside the
 jitted matmul; ``.gbps`` counts the packed bytes, so it reaches the copy bandwidth only if XLA fuses the unpack
 into the dot). The XLA variants run ``qwen36.linear`` with the ``skinny_matmul`` op held at its reference, the
-Pallas ones call the kernel with its ``default_config`` (the ``gemv`` form at batches <= 4). Figures per variant: ``{variant}.{shape}.b{B}.us``
-(microseconds per matrix) and ``.gbps`` (weight bytes read per second), and ``{variant}_speedup.{shape}.b{B}``
+Pallas ones call the kernel with its ``default_config`` (the ``gemv`` form at batches <= 4). Figures per variant:
+``{variant}.{shape}.b{B}.us`` (microseconds per matrix) and ``.gbps`` (weight bytes read per second), and ``{variant}_speedup.{shape}.b{B}``
 = bf16 time / variant time (``fp8_speedup`` for ``fp8``).
 
 ``--sweep`` also times each Pallas variant over a pruned launch grid (:data:`SWEEP_GRID`: form (``gemv`` at
-batches <= 4, ``dot``), block_n, block_k, split_k (None = auto), num_warps, num_stages; configs failing the static tile check or resolving to a config
-already timed are skipped) per shape and batch, with ``--sweep-copies`` weights; each (variant, shape, batch)
+batches <= 4, ``dot``), block_n, block_k, split_k (None = auto), num_warps, num_stages; configs failing the
+static tile check or resolving to a config already timed are skipped) per shape and batch, with ``--sweep-copies`` weights; each (variant, shape, batch)
 sweep gets an even share of what is left of ``--budget-s`` (the whole command's wall-time target, 170 s: the
 default config is always timed first, the rest in :data:`SWEEP_GRID` order until the share is spent). It records
 ``{variant}.{shape}.b{B}.best_us`` / ``.best_gbps`` / ``.best_speedup`` (bf16 XLA time / best), and in the
@@ -51,7 +51,7 @@ PALLAS = ("bf16_pallas", "fp8_pallas")
 # stages 2/3/4 to 16, most telling first (a sweep cut short by its time share keeps those): the split-K
 # extremes, the tile sizes at 3 stages, then deeper / shallower pipelines.
 SWEEP_GRID = (
-    ("gemv", 32, 512, None, 4, 2), ("gemv", 16, 512, None, 4, 2), ("gemv", 64, 512, None, 4, 2),
+    ("gemv", 16, 512, None, 4, 2), ("gemv", 32, 512, None, 4, 2), ("gemv", 64, 512, None, 4, 2),
     ("gemv", 32, 1024, None, 4, 2), ("gemv", 32, 512, None, 8, 2), ("gemv", 32, 512, None, 4, 3),
     ("gemv", 32, 512, None, 4, 1), ("gemv", 16, 1024, None, 4, 2), ("gemv", 32, 256, None, 4, 3),
     ("gemv", 32, 512, 1, 4, 2), ("gemv", 32, 512, 8, 4, 2), ("gemv", 64, 256, None, 8, 2),

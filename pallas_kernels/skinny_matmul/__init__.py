@@ -14,9 +14,9 @@ Implementations:
   (no atomics). Two forms of a program's inner step: ``"dot"`` (``tl.dot`` on an M tile padded to >= 16
   rows) and, for M <= :data:`GEMV_MAX_M`, ``"gemv"`` (no tensor cores: the weight tile converted to f32 in
   registers, multiplied by each row of x and summed along K, so the converted tile never goes through shared
-  memory to reach an MMA and no padded rows are computed; the default at those M). Split-K is what fills the GPU when N alone gives few programs (N=5120 at block_n=64: 80
-  programs on 132 SMs). Opt-in (``preferred=False``) until measured on the H200:
-  ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` routes ``qwen36.linear`` (bf16 weights) and
+  memory to reach an MMA and no padded rows are computed; the default at those M). Split-K is what fills the
+  GPU when N alone gives few programs (N=5120 at block_n=64: 80 programs on 132 SMs). Opt-in
+  (``preferred=False``) until measured on the H200: ``DFLASH_KERNELS=skinny_matmul=pallas_triton`` routes ``qwen36.linear`` (bf16 weights) and
   ``quant.qmatmul`` (per-channel fp8) through it (:func:`route`).
 
 Launch configuration (:func:`default_config`, overridable per call): ``block_n`` / ``block_k`` (powers of two
@@ -121,13 +121,14 @@ def default_config(n: int, k: int, m: int = 1, dtype=jnp.bfloat16, x_dtype=jnp.b
     no valid tiling (N or K without a power-of-two divisor >= 16). Starting guesses (``bench linear --sweep``
     records the best per shape and batch). ``"dot"`` (M > :data:`GEMV_MAX_M`): 64 output channels per program,
     256-wide K steps for bf16 and 512-wide for fp8 (the same 32 KiB weight tile), 3 stages, 4 warps; block_k
-    halves until the tiles of an M tile of ``padded_m(m)`` rows fit the shared-memory budget. ``"gemv"``: 32
+    halves until the tiles of an M tile of ``padded_m(m)`` rows fit the shared-memory budget. ``"gemv"``: 16
     output channels per program, a K step of one 128-bit load per thread of a warp (256 bf16 / 512 fp8
-    weights), 2 stages, 4 warps."""
+    weights), 2 stages, 4 warps: the converted f32 tile is 64 values a thread (32 channels would take 128
+    registers for it alone)."""
     itemsize = jnp.dtype(dtype).itemsize
     form = default_form(m)
     if form == "gemv":
-        cfg = dict(form=form, block_n=_pow2_divisor(n, 32), block_k=_pow2_divisor(k, 32 * GEMV_LOAD_BYTES // itemsize),
+        cfg = dict(form=form, block_n=_pow2_divisor(n, 16), block_k=_pow2_divisor(k, 32 * GEMV_LOAD_BYTES // itemsize),
                    split_k=None, num_warps=4, num_stages=2)
     else:
         cfg = dict(form=form, block_n=_pow2_divisor(n, 64), block_k=_pow2_divisor(k, 512 if itemsize == 1 else 256),
@@ -277,5 +278,5 @@ def route(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Arr
 registry.register("skinny_matmul", "reference", skinny_matmul_reference, backends=("any",))
 registry.register("skinny_matmul", "pallas_triton", skinny_matmul_pallas, backends=("gpu",), preferred=False)
 
-__all__ = ["FORMS", "GEMV_MAX_M", "auto_split_k", "block_plan", "default_config", "default_form", "padded_m", "route", "skinny_matmul_pallas",
-           "skinny_matmul_reference", "supports"]
+__all__ = ["FORMS", "GEMV_MAX_M", "auto_split_k", "block_plan", "default_config", "default_form", "padded_m",
+           "route", "skinny_matmul_pallas", "skinny_matmul_reference", "supports"]
