@@ -46,3 +46,16 @@ def test_second_process_loads_every_bucket_from_the_cache(tmp_path):
     assert second["compiled"] == first["compiled"]  # a load still counts as a compile event (shape changes show)
     assert second["tokens"] == first["tokens"]
     assert os.listdir(cache)
+
+
+def test_cpu_warmup_compiles_one_at_a_time_with_the_cache_on():
+    """XLA:CPU can abort while it serialises an executable for the cache and another thread compiles, so a CPU
+    engine with the cache on compiles its buckets on one thread; otherwise one per core, at most one per bucket."""
+    from dflash_jax.engine.compile import warmup_workers
+
+    cores = os.cpu_count() or 1
+    assert warmup_workers(12, "cpu", cache_on=True) == 1
+    assert warmup_workers(12, "gpu", cache_on=True) == min(12, cores)
+    assert warmup_workers(12, "cpu", cache_on=False) == min(12, cores)
+    assert warmup_workers(1, "cpu", cache_on=False) == 1 and warmup_workers(0, "gpu", cache_on=False) == 1
+    assert warmup_workers(12) == 1  # this suite runs on CPU with one cache for the run (tests/conftest.py)

@@ -49,6 +49,18 @@ def enable_compile_cache(path: str, min_compile_s: float = 1.0) -> str:
     return path
 
 
+def warmup_workers(n_executables: int, backend: str | None = None, cache_on: bool | None = None) -> int:
+    """Threads that compile ``n_executables`` at warm-up: one per CPU core, at most one per executable, except on
+    the CPU backend with the persistent compilation cache on, where they compile one at a time. There XLA:CPU can
+    abort the process while it serialises one executable for the cache (``put_executable_and_time``) and another
+    thread compiles (``backend_compile_and_load``): about once per test-suite run before this rule."""
+    backend = backend or jax.default_backend()
+    cache_on = bool(jax.config.jax_compilation_cache_dir) if cache_on is None else cache_on
+    if backend == "cpu" and cache_on:
+        return 1
+    return max(1, min(n_executables, os.cpu_count() or 1))
+
+
 def compile_cache_hits() -> int:
     """Executables loaded from the persistent compilation cache in this process so far. ``compile_count`` counts
     them too (JAX times a cache load as a backend compile), so a recompile after warm-up shows either way."""

@@ -14,7 +14,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
-import os
 import threading
 import time
 import warnings
@@ -876,7 +875,8 @@ class Engine:
         """Compile every bucket ahead of time; returns seconds per bucket.
 
         Lowering (Python tracing) runs in this thread; XLA compilations run concurrently on
-        ``workers`` threads (default: one per CPU core, up to the number of buckets).
+        ``workers`` threads (default ``compile.warmup_workers``: one per CPU core, up to the number of buckets;
+        one on the CPU backend with the persistent compilation cache on).
         """
         todo = [(kind, b) for kind, buckets in self._kinds() for b in buckets if (kind, b) not in self._exec]
         if not todo:
@@ -907,7 +907,7 @@ class Engine:
                 self.kvb.warmup(self.state, [(b, 1) for b in self.decode_buckets]
                                 + [(b, t) for b in self.prefill_buckets])
             self.warmup_report["kvflash"] = time.perf_counter() - t0
-        n = workers or min(len(todo), os.cpu_count() or 1)
+        n = workers or compile_mod.warmup_workers(len(todo))
         hits0 = compile_mod.compile_cache_hits()
         with concurrent.futures.ThreadPoolExecutor(max_workers=n) as pool:
             for key, exe, dt in pool.map(build, todo):
