@@ -13,8 +13,8 @@ set is prefix-closed and a parent is always popped before its children (``parent
 
 **Level bonus** (``level_bonus`` = c, nats; 0 is the paper's tree): each level adds ``lp[e, x_e] + c``. The
 marginals of a block drafter are not conditioned on the drafted prefix, yet its hits come in runs: on the shipped
-pair's training files, where the drafted prefix is right the top-1 at depth 9-13 is right 0.57-0.75 of the time
-against a marginal of ~0.18, so a path's product of marginals undervalues deep nodes. ``c`` is that correction,
+pair's held-out files (its third drafter run), where the drafted prefix is right the top-1 at depth 9-13 is right
+0.57-0.75 of the time against a marginal of ~0.18, so a path's product of marginals undervalues deep nodes. ``c`` is that correction,
 calibrated per drafter on training text (``experiments/calibrate_level_bonus.py``; a drafter checkpoint carries its
 own as ``dflash_config.ddtree_level_bonus``). A level with ``lp + c > 0`` scores above its parent; the tree is then
 the same best-first expansion (still prefix-closed, parents first), no longer always the top-``budget`` prefixes.
@@ -52,7 +52,7 @@ class Tree:
     tokens: jax.Array  # int32; root = -1 (the caller writes the bonus token there); padding = 0
     parent: jax.Array  # int32; root -1; padding 0
     depth: jax.Array  # int32; root 0; padding 1
-    score: jax.Array  # float32 cumulative draft log-prob; root 0; padding -inf
+    score: jax.Array  # float32 cumulative draft log-prob (+ the level bonus per level); root 0; padding -inf
     valid: jax.Array  # bool; root True
     ancestors: jax.Array  # [B, N, N] bool: row i, column j <=> j is an ancestor of i or j == i
     max_depth: int = dataclasses.field(metadata=dict(static=True))  # L: the draft block length the tree came from
