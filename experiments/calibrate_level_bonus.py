@@ -48,11 +48,11 @@ def training_files(n: int, seed: int) -> list[str]:
     return [os.path.join(corpus.stdlib_dir(), train[i]) for i in sorted(pick)]
 
 
-def blocks(target, tok, dcfg, dparams, files, rows: int, anchors: int, seed: int):
-    """(log-probs [R * A, blk, V], labels [R * A, blk]) of teacher-forced blocks over ``rows`` rows of ``files``."""
+def blocks(eng: Engine, target, tok, dcfg, dparams, files, rows: int, anchors: int, seed: int):
+    """(log-probs [R * A, blk, V], labels [R * A, blk]) of teacher-forced blocks over ``rows`` rows of ``files``;
+    ``eng`` (an AR engine of ``target``, max_model_len >= 512 + the block) decodes the labels."""
     rr = acceptance.held_out_rows(tok, files, rows, 512)
     an = acceptance.anchor_positions(rr.shape[1], dcfg.block_size, anchors, seed, len(rr))
-    eng = Engine(target, tok, EngineOptions(max_batch=16, max_model_len=576, prefill_chunk=128))
     labels = acceptance.greedy_labels(eng, rr, an, dcfg.block_size)
     lp = acceptance.draft_logprobs(target, dcfg, dparams, rr, an)
     return lp.reshape((-1,) + lp.shape[-2:]), labels.reshape(-1, labels.shape[-1])
@@ -80,14 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_dir(args.model)
     target = load_target(args.model, dtype=args.dtype)
     dcfg, dparams = load_drafter(args.drafter, dtype=target.params["embed"].dtype)
+    if args.chunks < 1 or args.files < 1 or args.rows < 1 or args.anchors < 1:
+        raise SystemExit("--chunks, --files, --rows and --anchors must each be >= 1")
     held_out = set(acceptance.held_out_files(args.model))
+    eng = Engine(target, tok, EngineOptions(max_batch=16, max_model_len=576, prefill_chunk=128))
     lps, labs, used = [], [], []
     for c in range(args.chunks):
         files = training_files(args.files, args.seed + c)
         leak = held_out & set(files)
         if leak:  # the split rule is the corpus's: never true unless the report and the rule disagree
             raise SystemExit(f"training-split files are held out in the model set's report: {sorted(leak)}")
-        lp, lab = blocks(target, tok, dcfg, dparams, files, args.rows, args.anchors, args.seed + c)
+        lp, lab = blocks(eng, target, tok, dcfg, dparams, files, args.rows, args.anchors, args.seed + c)
         lps.append(lp)
         labs.append(lab)
         used += [os.path.relpath(f, corpus.stdlib_dir()) for f in files]

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     t0 = time.perf_counter()
     lp = draft_logprobs(target, dcfg, dparams, rows, anchors)
     t_draft = time.perf_counter() - t0
-    bonus = dcfg.ddtree_level_bonus if args.level_bonus is None else args.level_bonus
+    bonus = SpecConfig(level_bonus=args.level_bonus).bonus_for(dcfg)
     c_tau, d_tau = chain_tau(lp, labels), tree_tau(lp, labels, args.budget, args.chain_seed, bonus)
     figures: dict[str, float] = {
         "chain.tau": float(c_tau.mean()), "ddtree.tau": float(d_tau.mean()),

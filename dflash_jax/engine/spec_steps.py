@@ -49,6 +49,10 @@ class SpecConfig:
         if self.max_verify_tokens is not None and self.max_verify_tokens < 2:
             raise ValueError(f"max_verify_tokens must be >= 2 (one root + one node), got {self.max_verify_tokens}")
 
+    def bonus_for(self, dcfg: DrafterConfig) -> float:
+        """The level bonus the trees take: ``level_bonus``, or the drafter's calibrated one when None."""
+        return float(dcfg.ddtree_level_bonus if self.level_bonus is None else self.level_bonus)
+
     def budget_for(self, batch: int) -> int:
         """The node budget of a round over a bucket of ``batch`` rows (see ``max_verify_tokens``)."""
         if self.max_verify_tokens is None:
@@ -142,8 +146,7 @@ def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params,
                                ctx_k, ctx_v, ctx_pos, ctx_valid, with_query=spec.draft_query)
     logits, query = out if spec.draft_query else (out, None)
     logp = jax.nn.log_softmax(logits[:, 1:], axis=-1)
-    bonus = dcfg.ddtree_level_bonus if spec.level_bonus is None else spec.level_bonus
-    tree = ddtree.build_tree(logp, spec.budget, spec.top_k, spec.chain_seed, float(bonus))
+    tree = ddtree.build_tree(logp, spec.budget, spec.top_k, spec.chain_seed, spec.bonus_for(dcfg))
     return tree.with_root(inp.root), query
 
 

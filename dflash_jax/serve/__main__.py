@@ -442,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
              else "/".join(f"{v}@B{b}" for b, v in budgets.items()))
     tree = "chain-seeded" if args.ddtree_chain_seed else "best-first"
     if args.ddtree:
-        bonus = drafter[0].ddtree_level_bonus if args.ddtree_level_bonus is None else args.ddtree_level_bonus
-        tree += f", level_bonus={bonus:g}"
+        tree += f", level_bonus={spec.bonus_for(drafter[0]):g}"
     mode = (f"ddtree(budget={shown}, tree={tree}, drafter={args.drafter}, mode=packed-verify-{commit}, "
             f"cohort_yield_min={args.cohort_yield_min}, cohort_reprobe_tokens={args.cohort_reprobe_tokens})"
             if args.ddtree else "ar")

@@ -89,6 +89,13 @@ def padded_m(m: int) -> int:
     return min(MAX_BM, max(MIN_DOT, 1 << max(0, (m - 1).bit_length())))
 
 
+def _check_form(form: str, m: int) -> None:
+    if form not in FORMS:
+        raise ValueError(f"skinny_matmul: form {form!r} is not one of {FORMS}")
+    if form == "gemv" and not 0 < m <= GEMV_MAX_M:
+        raise ValueError(f"skinny_matmul: the gemv form takes 1..{GEMV_MAX_M} rows of x, not {m}; use form='dot'")
+
+
 def default_form(m: int) -> str:
     """``"gemv"`` up to :data:`GEMV_MAX_M` rows of x, ``"dot"`` above."""
     return "gemv" if m <= GEMV_MAX_M else "dot"
@@ -115,8 +122,10 @@ def _pow2_divisor(n: int, want: int) -> int:
     return b
 
 
-def default_config(n: int, k: int, m: int = 1, dtype=jnp.bfloat16, x_dtype=jnp.bfloat16) -> dict | None:
-    """Launch defaults for an ``[N, K]`` weight of ``dtype`` (bf16 or float8_e4m3fn) at M rows of ``x_dtype``:
+def default_config(n: int, k: int, m: int = 1, dtype=jnp.bfloat16, x_dtype=jnp.bfloat16,
+                   form: str | None = None) -> dict | None:
+    """Launch defaults for an ``[N, K]`` weight of ``dtype`` (bf16 or float8_e4m3fn) at M rows of ``x_dtype`` in
+    ``form`` (None: :func:`default_form`):
     form, block_n, block_k, split_k (None: :func:`auto_split_k`), num_warps, num_stages; None if the shape has
     no valid tiling (N or K without a power-of-two divisor >= 16). Starting guesses (``bench linear --sweep``
     records the best per shape and batch). ``"dot"`` (M > :data:`GEMV_MAX_M`): 64 output channels per program,
@@ -126,7 +135,8 @@ def default_config(n: int, k: int, m: int = 1, dtype=jnp.bfloat16, x_dtype=jnp.b
     weights), 2 stages, 4 warps: the converted f32 tile is 64 values a thread (32 channels would take 128
     registers for it alone)."""
     itemsize = jnp.dtype(dtype).itemsize
-    form = default_form(m)
+    form = form or default_form(m)
+    _check_form(form, m)  # a wrong form is the caller's error, not a tiling to search for
     if form == "gemv":
         cfg = dict(form=form, block_n=_pow2_divisor(n, 16), block_k=_pow2_divisor(k, 32 * GEMV_LOAD_BYTES // itemsize),
                    split_k=None, num_warps=4, num_stages=2)
@@ -152,10 +162,7 @@ def block_plan(m: int, n: int, k: int, *, x_dtype, w_dtype, block_n: int, block_
     """Static launch shapes after the Triton tile checks: ``bm`` (M tile), ``m_tiles``, ``split_k`` (auto
     resolved), ``n_k`` (block_k steps per program). Raises ValueError naming the block that does not fit (or a
     ``"gemv"`` form at more than :data:`GEMV_MAX_M` rows)."""
-    if form not in FORMS:
-        raise ValueError(f"skinny_matmul: form {form!r} is not one of {FORMS}")
-    if form == "gemv" and not 0 < m <= GEMV_MAX_M:
-        raise ValueError(f"skinny_matmul: the gemv form takes 1..{GEMV_MAX_M} rows of x, not {m}; use form='dot'")
+    _check_form(form, m)
     if n % block_n or k % block_k:
         raise ValueError(f"skinny_matmul: N={n} and K={k} must be multiples of block_n={block_n} / "
                          f"block_k={block_k}; pick blocks that divide the weight's shape")
@@ -200,9 +207,7 @@ def skinny_matmul_pallas(x: jax.Array, w: jax.Array, scale: jax.Array | None = N
     if jnp.dtype(w.dtype) == jnp.float8_e4m3fn and scale is None:
         raise ValueError("skinny_matmul: a float8_e4m3fn weight needs its per-output-channel scale [N]")
     form = form or default_form(m)
-    cfg = default_config(n, k, m, w.dtype, x.dtype) or dict(num_warps=4, num_stages=3)
-    if cfg.get("form", form) != form:  # a form other than the default at this M: its own defaults
-        cfg = default_config(n, k, GEMV_MAX_M + 1 if form == "dot" else 1, w.dtype, x.dtype) or cfg
+    cfg = default_config(n, k, m, w.dtype, x.dtype, form) or dict(num_warps=4, num_stages=3)
     cfg["form"] = form
     given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     cfg.update({key: v for key, v in given.items() if v is not None})
