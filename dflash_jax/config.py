@@ -88,12 +88,95 @@ def _rope(d: Mapping[str, Any], where: str, rope_types: tuple[str, ...] = ("defa
         raise ConfigError(f"{where}: key 'rope_parameters' must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in rope_types:
-        raise ConfigError(f"{where}: key 'rope_parameters.rope_type' = {rope_type!r} is not supported (only 'default')")
+        raise ConfigError(f"{where}: key 'rope_parameters.rope_type' = {rope_type!r} is not supported "
+                          f"(supported here: {', '.join(map(repr, rope_types))})")
     theta = rope.get("rope_theta", d.get("rope_theta"))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"{where}: key 'rope_theta' (or 'rope_parameters.rope_theta') must be a positive number, "
                           f"got {theta!r}")
     return rope, float(theta)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rotary scaling (``rope_parameters.rope_type = "yarn"``), resolved as transformers resolves it.
+
+    Rotary pair ``i`` (of ``rotary_dim // 2``) keeps its frequency where it turns more than ``beta_fast`` times
+    over ``original_max_position_embeddings`` positions, is divided by ``factor`` where it turns fewer than
+    ``beta_slow`` times, and blends the two linearly between (in pair index); cos and sin are multiplied by
+    ``attention_factor`` (so q.k logits of the rotated dims by its square).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    def keep(self, rotary_dim: int, theta: float) -> tuple[float, ...]:
+        """Per rotary pair, the share of the unscaled frequency (1 = kept, 0 = divided by ``factor``)."""
+        def pair(turns: float) -> float:
+            return rotary_dim * math.log(self.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        lo, hi = pair(self.beta_fast), pair(self.beta_slow)
+        if self.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        return tuple(1.0 - min(max((i - lo) / (hi - lo), 0.0), 1.0) for i in range(rotary_dim // 2))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``rope_parameters`` keys that give this scaling back (with ``rope_type`` and ``rope_theta``)."""
+        return {"rope_type": "yarn", "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "attention_factor": self.attention_factor, "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow, "truncate": self.truncate}
+
+
+def _yarn(rope: Mapping[str, Any], d: Mapping[str, Any], where: str) -> YarnScaling | None:
+    """The YaRN scaling of ``rope_parameters`` (None unless its type is ``yarn``). Defaults as transformers':
+    ``original_max_position_embeddings`` = ``max_position_embeddings``, ``factor`` = their ratio, attention
+    factor ``0.1 ln(factor) + 1`` (or ``mscale`` / ``mscale_all_dim``'s ratio of that), betas 32 / 1."""
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return None
+    k = "rope_parameters"
+
+    def num(key: str, default: float | None) -> float | None:
+        v = rope.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(f"{where}: key '{k}.{key}' must be a positive number, got {v!r}")
+        return float(v)
+
+    orig = rope.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        raise ConfigError(f"{where}: key '{k}.original_max_position_embeddings' (the length the model was trained "
+                          f"at) must be a positive int, got {orig!r}")
+    factor = num("factor", None)
+    if factor is None:
+        factor = float(d.get("max_position_embeddings", 0)) / orig
+    if factor < 1:
+        raise ConfigError(f"{where}: key '{k}.factor' must be >= 1 (YaRN stretches the trained context), got {factor}")
+
+    def mscale(s: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * s * math.log(factor) + 1.0
+
+    att = num("attention_factor", None)
+    if att is None:
+        ms, ms_all = num("mscale", None), num("mscale_all_dim", None)
+        att = mscale(ms) / mscale(ms_all) if ms and ms_all else mscale(1.0)
+    fast, slow = num("beta_fast", 32.0), num("beta_slow", 1.0)
+    if fast < slow:
+        raise ConfigError(f"{where}: key '{k}.beta_fast' ({fast}) must be >= 'beta_slow' ({slow})")
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{where}: key '{k}.truncate' must be true or false, got {truncate!r}")
+    return YarnScaling(factor=factor, original_max_position_embeddings=orig, attention_factor=att,
+                       beta_fast=fast, beta_slow=slow, truncate=truncate)
 
 
 def _grouped_heads(d: Mapping[str, Any], heads_key: str, kv_key: str, where: str) -> tuple[int, int]:
@@ -163,6 +246,8 @@ class TargetConfig:
     max_position_embeddings: int = 262144
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # YaRN rotary scaling (None: plain rotary at rope_theta)
+    rope_scaling: YarnScaling | None = None
     # layout of the GDN fused qkv channels (in_proj_qkv rows, conv1d rows, conv state): g groups, each
     # [q | k | v] of hk/g key heads and hv/g value heads. 1 = the checkpoint's [q | k | v]; tensor
     # parallelism sets g = tp so that each device's contiguous block holds whole heads of all three parts.
@@ -238,7 +323,7 @@ class TargetConfig:
             raise ConfigError(f"{w}: key 'num_experts' is set; mixture-of-experts Qwen3.5 variants are not supported")
 
         head_dim = _req_positive(d, "head_dim", w)
-        rope, theta = _rope(d, w, ("default", "mrope"))
+        rope, theta = _rope(d, w, ("default", "mrope", "yarn"))
         prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
         if not isinstance(prf, (int, float)) or not 0 < prf <= 1:
             raise ConfigError(f"{w}: key 'partial_rotary_factor' must be in (0, 1], got {prf!r}")
@@ -280,6 +365,7 @@ class TargetConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 262144)),
             eos_token_ids=eos_ids,
             pad_token_id=d.get("pad_token_id"),
+            rope_scaling=_yarn(rope, d, w),
         )
 
     @classmethod

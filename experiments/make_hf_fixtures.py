@@ -51,6 +51,20 @@ CASES = {
         "1MB",
         [5, 64, 130],
     ),
+    # YaRN over 32 trained positions, prompts up to 130: transformers' YaRN frequencies and attention factor
+    "qwen36_tiny_yarn": (
+        dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=6,
+            linear_key_head_dim=32, linear_value_head_dim=32,
+            rope_parameters=dict(rope_type="yarn", rope_theta=1e4, partial_rotary_factor=0.5, factor=4.0,
+                                 original_max_position_embeddings=32, mrope_section=[4, 2, 2],
+                                 mrope_interleaved=True),
+        ),
+        None,
+        [7, 64, 130],
+    ),
 }
 
 
@@ -100,14 +114,83 @@ def build(name: str, text_overrides: dict, seed: int) -> Qwen3_5ForConditionalGe
     return model.eval().float()
 
 
+def shipped_golden(ckpt: str, out: str, lengths: list[int], new_tokens: int, every: int = 128) -> None:
+    """Logits of an exported target (the shipped tiny one) from transformers' ``Qwen3_5ForCausalLM``, its weights
+    loaded from the checkpoint's ``model.language_model.*`` tensors (strict: every tensor used, none missing), on
+    held-out needle prompts of ``lengths`` tokens (ids from the checkpoint's tokenizer); logits kept at every
+    ``every``-th position and the last 8 (the fixture stays small), plus the greedy continuation."""
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dflash_jax.bench import needle
+    from dflash_jax.models.tokenizer import Tokenizer
+    from experiments import corpus
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        raw = json.load(f)
+    text = dict(raw.get("text_config", raw))
+    text.pop("model_type", None)
+    model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**text), attn_implementation="eager",
+                                            torch_dtype=torch.float32)
+    files = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    state = {}
+    for fname in files:
+        for k, v in load_file(os.path.join(ckpt, fname)).items():
+            state[k.replace("model.language_model.", "model.")] = v.float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"{ckpt}: tensors missing {missing}, unexpected {unexpected}")
+    model = model.eval().float()
+    tok = Tokenizer.from_dir(ckpt)
+    _, ev = corpus.split_stdlib()
+    held_out = [os.path.join(corpus.stdlib_dir(), f) for f in ev]
+    record = {}
+    for j, T in enumerate(lengths):
+        [(ids, _, _)] = needle.bench_prompts(tok, held_out, T, 1, seed=j)
+        ids = np.asarray(ids, np.int64)
+        pos = np.unique(np.concatenate([np.arange(0, len(ids), every), np.arange(len(ids) - 8, len(ids))]))
+        x = torch.from_numpy(ids)[None]
+        with torch.no_grad():
+            logits = model(input_ids=x, use_cache=False).logits[0].float().numpy()
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=int(raw.get("text_config", raw).get("pad_token_id") or 0))
+        record[f"p{j}.ids"] = ids.astype(np.int32)
+        record[f"p{j}.positions"] = pos.astype(np.int32)
+        record[f"p{j}.logits"] = logits[pos]
+        record[f"p{j}.greedy"] = gen[0, len(ids):].numpy().astype(np.int32)
+    np.savez_compressed(out + ".npz", **record)
+    with open(out + ".json", "w") as f:
+        json.dump({"transformers": transformers.__version__, "torch": torch.__version__, "checkpoint": ckpt,
+                   "prompt_lengths": [int(len(record[f"p{j}.ids"])) for j in range(len(lengths))],
+                   "rope_parameters": text.get("rope_parameters"), "new_tokens": new_tokens,
+                   "command": f"python experiments/make_hf_fixtures.py --shipped {ckpt} --shipped-out {out}"},
+                  f, indent=1)
+    print(out, "ok", {k: v.shape for k, v in record.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures")
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (default: all)")
+    ap.add_argument("--shipped", metavar="DIR", help="instead: golden logits of this exported target")
+    ap.add_argument("--shipped-out", default="tests/fixtures/shipped_target_golden",
+                    help="path stem of the --shipped fixture (.npz + .json)")
+    ap.add_argument("--shipped-lengths", default="48,700,2600")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
+    if args.shipped:
+        shipped_golden(args.shipped, args.shipped_out, [int(x) for x in args.shipped_lengths.split(",")],
+                       args.new_tokens)
+        return
 
     for i, (name, (overrides, shard, lengths)) in enumerate(CASES.items()):
+        if args.case and name not in args.case:
+            continue
         model = build(name, overrides, seed=1234 + i)
         ckpt = os.path.join(args.out, name)
         kw = {"max_shard_size": shard} if shard else {}

@@ -63,9 +63,13 @@ PRESETS: dict[str, dict[str, Any]] = {
             "target": {"steps": 3000, "batch": 16, "lr": 1e-3, "warmup": 0.01, "wd": 0.1, "clip": 1.0,
                        "minutes": 3.0, "answer_weight": 2.0, "copy_fraction": 0.1},
             # then the target continues at 8192 + 256 tokens (the 8K bench prompt and its answer fit a row) on
-            # rows that each hold a long retrieval document (124 steps left the 8K needle at 0.06: 3.5 minutes)
+            # rows that each hold a long retrieval document, with YaRN over the 2048 positions it was trained at:
+            # at plain rotary 456 such steps left the 8K needle at 0.125 (rotary pairs turning by angles never
+            # seen before 2048); YaRN x4 alone, untrained, answered 0.81 of them
             "target_long": {"seq_len": 8448, "steps": 1000, "batch": 4, "lr": 3e-4, "warmup": 0.05, "wd": 0.1,
-                            "clip": 1.0, "minutes": 3.5, "answer_weight": 4.0},
+                            "clip": 1.0, "minutes": 3.5, "answer_weight": 4.0,
+                            "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 2048}},
             # the drafter's loss was still falling after 2 minutes (2K steps, held-out tau 2.89)
             "drafter": {"steps": 8000, "batch": 8, "lr": 6e-4, "warmup": 0.04, "wd": 0.0, "clip": 1.0,
                         "anchors": 128, "gamma": 7.0, "minutes": 4.0},
@@ -101,7 +105,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "target": {"steps": 12, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1, "clip": 1.0, "minutes": None,
                        "answer_weight": 3.0, "copy_fraction": 0.2},
             "target_long": {"seq_len": 512, "steps": 4, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.1,
-                            "clip": 1.0, "answer_weight": 3.0, "minutes": None},
+                            "clip": 1.0, "answer_weight": 3.0, "minutes": None,
+                            "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                                             "original_max_position_embeddings": 256}},
             "drafter": {"steps": 6, "batch": 2, "lr": 3e-3, "warmup": 0.1, "wd": 0.0, "clip": 1.0,
                         "anchors": 8, "gamma": 7.0},
             "scorer_copy": {"seq_len": 64, "rows": 16, "steps": 3, "batch": 4, "lr": 1e-2, "warmup": 0.1, "wd": 0.1,
@@ -145,7 +151,7 @@ def target_hf_dict(t: dict[str, Any], vocab_size: int, eos_token_id: int | None 
         "mtp_num_hidden_layers": 0, "num_attention_heads": t["num_heads"], "num_hidden_layers": n,
         "num_key_value_heads": t["num_kv_heads"], "partial_rotary_factor": prf, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(t.get("rope_theta", 1e7)),
-                            "partial_rotary_factor": prf},
+                            "partial_rotary_factor": prf, **(t.get("rope_scaling") or {})},
         "tie_word_embeddings": False, "use_cache": True, "vocab_size": vocab_size,
     }
     return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
@@ -168,7 +174,8 @@ def target_hf_dict_from_config(cfg: TargetConfig, dtype: str = "bfloat16") -> di
          "lin_num_v_heads": cfg.lin_num_v_heads, "lin_k_dim": cfg.lin_k_dim, "lin_v_dim": cfg.lin_v_dim,
          "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "conv_kernel": cfg.conv_kernel,
          "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
-         "max_position_embeddings": cfg.max_position_embeddings}
+         "max_position_embeddings": cfg.max_position_embeddings,
+         "rope_scaling": cfg.rope_scaling and cfg.rope_scaling.to_hf()}
     d = target_hf_dict(t, cfg.vocab_size, eos_token_id=(eos[0] if len(eos) == 1 else (eos or None)),
                        pad_token_id=cfg.pad_token_id, dtype=dtype)
     d["text_config"]["layer_types"] = list(cfg.layer_types)

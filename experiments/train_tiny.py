@@ -966,6 +966,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     ap.add_argument("--init-target", default=None, metavar="DIR",
                     help="take the target from this exported checkpoint (same preset, same tokenizer) instead of "
                          "training it: only the drafter and the scorer are trained")
+    ap.add_argument("--extend-target", action="store_true",
+                    help="with --init-target: run the target_long phase (the context extension, YaRN from its "
+                         "rope_scaling) on the loaded target before the drafter, and export the extended target")
     ap.add_argument("--init-drafter", default=None, metavar="DIR",
                     help="start the drafter from this exported drafter (config.json + safetensors, e.g. "
                          "dflash_jax/assets/tiny/drafter; its config must be this preset's) instead of a fresh init "
@@ -992,6 +995,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     args = ap.parse_args(argv)
     if args.init_drafter and not args.init_target:
         ap.error("--init-drafter needs --init-target: a drafter continues on the target it was trained against")
+    if args.extend_target and not args.init_target:
+        ap.error("--extend-target needs --init-target (without it the target_long phase runs anyway)")
     if args.smoke:
         args.preset = "smoke"
     cfg = tc.preset(args.preset)
@@ -1085,6 +1090,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                 "export_dtype": args.export_dtype, "drafter_labels": args.drafter_labels,
                 "scorer": not args.no_scorer, "deterministic": args.deterministic,
                 "init_target": args.init_target and os.path.abspath(args.init_target),
+                "extend_target": args.extend_target,
                 "init_drafter": args.init_drafter and os.path.abspath(args.init_drafter)}
     run_cfg_path = os.path.join(work, "run_config.json")
     if args.resume and os.path.exists(run_cfg_path):
@@ -1104,7 +1110,10 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     hp_c = cfg["train"].get("target_copy")
     copy_warmup = bool(hp_c and hp_c.get("steps")) and not args.init_target
     scorer_copy = not args.no_scorer and bool((cfg["train"].get("scorer_copy") or {}).get("steps"))
-    trained_target = ["target"] + (["target_long"] if long_T else []) if not args.init_target else []
+    if args.extend_target and not long_T:
+        raise SystemExit("--extend-target: the preset has no target_long phase (train.target_long.steps)")
+    trained_target = (["target"] + (["target_long"] if long_T else []) if not args.init_target else
+                      ["target_long"] if args.extend_target else [])
     order = (["target_copy"] if copy_warmup else []) + trained_target + \
         ["drafter"] + (["scorer_copy"] if scorer_copy else []) + ([] if args.no_scorer else ["scorer"])
 
@@ -1126,6 +1135,12 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     # ---- target --------------------------------------------------------------------------------------------------
     tcfg = tc.target_config(cfg["target"], data.vocab_size, eos_token_id=sp["<|im_end|>"],
                             pad_token_id=sp["<|endoftext|>"])
+    # the long phase extends the context: with its rope_scaling (YaRN over the rows the target phases saw) it
+    # trains, and the exported target serves, at tcfg_long; without one tcfg_long is tcfg
+    long_scaling = (hp_l or {}).get("rope_scaling") if long_T else None
+    tcfg_long = tcfg if not long_scaling else tc.target_config(
+        {**cfg["target"], "rope_scaling": long_scaling}, data.vocab_size, eos_token_id=sp["<|im_end|>"],
+        pad_token_id=sp["<|endoftext|>"])
     tp = init_target(tcfg, jax.random.key(seed),
                      qk_norm_init=float(cfg["train"]["target"].get("qk_norm_init", 0.0)))
     log(f"[target] {n_params(tp):,} parameters; layers {''.join('A' if t == FULL else 'G' for t in tcfg.layer_types)}")
@@ -1148,14 +1163,22 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
             return weighted_next_token_ce(logits_fn(compute_params(params, cdtype), tokens), tokens, w), {}
         return lm_loss
 
-    t_logits = lambda p, tok: qwen36.lm_logits(p, target_hidden(p, tcfg, tok)[0])  # noqa: E731
-    make_target_loss = lambda answer_weight: make_lm_loss(t_logits, answer_weight)  # noqa: E731
-    target_loss = make_target_loss(float(hp_t.get("answer_weight", 1.0)))
+    def t_hidden_at(c: TargetConfig) -> Callable:
+        return lambda p, tok: target_hidden(p, c, tok)[0]
 
-    t_hidden = lambda p, tok: target_hidden(p, tcfg, tok)[0]
+    def make_target_loss(answer_weight: float, c: TargetConfig = tcfg) -> Callable:
+        return make_lm_loss(lambda p, tok: qwen36.lm_logits(p, t_hidden_at(c)(p, tok)), answer_weight)
+
+    target_loss = make_target_loss(float(hp_t.get("answer_weight", 1.0)))
+    t_hidden = t_hidden_at(tcfg)
     ev_batch = max(1, min(hp_t["batch"], 16))
-    t_eval_fn = make_lm_eval(t_hidden, ev_sets, ev_batch)
-    target_eval = lambda p: t_eval_fn(compute_params(p, cdtype))
+    lm_evals: dict[TargetConfig, Callable] = {}
+
+    def target_eval(p, c: TargetConfig = tcfg) -> dict[str, float]:
+        """Held-out LM eval of target params ``p`` run at config ``c`` (one jitted eval per config)."""
+        if c not in lm_evals:
+            lm_evals[c] = make_lm_eval(t_hidden_at(c), ev_sets, ev_batch)
+        return lm_evals[c](compute_params(p, cdtype))
     # synthetic copy rows (copy_rows) mixed into the target's rows from step 0: a dense signal for the induction
     # (copy) mechanism that retrieving a needle needs; only their repeated halves carry loss
     from tokenizers import Tokenizer as HFTokenizer
@@ -1192,30 +1215,32 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
 
     retrieval: dict[str, dict[str, float]] = {}
     res_c = res_t = res_l = None
-    r_eval_fn = None
-    if data.retrieval_eval:
-        needle_fn = make_retrieval_eval(t_hidden, data.retrieval_eval, 4)
-        induction_fn = make_induction_eval(t_hidden, ind_rows, ind_w, 4)
-        r_eval_fn = lambda p: needle_fn(p) | induction_fn(p)  # noqa: E731
+    r_evals: dict[TargetConfig, Callable] = {}
 
-    def eval_retrieval(stage: str, tag: str) -> None:
-        """``retrieval[stage]`` = the needle / induction eval of the target as it is now, logged under ``tag``."""
-        if r_eval_fn is None:
+    def eval_retrieval(stage: str, tag: str, c: TargetConfig) -> None:
+        """``retrieval[stage]`` = the needle / induction eval of the target as it is now (run at config ``c``),
+        logged under ``tag``."""
+        if not data.retrieval_eval:
             return
+        if c not in r_evals:
+            needle_fn = make_retrieval_eval(t_hidden_at(c), data.retrieval_eval, 4)
+            induction_fn = make_induction_eval(t_hidden_at(c), ind_rows, ind_w, 4)
+            r_evals[c] = lambda p: needle_fn(p) | induction_fn(p)
         t0 = time.perf_counter()
-        retrieval[stage] = r_eval_fn(compute_params(tp, cdtype))
+        retrieval[stage] = r_evals[c](compute_params(tp, cdtype))
         log(f"[{tag}] held-out retrieval: " + " ".join(f"{k} {v:.3f}" for k, v in retrieval[stage].items()) +
             f" ({time.perf_counter() - t0:.1f}s)")
 
     dcfg = tc.drafter_config(cfg["drafter"], tcfg, sp["<|mask|>"])
     dp_init = None
     if args.init_target:
-        tp = load_trained_target(args.init_target, tcfg, data.tokenizer_dir)
-        log(f"[target] loaded from {args.init_target} (not trained)")
+        tp, tcfg = load_trained_target(args.init_target, (tcfg, tcfg_long), data.tokenizer_dir)
+        log(f"[target] loaded from {args.init_target} " + ("(its context is extended below)" if args.extend_target
+                                                           else "(not trained)"))
         if args.init_drafter:  # before any evaluation: a mismatched drafter is refused at once
             dp_init = load_trained_drafter(args.init_drafter, dcfg)
             log(f"[drafter] loaded from {args.init_drafter} (training continues from it)")
-        eval_retrieval("loaded", "target")
+        eval_retrieval("loaded", "target", tcfg)
     else:
         if copy_warmup:
             tp, res_c, retrieval["after_copy"] = copy_phase("target_copy", tp, make_target_loss(1.0), t_hidden,
@@ -1226,20 +1251,23 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
                           eval_fn=target_eval, eval_every=cfg["eval"]["every"], tokens_per_step=hp_t["batch"] * T,
                           deadline=deadline, max_seconds=time_cap("target"))
         tp = res_t.params
-        eval_retrieval("after_target", "target")
-        if long_T:
-            if data.train_long is None or not len(data.train_long):
-                raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
-            log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document")
-            res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0))),
-                              Batches(data.train_long, hp_l["batch"], seed + 3), hp_l, work=work, resume=args.resume,
-                              seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
-                              tokens_per_step=hp_l["batch"] * long_T, deadline=deadline,
-                              max_seconds=time_cap("target_long"))
-            tp = res_l.params
-            eval_retrieval("after_target_long", "target_long")
+        eval_retrieval("after_target", "target", tcfg)
+    if "target_long" in trained_target:
+        if data.train_long is None or not len(data.train_long):
+            raise SystemExit("target_long: no long training rows (data.n_retrieval_long is 0?)")
+        if long_scaling:
+            eval_retrieval("extended_untrained", "target_long", tcfg_long)
+        log(f"[target_long] {len(data.train_long)} rows of {long_T}, each holding a whole retrieval document" +
+            (f"; rotary scaling {tcfg_long.rope_scaling}" if long_scaling else ""))
+        res_l = run_phase("target_long", tp, None, make_target_loss(float(hp_l.get("answer_weight", 1.0)), tcfg_long),
+                          Batches(data.train_long, hp_l["batch"], seed + 3), hp_l, work=work, resume=args.resume,
+                          seed=seed, log_every=cfg["log_every"], ckpt_every=cfg["ckpt_every"],
+                          tokens_per_step=hp_l["batch"] * long_T, deadline=deadline,
+                          max_seconds=time_cap("target_long"))
+        tp, tcfg = res_l.params, tcfg_long
+        eval_retrieval("after_target_long", "target_long", tcfg)
     t0 = time.perf_counter()
-    t_eval = target_eval(tp)
+    t_eval = target_eval(tp, tcfg)
     if res_l or res_t:
         (res_l or res_t).history["eval"].append({"step": (res_l or res_t).steps, **t_eval})
     log("[target] held-out: " + " ".join(f"{k} {v:.4g}" for k, v in t_eval.items()) +
@@ -1420,21 +1448,24 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     return report
 
 
-def load_trained_target(path: str, tcfg: TargetConfig, tokenizer_dir: str) -> Any:
-    """The float32 parameters of an exported target (``--init-target``), refused unless its config and tokenizer
-    are the ones this run would train with (the drafter and scorer learn from this run's token ids)."""
+def load_trained_target(path: str, configs: Sequence[TargetConfig], tokenizer_dir: str
+                        ) -> tuple[Any, TargetConfig]:
+    """``(float32 parameters, config)`` of an exported target (``--init-target``), refused unless its config is
+    one of ``configs`` (this preset's target before and after its context extension) and its tokenizer is this
+    run's (the drafter and scorer learn from this run's token ids)."""
     from dflash_jax import load_target
 
     got = load_target(path, dtype="float32").config
-    if got != tcfg:
+    if got not in configs:
         raise SystemExit(f"--init-target {path}: its config.json is not this preset's target config; train the "
                          "target (drop --init-target) or pass the matching --preset / --set values")
+    tcfg = got
     with open(os.path.join(path, "tokenizer.json"), "rb") as fh, \
             open(os.path.join(tokenizer_dir, "tokenizer.json"), "rb") as fh2:
         if fh.read() != fh2.read():
             raise SystemExit(f"--init-target {path}: its tokenizer.json differs from this run's ({tokenizer_dir}); "
                              "the corpus or the tokenizer settings changed since it was trained")
-    return loader.load_params(path, tcfg, dtype=F32)
+    return loader.load_params(path, tcfg, dtype=F32), tcfg
 
 
 def load_trained_drafter(path: str, dcfg: DrafterConfig) -> Any:

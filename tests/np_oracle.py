@@ -119,14 +119,35 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------
 
 
-def rope(x: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
-    """Partial NEOX RoPE on the first ``rotary_dim`` dims of x [T, H, Dh]; positions 0..T-1."""
+def yarn_inv_freq(inv_freq: np.ndarray, rotary_dim: int, theta: float, rp: dict, max_pos: int
+                  ) -> tuple[np.ndarray, float]:
+    """YaRN (``rope_type: yarn``): pair j whose wavelength fits more than beta_fast turns into the original
+    context keeps its frequency, fewer than beta_slow turns divides it by the factor, linear in j between (the
+    bounds floored / ceiled to whole pairs); cos and sin scale by 0.1 ln(factor) + 1 unless given."""
+    orig = rp.get("original_max_position_embeddings", max_pos)
+    s = rp.get("factor") or max_pos / orig
+    # pair index at which a frequency turns n times over the original context: L / (2 pi base^(2j/d)) = n
+    j_at = lambda n: rotary_dim / 2 * np.log(orig / (2 * np.pi * n)) / np.log(theta)  # noqa: E731
+    lo = max(np.floor(j_at(rp.get("beta_fast", 32))), 0)
+    hi = min(np.ceil(j_at(rp.get("beta_slow", 1))), rotary_dim - 1)
+    hi = hi + 0.001 if hi == lo else hi
+    scaled_share = np.clip((np.arange(rotary_dim // 2) - lo) / (hi - lo), 0.0, 1.0)
+    mix = inv_freq / s * scaled_share + inv_freq * (1 - scaled_share)
+    return mix, rp.get("attention_factor") or (0.1 * np.log(s) + 1.0)
+
+
+def rope(x: np.ndarray, rotary_dim: int, theta: float, rp: dict | None = None, max_pos: int = 0) -> np.ndarray:
+    """Partial NEOX RoPE on the first ``rotary_dim`` dims of x [T, H, Dh]; positions 0..T-1
+    (YaRN-scaled when ``rp``, the config's rope_parameters, says ``rope_type: yarn``)."""
     T = x.shape[0]
     half = rotary_dim // 2
     inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # [half]
+    mscale = 1.0
+    if rp and rp.get("rope_type") == "yarn":
+        inv_freq, mscale = yarn_inv_freq(inv_freq, rotary_dim, theta, rp, max_pos)
     ang = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]  # [T, half]
-    cos = np.cos(ang)[:, None, :]  # [T, 1, half]
-    sin = np.sin(ang)[:, None, :]
+    cos = mscale * np.cos(ang)[:, None, :]  # [T, 1, half]
+    sin = mscale * np.sin(ang)[:, None, :]
     a = x[..., :half]
     b = x[..., half:rotary_dim]
     out = x.copy()
@@ -154,8 +175,8 @@ def full_attention(cfg: dict, w: dict, p: str, u: np.ndarray) -> np.ndarray:
 
     q = rmsnorm_zc(q, w[p + "q_norm.weight"], eps)
     k = rmsnorm_zc(k, w[p + "k_norm.weight"], eps)
-    q = rope(q, rotary_dim, theta)
-    k = rope(k, rotary_dim, theta)
+    q = rope(q, rotary_dim, theta, rp, cfg.get("max_position_embeddings", 0))
+    k = rope(k, rotary_dim, theta, rp, cfg.get("max_position_embeddings", 0))
 
     group = H // Hkv
     scale = 1.0 / np.sqrt(Dh)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 
 import pytest
@@ -120,6 +121,45 @@ def test_legacy_rope_keys(raw27, cfg27):
     assert c.rotary_dim == 64 and c.rope_theta == 1e7 and c == cfg27
 
 
+def test_yarn_scaling(raw27, cfg27):
+    """Qwen3.6's documented long-context setting (YaRN, factor 4 over 262144 trained positions), resolved with
+    transformers' defaults, and what it does to each rotary pair's frequency."""
+    raw = copy.deepcopy(raw27)
+    rp = raw["text_config"]["rope_parameters"]
+    rp.update(rope_type="yarn", factor=4.0, original_max_position_embeddings=262144)
+    c = TargetConfig.from_hf_dict(raw)
+    y = c.rope_scaling
+    assert cfg27.rope_scaling is None and c != cfg27
+    assert (y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow, y.truncate) == (
+        4.0, 262144, 32.0, 1.0, True)
+    assert y.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    keep = y.keep(c.rotary_dim, c.rope_theta)
+    assert len(keep) == c.rotary_dim // 2
+    # fast pairs (many turns over 262144 positions) keep their frequency, slow ones are all scaled, between
+    # falls monotonically
+    assert keep[0] == 1.0 and keep[-1] == 0.0 and all(a >= b for a, b in zip(keep, keep[1:]))
+    for j, share in enumerate(keep):
+        turns = 262144 / (2 * math.pi * c.rope_theta ** (2 * j / c.rotary_dim))
+        if turns > 32 * 1.5:
+            assert share == 1.0, (j, turns)
+        if turns < 1 / 1.5:
+            assert share == 0.0, (j, turns)
+    # defaults: the factor from max_position_embeddings / original, an explicit attention factor, mscale ratio
+    rp.pop("factor")
+    raw["text_config"]["max_position_embeddings"] = 1048576
+    assert TargetConfig.from_hf_dict(raw).rope_scaling.factor == 4.0
+    rp.update(factor=4.0, attention_factor=1.0)
+    assert TargetConfig.from_hf_dict(raw).rope_scaling.attention_factor == 1.0
+    rp.pop("attention_factor")
+    rp.update(mscale=1.0, mscale_all_dim=1.0)
+    assert TargetConfig.from_hf_dict(raw).rope_scaling.attention_factor == 1.0
+    # to_hf gives the same scaling back
+    raw["text_config"]["rope_parameters"] = {**{k: rp[k] for k in ("rope_theta", "partial_rotary_factor",
+                                                                   "mrope_section")}, **y.to_hf()}
+    raw["text_config"]["max_position_embeddings"] = raw27["text_config"]["max_position_embeddings"]
+    assert TargetConfig.from_hf_dict(raw) == c
+
+
 # ---- bad configs -----------------------------------------------------------------------------------------------
 def _set(path, value):
     """Edit of the 27B raw dict: set (or delete, for value=_DEL) a key given as a tuple path."""
@@ -157,7 +197,17 @@ BAD = [
     ("heads_not_multiple", _set((TC, "num_key_value_heads"), 5), ["num_attention_heads", "num_key_value_heads"]),
     ("lin_heads_not_multiple", _set((TC, "linear_num_key_heads"), 20),
      ["linear_num_value_heads", "linear_num_key_heads"]),
-    ("rope_yarn", _set((TC, "rope_parameters", "rope_type"), "yarn"), ["rope_type", "'yarn'"]),
+    ("rope_linear", _set((TC, "rope_parameters", "rope_type"), "linear"), ["rope_type", "'linear'", "'yarn'"]),
+    ("yarn_factor_below_1", _set((TC, "rope_parameters"), {"rope_type": "yarn", "rope_theta": 1e7, "factor": 0.5,
+                                                            "original_max_position_embeddings": 262144}),
+     ["factor", ">= 1"]),
+    ("yarn_orig_str", _set((TC, "rope_parameters"), {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
+                                                      "original_max_position_embeddings": "262144"}),
+     ["original_max_position_embeddings", "int"]),
+    ("yarn_betas", _set((TC, "rope_parameters"), {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
+                                                  "beta_fast": 1, "beta_slow": 32}), ["beta_fast", "beta_slow"]),
+    ("yarn_truncate", _set((TC, "rope_parameters"), {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
+                                                     "truncate": "yes"}), ["truncate"]),
     ("rope_theta_missing", _set((TC, "rope_parameters", "rope_theta"), _DEL), ["rope_theta"]),
     ("mrope_sum", _set((TC, "rope_parameters", "mrope_section"), [11, 11, 11]), ["mrope_section", "32"]),
     ("mrope_not_list", _set((TC, "rope_parameters", "mrope_section"), "11,11,10"), ["mrope_section", "list"]),

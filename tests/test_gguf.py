@@ -93,6 +93,29 @@ def test_f32_gguf_loads_to_the_hf_params_and_logits(tmp_path):
     assert g.eos_token_ids == h.config.eos_token_ids
 
 
+def test_yarn_gguf_loads_with_the_hf_configs_scaling(tmp_path):
+    """A file whose ``rope.scaling.*`` says YaRN loads to the same config (factor, original context, default
+    attention factor) and logits as the HF checkpoint it came from; other scaling types and attention-factor keys
+    are refused by name."""
+    src = str(tmp_path / "yarn_hf")
+    import shutil
+
+    shutil.copytree(A, src)
+    raw = json.load(open(os.path.join(src, "config.json")))
+    raw["text_config"]["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)
+    json.dump(raw, open(os.path.join(src, "config.json"), "w"))
+    path, _ = _write(tmp_path, src, lambda n, a: "F32")
+    g, h = dj.load_target(path, dtype="float32"), _hf(src)
+    assert g.config == h.config and g.config.rope_scaling.factor == 4.0
+    np.testing.assert_allclose(np.asarray(g.logits(IDS)), np.asarray(h.logits(IDS)), rtol=1e-5, atol=1e-5)
+    meta = {f"{gguf_loader.ARCH}.rope.scaling.type": "linear"}
+    with pytest.raises(GGUFError, match="'linear' is not supported"):
+        gguf_loader._rope_scaling(meta, "m.gguf")
+    meta = {f"{gguf_loader.ARCH}.rope.scaling.type": "yarn", f"{gguf_loader.ARCH}.rope.scaling.attn_factor": 1.2}
+    with pytest.raises(GGUFError, match="attn_factor"):
+        gguf_loader._rope_scaling(meta, "m.gguf")
+
+
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory) -> str:
     """A random HF checkpoint of tiny_a's layout whose rows are multiples of 256 (so K-quants apply)."""

@@ -135,3 +135,42 @@ def test_bad_token_ids_are_rejected():
         t.logits([0, t.config.vocab_size])
     with pytest.raises(ValueError, match="empty"):
         t.logits([])
+
+
+def _yarn_copy(tmp_path, name: str, **rope) -> str:
+    """A copy of fixture ``name`` whose config.json asks for YaRN (``rope`` over its rope_parameters)."""
+    import json
+    import shutil
+
+    d = str(tmp_path / f"{name}_yarn")
+    shutil.copytree(os.path.join(FIXTURES, name), d)
+    with open(os.path.join(d, "config.json")) as f:
+        raw = json.load(f)
+    tc = raw.get("text_config", raw)
+    tc["rope_parameters"].update(rope_type="yarn", **rope)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return d
+
+
+@pytest.mark.parametrize("rope", [dict(factor=4.0, original_max_position_embeddings=32),
+                                  dict(factor=8.0, original_max_position_embeddings=16, beta_fast=8.0,
+                                       attention_factor=1.3)],
+                         ids=["defaults", "explicit"])
+def test_float64_yarn_matches_numpy_rederivation(tmp_path, rope):
+    """YaRN: in float64 the JAX model equals the NumPy forward with its own YaRN frequencies, on a prompt past
+    the original context; the scaling changes the logits (it is not ignored)."""
+    name = TINY[0]
+    g = golden(name)
+    ids = g["p2.ids"]
+    d = _yarn_copy(tmp_path, name, **rope)
+    cfg, w = np_oracle.load_checkpoint(d)
+    ref, _ = np_oracle.forward(cfg, w, ids)
+    with jax.enable_x64(True):
+        t = dj.load_target(d, dtype="float64")
+        assert t.config.rope_scaling is not None
+        logits = np.asarray(t.logits(ids))
+        plain = np.asarray(dj.load_target(os.path.join(FIXTURES, name), dtype="float64").logits(ids))
+    assert len(ids) > rope["original_max_position_embeddings"]
+    assert np.abs(logits - ref).max() <= 1e-5
+    assert np.abs(logits - plain).max() > 1e-3

@@ -72,7 +72,11 @@ def test_smoke_run_trains_and_exports(smoke_run):
     packing = report["data"]["packing"]
     assert packing["train"]["whole_docs"] > 0 and packing["train_long"]["whole_docs"] > 0
     assert report["data"]["train_long_seqs"] == packing["train_long"]["rows_with_whole_docs"]
-    for when in ("after_target", "after_target_long"):
+    # the long phase extends the context with YaRN (the preset's rope_scaling): the exported target carries it
+    y = load_target(out / "target", dtype="float32").config.rope_scaling
+    assert (y.factor, y.original_max_position_embeddings) == (2.0, 256)
+    assert report["target"]["config"]["rope_parameters"]["rope_type"] == "yarn"
+    for when in ("after_target", "extended_untrained", "after_target_long"):
         r = report["target"]["retrieval"][when]
         assert set(r) == {"needle_acc_160", "needle_tok_160", "induction_acc"}
         assert all(0.0 <= v <= 1.0 for v in r.values())
@@ -159,3 +163,30 @@ def test_init_drafter_refuses_a_mismatched_config_and_needs_init_target(smoke_ru
     with pytest.raises(SystemExit):
         train_tiny.main(["--smoke", "--out", str(tmp_path / "o"), "--init-drafter", str(out / "drafter")])
     assert "--init-drafter needs --init-target" in capsys.readouterr().err
+
+
+def test_extend_target_runs_the_long_phase_on_a_loaded_target(smoke_run, tmp_path):
+    """``--init-target DIR --extend-target``: a target exported before its context extension (plain rotary) gets
+    the long phase with YaRN, and the export carries the scaling; the drafter then trains on the extended one."""
+    out, work, _ = smoke_run
+    base = tmp_path / "base"
+    shutil.copytree(out / "target", base)
+    raw = json.loads((base / "config.json").read_text())
+    rp = raw["text_config"]["rope_parameters"]
+    raw["text_config"]["rope_parameters"] = {k: rp[k] for k in ("rope_type", "rope_theta", "partial_rotary_factor")}
+    raw["text_config"]["rope_parameters"]["rope_type"] = "default"
+    (base / "config.json").write_text(json.dumps(raw))
+    assert load_target(base, dtype="float32").config.rope_scaling is None
+    new = tmp_path / "ext"
+    rep = train_tiny.main(["--smoke", "--out", str(new), "--work-dir", str(_work_with_data(work, tmp_path / "w")),
+                           "--init-target", str(base), "--extend-target", "--no-scorer",
+                           "--set", "train.drafter.steps=1"])
+    assert rep["settings"]["extend_target"] is True
+    long = rep["target"]["long"]
+    assert long["timing"]["steps_run"] == long["hparams"]["steps"] > 0
+    assert set(rep["target"]["retrieval"]) == {"loaded", "extended_untrained", "after_target_long"}
+    assert load_target(new / "target", dtype="float32").config.rope_scaling.factor == 2.0
+    # the parameters moved (the phase trained), the export check passed at the extended config
+    assert rep["export"]["check"]["target_greedy_agree"] == 1.0
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--smoke", "--out", str(tmp_path / "o"), "--extend-target"])

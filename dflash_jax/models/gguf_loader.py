@@ -153,6 +153,30 @@ def _fields(reader) -> dict[str, Any]:
     return out
 
 
+
+def _rope_scaling(meta: dict[str, Any], where: str) -> dict[str, Any]:
+    """``rope_parameters`` keys for the file's rotary scaling: none, or YaRN from ``rope.scaling.type`` /
+    ``factor`` / ``original_context_length`` (and the betas); attention-factor keys, whose meaning differs between
+    llama.cpp and transformers, are refused rather than guessed."""
+    kind = meta.get(f"{ARCH}.rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    if kind != "yarn":
+        raise GGUFError(f"{where}: {ARCH}.rope.scaling.type {kind!r} is not supported (none or 'yarn')")
+    odd = [k for k in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
+           if f"{ARCH}.rope.scaling.{k}" in meta]
+    if odd:
+        raise GGUFError(f"{where}: YaRN metadata {odd} is not supported; convert the checkpoint's config.json "
+                        "instead (its rope_parameters carry the attention factor as transformers reads it)")
+    out: dict[str, Any] = {"rope_type": "yarn"}
+    for key, name, kind_ in (("factor", "factor", float), ("original_context_length",
+                                                           "original_max_position_embeddings", int),
+                             ("yarn_beta_fast", "beta_fast", float), ("yarn_beta_slow", "beta_slow", float)):
+        v = meta.get(f"{ARCH}.rope.scaling.{key}")
+        if v is not None:
+            out[name] = kind_(float(f"{float(v):.7g}"))
+    return out
+
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> tuple[TargetConfig, int]:
     """The ``TargetConfig`` a ``qwen35`` GGUF describes (metadata + tensor shapes) and its MTP block count."""
     arch = meta.get("general.architecture")
@@ -185,7 +209,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], where: str) 
         "intermediate_size": int(req("feed_forward_length")), "num_hidden_layers": n_layers,
         "layer_types": layer_types, "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
         "head_dim": head_dim, "partial_rotary_factor": int(req("rope.dimension_count")) / head_dim,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(f"{float(req('rope.freq_base')):.7g}")},
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(f"{float(req('rope.freq_base')):.7g}"),
+                            **_rope_scaling(meta, where)},
         "attn_output_gate": q_rows is None or q_rows == 2 * n_heads * head_dim,
         "linear_num_key_heads": int(req("ssm.group_count")), "linear_num_value_heads": n_v,
         "linear_key_head_dim": int(req("ssm.state_size")),

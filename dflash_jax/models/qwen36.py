@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.config import FULL, TargetConfig
+from dflash_jax.config import FULL, TargetConfig, YarnScaling
 from dflash_jax.kv.scatter import set_rows_where
 from dflash_jax.models import attention, gdn, quant, tree_ops
 from dflash_jax.state import KVPages, RecurrentSlots, StepInput, TreeInput
@@ -153,13 +153,21 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (w.astype(a) * y).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
-    """Partial NEOX rotary embedding on the first ``rotary_dim`` dims. x [B,T,H,D], positions [B,T]."""
+def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float,
+         scaling: YarnScaling | None = None) -> jax.Array:
+    """Partial NEOX rotary embedding on the first ``rotary_dim`` dims. x [B,T,H,D], positions [B,T].
+    ``scaling``: YaRN (each pair's frequency blended with itself / factor, cos and sin times the attention factor)."""
     half = rotary_dim // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=acc_dtype(x.dtype)) / rotary_dim))
+    if scaling is not None:
+        keep = jnp.asarray(scaling.keep(rotary_dim, theta), inv_freq.dtype)
+        inv_freq = inv_freq * keep + inv_freq / scaling.factor * (1 - keep)
     ang = positions.astype(inv_freq.dtype)[..., None] * inv_freq  # [B,T,half]
-    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :].astype(x.dtype)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if scaling is not None:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    cos = jnp.concatenate([cos, cos], -1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([sin, sin], -1)[:, :, None, :].astype(x.dtype)
     xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
     rot = jnp.concatenate([-xr[..., half:], xr[..., :half]], -1)
     return jnp.concatenate([xr * cos + rot * sin, xp], -1)
@@ -275,8 +283,10 @@ def attn_project(p: Params, cfg: TargetConfig, u: jax.Array, positions: jax.Arra
     q, gate = (qg[..., :hd], qg[..., hd:]) if cfg.attn_output_gate else (qg, None)
     k = y["k"].reshape(b, t, hkv, hd)
     v = y["v"].reshape(b, t, hkv, hd)
-    q = rope(rms_norm_zc(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
-    k = rope(rms_norm_zc(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+    q = rope(rms_norm_zc(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta,
+             cfg.rope_scaling)
+    k = rope(rms_norm_zc(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta,
+             cfg.rope_scaling)
     return q, gate, k, v
 
 
