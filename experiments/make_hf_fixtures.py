@@ -114,6 +114,17 @@ def build(name: str, text_overrides: dict, seed: int) -> Qwen3_5ForConditionalGe
     return model.eval().float()
 
 
+def weights_sha256(ckpt: str) -> str:
+    """SHA-256 over a checkpoint's ``*.safetensors`` files in name order (which weights a golden belongs to)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for fname in sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors")):
+        with open(os.path.join(ckpt, fname), "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
 def shipped_golden(ckpt: str, out: str, lengths: list[int], new_tokens: int, every: int = 128) -> None:
     """Logits of an exported target (the shipped tiny one) from transformers' ``Qwen3_5ForCausalLM``, its weights
     loaded from the checkpoint's ``model.language_model.*`` tensors (strict: every tensor used, none missing), on
@@ -165,6 +176,7 @@ def shipped_golden(ckpt: str, out: str, lengths: list[int], new_tokens: int, eve
     np.savez_compressed(out + ".npz", **record)
     with open(out + ".json", "w") as f:
         json.dump({"transformers": transformers.__version__, "torch": torch.__version__, "checkpoint": ckpt,
+                   "weights_sha256": weights_sha256(ckpt),
                    "prompt_lengths": [int(len(record[f"p{j}.ids"])) for j in range(len(lengths))],
                    "rope_parameters": text.get("rope_parameters"), "new_tokens": new_tokens,
                    "command": f"python experiments/make_hf_fixtures.py --shipped {ckpt} --shipped-out {out}"},

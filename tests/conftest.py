@@ -33,6 +33,7 @@ import pytest  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 TINY = ("qwen36_tiny_a", "qwen36_tiny_b")
+YARN = "qwen36_tiny_yarn"  # tiny_a's shapes with YaRN over 32 positions, prompts to 130 (transformers golden)
 
 
 @pytest.fixture(scope="session")

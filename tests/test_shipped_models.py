@@ -98,3 +98,32 @@ def test_held_out_acceptance_regression_guard(models):
     seeded = acceptance.tree_tau(lp, labels, 22, chain_seed=True)
     assert (seeded >= chain).all()  # the chain-seeded tree holds the top-1 chain
     assert tree.mean() > 1.5, f"DDTree tau {tree.mean():.2f} on held-out stdlib text"
+
+
+def test_shipped_target_matches_transformers():
+    """The shipped target against transformers 5.17's ``Qwen3_5ForCausalLM`` loaded from the same safetensors
+    (``tests/fixtures/shipped_target_golden``, made by ``experiments/make_hf_fixtures.py --shipped``): logits at
+    sampled positions of held-out needle prompts of 95, 700 and 2600 tokens (the last past the 2048 positions its
+    YaRN scaling stretches) within fp32 tolerance, and the same 16 greedy tokens."""
+    from conftest import FIXTURES
+
+    stem = os.path.join(FIXTURES, "shipped_target_golden")
+    with open(stem + ".json") as fh:
+        meta = json.load(fh)
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(f for f in os.listdir(TARGET) if f.endswith(".safetensors")):
+        with open(os.path.join(TARGET, f), "rb") as fh:
+            h.update(fh.read())
+    assert h.hexdigest() == meta["weights_sha256"], (
+        "the shipped target changed since its golden was made; regenerate it with: " + meta["command"])
+    g = dict(np.load(stem + ".npz"))
+    t = dj.load_target(TARGET, dtype="float32")
+    assert t.config.rope_scaling is not None and max(meta["prompt_lengths"]) > \
+        t.config.rope_scaling.original_max_position_embeddings
+    for j in range(len(meta["prompt_lengths"])):
+        ids = g[f"p{j}.ids"]
+        logits = np.asarray(t.logits(ids))[g[f"p{j}.positions"]]
+        assert np.abs(logits - g[f"p{j}.logits"]).max() <= 2e-4, j
+        assert t.greedy([int(i) for i in ids], 16) == g[f"p{j}.greedy"].tolist(), j
