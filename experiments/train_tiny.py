@@ -5,6 +5,7 @@
     python experiments/train_tiny.py --out OUT --resume                            # continue from the checkpoints
     python experiments/train_tiny.py --out OUT --max-minutes 9 [--resume]          # stop in time (exit 3), resume
     python experiments/train_tiny.py --out OUT --init-target T --init-drafter D     # continue a shipped drafter
+    python experiments/train_tiny.py --out OUT --init-target T --extend-target ...  # the long phase on T
 
 Fixed seeds everywhere (init, batch order, anchors, corpus, eval anchors); on GPU ``--xla_gpu_deterministic_ops`` is
 set unless ``--no-deterministic``, and a resumed run gives the same weights as an uninterrupted one.
@@ -25,7 +26,10 @@ latest checkpoint of a phase, a finished phase is not re-run):
    ``copy_fraction`` of its
    rows are synthetic copy rows (``copy_rows`` over the needle values' token ids, loss only on the repeated half:
    a dense signal for the copy mechanism retrieval needs); then ``target_long``
-   continues it on the long rows (8448 tokens in ``tiny``: the 8K bench prompt and its answer fit a row).
+   continues it on the long rows (8448 tokens in ``tiny``: the 8K bench prompt and its answer fit a row), with
+   the phase's ``rope_scaling`` (YaRN x4 over the 2048 positions the earlier phases saw, in ``tiny``) from its
+   first step on: the context extension, which the exported config.json carries. ``--init-target DIR
+   --extend-target`` runs this phase on a loaded target (before or after an earlier extension).
    Held-out perplexity, and held-out needle accuracy (``make_retrieval_eval``: the bench's prompts, teacher forced)
    with ``induction_acc`` (``make_induction_eval``: copying held-out copy rows) after each of the two.
 3. drafter: DFlash objective (§3.3) on the frozen target's features of the default ``target_layer_ids``: random
