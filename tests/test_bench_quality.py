@@ -31,8 +31,10 @@ def test_quality_compares_weight_and_page_formats_with_the_reference(tmp_path):
         assert fig[f"{name}.ppl_ratio"] == pytest.approx(fig[f"{name}.ppl"] / fig["f32.ppl"])
     # int8 pages and W8A8 move the model a little, not a lot
     assert 0.9 < fig["kv_int8.ppl_ratio"] < 1.1 and 0.8 < fig["fp8_dynamic.ppl_ratio"] < 1.25
+    # a best-first tree of 22 nodes need not hold the whole top-1 chain (deep chain nodes can rank below other
+    # branches), so the tree's tau is not bounded below by the chain's on 4 blocks; both stay in [1, block]
     for name in ("f32", "fp8_dynamic"):
-        assert 1 <= fig[f"{name}.chain.tau"] <= fig[f"{name}.ddtree.tau"] <= 16
+        assert 1 <= fig[f"{name}.chain.tau"] <= 16 and 1 <= fig[f"{name}.ddtree.tau"] <= 16
     assert fig["fp8_dynamic.ddtree.tau_ratio"] == pytest.approx(fig["fp8_dynamic.ddtree.tau"] / fig["f32.ddtree.tau"])
     assert "kv_int8.ddtree.tau" not in fig
 

@@ -259,12 +259,12 @@ def test_shipped_target_in_int4_packs_every_matmul_and_stays_close_to_fp32():
     ref = dj.Target(t.config, _dequantized(q.params))
     np.testing.assert_allclose(np.asarray(q.logits(ids)), np.asarray(ref.logits(ids)), rtol=1e-4, atol=1e-4)
     full, got = t.logits(ids), q.logits(ids)
-    # measured on the shipped 8-layer set at these 100 random ids: KL 0.34 nats per position, relative logit error
-    # 0.23, 47 % of argmaxes kept (int8: 0.001, 0.015, 97 %; on 200 tokens of held-out Python source int4 gives
-    # 0.35, 0.25, 50 %): plain round-to-nearest 4-bit is lossy on an 8M-parameter model; a packing or scale bug
-    # loses every argmax
-    assert _kl(full, got) < 0.45
-    assert float(jnp.linalg.norm(full - got) / jnp.linalg.norm(full)) < 0.35
+    # measured on the shipped 8-layer set (the YaRN-extended target) at these 100 random ids: KL 0.46 nats per
+    # position, relative logit error 0.33, 47 % of argmaxes kept (int8: 0.002, 0.023, 94 %; the target before its
+    # context extension: 0.34, 0.23, 47 %): plain round-to-nearest 4-bit is lossy on an 8M-parameter model; a
+    # packing or scale bug loses every argmax
+    assert _kl(full, got) < 0.6
+    assert float(jnp.linalg.norm(full - got) / jnp.linalg.norm(full)) < 0.45
     assert float(jnp.mean(jnp.argmax(full, -1) == jnp.argmax(got, -1))) > 0.35
     eng = Engine(q, None, EngineOptions(max_batch=1, max_model_len=64, prefill_chunk=16))
     [o] = eng.generate([ids[:20]], SamplingParams(max_tokens=6, ignore_eos=True))

@@ -707,7 +707,8 @@ def test_enforced_tool_choice_forces_the_call(shipped):
     """tool_choice "required" and a named function are enforced by a forced start of the call: the reply (streamed
     or not) is the greedy continuation of the prompt plus that prefix (checked against /v1/completions on the same
     token ids), parsed as if the model had written the prefix; the prefix is billed as prompt tokens. The shipped
-    target, trained on calls to ``read_source``, calls it when it may choose ("required"). A reply that does not
+    target, trained on calls to ``read_source`` for questions about a function, calls it when it may choose
+    ("required"; to "hello" it starts the call but does not close it within 64 tokens). A reply that does not
     parse into a call (the shipped target, forced into ``add``, writes code instead of its parameters; or a call cut
     short by length) keeps its raw text, prefix included, as content, with the engine's finish reason."""
     from dflash_jax.models.chat import parse_assistant
@@ -715,7 +716,7 @@ def test_enforced_tool_choice_forces_the_call(shipped):
 
     c, _ = shipped
     tok = _shipped_tok()
-    msgs = [{"role": "user", "content": "hello"}]
+    msgs = [{"role": "user", "content": "What does `json.dumps` do?"}]
     tools = [READ_FILE_TOOL, *ADD_TOOL]
     named = {"type": "function", "function": {"name": "add"}}
     parsed = 0
