@@ -25,14 +25,18 @@ import torch
 import transformers
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+TINY_A_SHAPES = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=6,
+    linear_key_head_dim=32, linear_value_head_dim=32,
+)
+
 CASES = {
     # name: (text config overrides, shard size or None, prompt lengths)
     "qwen36_tiny_a": (
         dict(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            linear_num_key_heads=2, linear_num_value_heads=6,
-            linear_key_head_dim=32, linear_value_head_dim=32,
+            TINY_A_SHAPES,
             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                  mrope_section=[2, 1, 1], mrope_interleaved=True),
         ),
@@ -54,10 +58,7 @@ CASES = {
     # YaRN over 32 trained positions, prompts up to 130: transformers' YaRN frequencies and attention factor
     "qwen36_tiny_yarn": (
         dict(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            linear_num_key_heads=2, linear_num_value_heads=6,
-            linear_key_head_dim=32, linear_value_head_dim=32,
+            TINY_A_SHAPES,
             rope_parameters=dict(rope_type="yarn", rope_theta=1e4, partial_rotary_factor=0.5, factor=4.0,
                                  original_max_position_embeddings=32, mrope_section=[4, 2, 2],
                                  mrope_interleaved=True),
