@@ -158,7 +158,10 @@ def _yarn(rope: Mapping[str, Any], d: Mapping[str, Any], where: str) -> YarnScal
                           f"at) must be a positive int, got {orig!r}")
     factor = num("factor", None)
     if factor is None:
-        factor = float(d.get("max_position_embeddings", 0)) / orig
+        if not isinstance(d.get("max_position_embeddings"), int):
+            raise ConfigError(f"{where}: key '{k}.factor' is missing and there is no max_position_embeddings to derive "
+                              "it from (factor = max_position_embeddings / original_max_position_embeddings)")
+        factor = d["max_position_embeddings"] / orig
     if factor < 1:
         raise ConfigError(f"{where}: key '{k}.factor' must be >= 1 (YaRN stretches the trained context), got {factor}")
 

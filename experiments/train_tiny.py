@@ -1459,11 +1459,10 @@ def load_trained_target(path: str, configs: Sequence[TargetConfig], tokenizer_di
     run's (the drafter and scorer learn from this run's token ids)."""
     from dflash_jax import load_target
 
-    got = load_target(path, dtype="float32").config
-    if got not in configs:
+    tcfg = load_target(path, dtype="float32").config
+    if tcfg not in configs:
         raise SystemExit(f"--init-target {path}: its config.json is not this preset's target config; train the "
                          "target (drop --init-target) or pass the matching --preset / --set values")
-    tcfg = got
     with open(os.path.join(path, "tokenizer.json"), "rb") as fh, \
             open(os.path.join(tokenizer_dir, "tokenizer.json"), "rb") as fh2:
         if fh.read() != fh2.read():

@@ -1,6 +1,7 @@
 """The shipped tiny model set (``dflash_jax/assets/tiny``) loads through the normal loaders, is wired as trained, and
 its drafter really drafts: a small held-out acceptance evaluation (a regression guard, not the target)."""
 
+import hashlib
 import json
 import os
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+from conftest import FIXTURES
 from dflash_jax.bench import acceptance
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import features
@@ -105,13 +107,9 @@ def test_shipped_target_matches_transformers():
     (``tests/fixtures/shipped_target_golden``, made by ``experiments/make_hf_fixtures.py --shipped``): logits at
     sampled positions of held-out needle prompts of 95, 700 and 2600 tokens (the last past the 2048 positions its
     YaRN scaling stretches) within fp32 tolerance, and the same 16 greedy tokens."""
-    from conftest import FIXTURES
-
     stem = os.path.join(FIXTURES, "shipped_target_golden")
     with open(stem + ".json") as fh:
         meta = json.load(fh)
-    import hashlib
-
     h = hashlib.sha256()
     for f in sorted(f for f in os.listdir(TARGET) if f.endswith(".safetensors")):
         with open(os.path.join(TARGET, f), "rb") as fh:

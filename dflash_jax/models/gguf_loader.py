@@ -169,12 +169,12 @@ def _rope_scaling(meta: dict[str, Any], where: str) -> dict[str, Any]:
         raise GGUFError(f"{where}: YaRN metadata {odd} is not supported; convert the checkpoint's config.json "
                         "instead (its rope_parameters carry the attention factor as transformers reads it)")
     out: dict[str, Any] = {"rope_type": "yarn"}
-    for key, name, kind_ in (("factor", "factor", float), ("original_context_length",
-                                                           "original_max_position_embeddings", int),
-                             ("yarn_beta_fast", "beta_fast", float), ("yarn_beta_slow", "beta_slow", float)):
+    for key, name, as_type in (("factor", "factor", float),
+                               ("original_context_length", "original_max_position_embeddings", int),
+                               ("yarn_beta_fast", "beta_fast", float), ("yarn_beta_slow", "beta_slow", float)):
         v = meta.get(f"{ARCH}.rope.scaling.{key}")
         if v is not None:
-            out[name] = kind_(float(f"{float(v):.7g}"))
+            out[name] = as_type(float(f"{float(v):.7g}"))
     return out
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> tuple[TargetConfig, int]:
