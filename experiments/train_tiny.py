@@ -78,6 +78,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from dflash_jax.config import FULL, DrafterConfig, TargetConfig  # noqa: E402
+from dflash_jax.engine.compile import enable_compile_cache  # noqa: E402
 from dflash_jax.engine.spec_steps import features  # noqa: E402
 from dflash_jax.models import dense  # noqa: E402
 from dflash_jax.models import dflash, loader, qwen36  # noqa: E402
@@ -1082,7 +1083,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     os.makedirs(work, exist_ok=True)
     platform_name = jax.default_backend()
     if platform_name != "cpu":  # resumed / repeated runs skip recompiling
-        jax.config.update("jax_compilation_cache_dir", os.path.join(work, "jax_cache"))
+        enable_compile_cache(os.path.join(work, "jax_cache"))
     cdt = {"auto": "bfloat16" if platform_name in ("gpu", "cuda", "rocm", "tpu") else "float32"}.get(
         args.compute_dtype, args.compute_dtype)
     cdtype, edtype = jnp.dtype(cdt), jnp.dtype(args.export_dtype)

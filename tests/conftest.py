@@ -28,6 +28,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-jax-tests-xla-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# A size limit turns on JAX's file lock around every cache read and write (engine.compile.enable_compile_cache): the
+# workers and their subprocesses share the directory, and an entry written in place without the lock can be read
+# half-written by another process.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 << 30))
 
 import pytest  # noqa: E402
 

@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from dflash_jax.engine.compile import enable_compile_cache
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -45,7 +49,14 @@ def test_second_process_loads_every_bucket_from_the_cache(tmp_path):
     assert second["hits"] == second["buckets"], second
     assert second["compiled"] == first["compiled"]  # a load still counts as a compile event (shape changes show)
     assert second["tokens"] == first["tokens"]
-    assert os.listdir(cache)
+    # reads and writes held the directory's file lock (a size limit is set), so processes sharing it never read a
+    # half-written entry
+    assert ".lockfile" in os.listdir(cache) and any(f.endswith("-cache") for f in os.listdir(cache))
+
+
+def test_a_cache_without_room_is_refused():
+    with pytest.raises(ValueError, match="max_bytes"):
+        enable_compile_cache("/tmp/unused-cache", max_bytes=0)
 
 
 def test_cpu_warmup_compiles_one_at_a_time_with_the_cache_on():

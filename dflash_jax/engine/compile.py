@@ -37,15 +37,27 @@ monitoring.register_event_duration_secs_listener(_listener)
 monitoring.register_event_listener(_event_listener)
 
 
-def enable_compile_cache(path: str, min_compile_s: float = 1.0) -> str:
+CACHE_MAX_BYTES = 64 << 30  # the persistent cache's default size limit (least recently used entries go first)
+
+
+def enable_compile_cache(path: str, min_compile_s: float = 1.0, max_bytes: int = CACHE_MAX_BYTES) -> str:
     """Keep compiled executables in JAX's persistent compilation cache under ``path``, so a restart (or a
     benchmark's next fresh engine of the same shapes) loads them instead of compiling again; executables that
     compiled in under ``min_compile_s`` are not stored. Call before the first compilation: JAX fixes its cache
-    when it first compiles. Equivalent to ``JAX_COMPILATION_CACHE_DIR=path``."""
+    when it first compiles. Equivalent to ``JAX_COMPILATION_CACHE_DIR=path`` plus
+    ``JAX_COMPILATION_CACHE_MAX_SIZE=max_bytes``.
+
+    The size limit is what makes the cache safe to share between processes (several servers, a benchmark and its
+    subprocesses): without one (JAX's default, -1) an entry is written in place with no lock, so another process
+    can read it half-written and deserialise a truncated executable; with one, every read and write holds the
+    directory's file lock (``.lockfile``), and entries beyond ``max_bytes`` are evicted least recently used first."""
+    if max_bytes <= 0:
+        raise ValueError(f"compile cache max_bytes={max_bytes} must be > 0 (0 would turn the cache off)")
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
+    jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
     return path
 
 
