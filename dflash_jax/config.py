@@ -193,12 +193,13 @@ def _grouped_heads(d: Mapping[str, Any], heads_key: str, kv_key: str, where: str
 def _qwen3_attention(d: Mapping[str, Any], where: str,
                      head_dim_missing: str = "hidden_size is not a multiple of heads") -> dict[str, Any]:
     """The attention geometry of a Qwen3 config: ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``
-    (default ``hidden_size // num_attention_heads``) and ``rope_theta``, as keyword arguments of a config class.
+    (default ``hidden_size // num_attention_heads``), ``rope_theta`` and ``rope_scaling`` (YaRN, or None), as
+    keyword arguments of a config class.
 
     ``head_dim_missing`` (a ``str.format`` template over ``hidden`` and ``nh``) ends the error raised when
     ``head_dim`` is absent and cannot be derived.
     """
-    _, theta = _rope(d, where)
+    rope, theta = _rope(d, where, ("default", "yarn"))
 
     hidden = _req_positive(d, "hidden_size", where)
     nh, nkv = _grouped_heads(d, "num_attention_heads", "num_key_value_heads", where)
@@ -210,7 +211,8 @@ def _qwen3_attention(d: Mapping[str, Any], where: str,
         head_dim = hidden // nh
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ConfigError(f"{where}: key 'head_dim' must be a positive even int, got {head_dim!r}")
-    return {"hidden_size": hidden, "num_heads": nh, "num_kv_heads": nkv, "head_dim": head_dim, "rope_theta": theta}
+    return {"hidden_size": hidden, "num_heads": nh, "num_kv_heads": nkv, "head_dim": head_dim, "rope_theta": theta,
+            "rope_scaling": _yarn(rope, d, where)}
 
 
 def _rms_norm_eps(d: Mapping[str, Any], where: str) -> float:
@@ -440,6 +442,7 @@ class DrafterConfig:
     num_target_layers: int | None = None
     vocab_size: int | None = None
     is_causal: bool | None = None  # None: per layer type (sliding causal, full bidirectional)
+    rope_scaling: YarnScaling | None = None  # YaRN rotary scaling (None: plain rotary at rope_theta)
     # nats added per DDTree level to this drafter's log-probs (spec.ddtree's level bonus), calibrated on training
     # text; an inference setting, not architecture (``dflash_config.ddtree_level_bonus``, absent = 0)
     ddtree_level_bonus: float = 0.0
@@ -618,7 +621,7 @@ class DrafterConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": self.rope_scaling and self.rope_scaling.to_hf(),
             "sliding_window": self.sliding_window,
             "use_sliding_window": SLIDING in self.layer_types,
             "block_size": self.block_size,

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
+import np_oracle
 from dflash_jax.config import ConfigError
 from dflash_jax.models import dense, dense_scoring
 from dflash_jax.models.loader import CheckpointError
@@ -22,6 +23,8 @@ from dflash_jax.models.qwen36 import rms_norm
 CFG = dense.DenseConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                         num_kv_heads=2, head_dim=8, rope_theta=1e4)
 TIED = dense.DenseConfig(**{**CFG.__dict__, "tie_word_embeddings": True})
+YARN_RP = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # T = 37 > 16 positions
+YARN = dense.DenseConfig.from_hf_dict({**CFG.to_hf_dict(), "rope_scaling": YARN_RP})
 T = 37  # not a multiple of any chunk used
 
 
@@ -60,6 +63,19 @@ def test_config_parses_qwen3_0_6b_and_round_trips():
     assert cfg.tie_word_embeddings and cfg.rope_theta == 1e6
     assert dense.DenseConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
     assert dense.DenseConfig.from_hf_dict(_hf(head_dim=_DROP)).head_dim == 1024 // 16
+    assert cfg.rope_scaling is None
+
+
+def test_config_parses_yarn_as_qwen3_documents_it():
+    """Qwen3's model card extends 32K to 128K with ``rope_scaling: {rope_type: yarn, factor: 4.0,
+    original_max_position_embeddings: 32768}``."""
+    cfg = dense.DenseConfig.from_hf_dict(_hf(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 32768},
+                                             max_position_embeddings=131072))
+    y = cfg.rope_scaling
+    assert (y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow) == (4.0, 32768, 32.0, 1.0)
+    assert y.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1.0)
+    assert dense.DenseConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
 @pytest.mark.parametrize("over, key", [
@@ -69,7 +85,7 @@ def test_config_parses_qwen3_0_6b_and_round_trips():
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"layer_types": ["sliding_attention"] * 28}, "layer_types"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_type"),
     ({"dflash_config": {"mask_token_id": 1}}, "dflash_config"),
     ({"head_dim": 7}, "head_dim"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
@@ -118,15 +134,18 @@ def test_prefill_capacity_and_id_errors(params, ids):
 
 
 # ---- tail attention ------------------------------------------------------------------------------------------------
-def _layer0_reference(params, ids, nq, nope):
-    """Tail probabilities of layer 0 from a plain T x T computation (its input is the embedding)."""
+def _layer0_reference(params, ids, nq, nope, rp=None):
+    """Tail probabilities of layer 0 from a plain T x T computation (its input is the embedding), rotated by
+    ``np_oracle.rope`` (float64; ``rp``: YaRN rope_parameters)."""
     a = params["layers"][0]["attn"]
     u = rms_norm(params["embed"][ids], params["layers"][0]["input_norm"], CFG.rms_norm_eps)
     pos = jnp.arange(T)
     q = rms_norm((u @ a["q"].T).reshape(T, CFG.num_heads, -1), a["q_norm"], CFG.rms_norm_eps)
     k = rms_norm((u @ a["k"].T).reshape(T, CFG.num_kv_heads, -1), a["k_norm"], CFG.rms_norm_eps)
     if not nope:
-        q, k = dense._rope1(q, pos, CFG.rope_theta), dense._rope1(k, pos, CFG.rope_theta)
+        hd = CFG.head_dim
+        q, k = (jnp.asarray(np_oracle.rope(np.asarray(x, np.float64), hd, CFG.rope_theta, rp), jnp.float32)
+                for x in (q, k))
     k = jnp.repeat(k, CFG.num_heads // CFG.num_kv_heads, axis=1)
     s = jnp.einsum("qhd,khd->hqk", q, k) * CFG.head_dim ** -0.5
     s = jnp.where(pos[None, :] <= pos[:, None], s, -jnp.inf)
@@ -134,18 +153,32 @@ def _layer0_reference(params, ids, nq, nope):
 
 
 @pytest.mark.parametrize("nope", [False, True])
-def test_tail_attention_rows_causal_and_match_reference(params, ids, nope):
-    nq = 8
-    att = dense.tail_attention(params, CFG, ids, n_query=nq, chunk=8, nope=nope)
-    chex.assert_shape(att, (CFG.num_layers, CFG.num_heads, nq, T))
+@pytest.mark.parametrize("yarn", [False, True])
+def test_tail_attention_rows_causal_and_match_reference(params, ids, nope, yarn):
+    """Layer 0 against a T x T reference rotated by the float64 oracle; a YaRN scorer's NoPE scores undo the
+    scaling too (its attention factor is divided out, not squared), so they equal the plain scorer's at layer 0."""
+    nq, cfg, rp = 8, YARN if yarn else CFG, YARN_RP if yarn else None
+    att = dense.tail_attention(params, cfg, ids, n_query=nq, chunk=8, nope=nope)
+    chex.assert_shape(att, (cfg.num_layers, cfg.num_heads, nq, T))
     np.testing.assert_allclose(att.sum(-1), 1.0, atol=1e-5)
     for i in range(nq):
         assert float(jnp.abs(att[:, :, i, T - nq + i + 1:]).max(initial=0.0)) == 0.0  # nothing after the query
     assert float(att.min()) >= 0.0
-    np.testing.assert_allclose(att[0], _layer0_reference(params, ids, nq, nope), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(att[0], _layer0_reference(params, ids, nq, nope, rp), rtol=1e-4, atol=1e-6)
     # the last n_layers only, and independent of the prefill chunk
-    last2 = dense.tail_attention(params, CFG, ids, n_query=nq, n_layers=2, chunk=16, nope=nope)
+    last2 = dense.tail_attention(params, cfg, ids, n_query=nq, n_layers=2, chunk=16, nope=nope)
     np.testing.assert_allclose(last2, att[1:], rtol=1e-4, atol=1e-6)
+    if yarn and not nope:  # the scaling is applied: the plain scorer's layer 0 differs
+        plain = dense.tail_attention(params, CFG, ids, n_query=nq, n_layers=CFG.num_layers, chunk=8)
+        assert float(jnp.abs(plain[0] - att[0]).max()) > 1e-3
+
+
+def test_unrope_inverts_rope_with_yarn():
+    x = jax.random.normal(jax.random.key(3), (T, 2, CFG.head_dim), jnp.float32)
+    pos = jnp.arange(T, dtype=jnp.int32) * 5
+    for scaling in (None, YARN.rope_scaling):
+        y = dense._rope1(x, pos, CFG.rope_theta, scaling)
+        np.testing.assert_allclose(dense._unrope1(y, pos, CFG.rope_theta, scaling), x, rtol=1e-5, atol=1e-5)
 
 
 def test_tail_attention_short_prompt_and_errors(params, ids):
@@ -200,9 +233,10 @@ def test_cudnn_attention_lowers_to_causal_flash_attention(monkeypatch):
     assert "tensor<1x4096x8x128xbf16>" in txt
 
 
-def test_tail_max_attention_equals_max_of_tail_attention(params, ids):
-    att = dense.tail_attention(params, CFG, ids, n_query=8, n_layers=2, chunk=8, nope=True)
-    run, t = dense_scoring.tail_max_attention(params, CFG, ids, n_query=8, n_layers=2, nope=True, block=16)
+@pytest.mark.parametrize("cfg", [CFG, YARN], ids=["plain", "yarn"])
+def test_tail_max_attention_equals_max_of_tail_attention(params, ids, cfg):
+    att = dense.tail_attention(params, cfg, ids, n_query=8, n_layers=2, chunk=8, nope=True)
+    run, t = dense_scoring.tail_max_attention(params, cfg, ids, n_query=8, n_layers=2, nope=True, block=16)
     assert t == T and run.shape == (8, dense.capacity_for(T, 16))
     np.testing.assert_allclose(run[:, :T], att.max(axis=(0, 1)), rtol=1e-5, atol=1e-7)
     assert float(jnp.abs(run[:, T:]).max()) == 0.0  # padding rows are never attended

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import np_oracle
 from conftest import FIXTURES
 from dflash_jax.config import FULL, SLIDING, ConfigError, DrafterConfig, TargetConfig, build_target_layer_ids
 from dflash_jax.models import dflash
@@ -166,7 +167,7 @@ def _mut(path: str, value=None, delete=False):
     (_mut("num_key_value_heads", 3), "num_key_value_heads"),
     (_mut("head_dim", 15), "head_dim"),
     (_mut("rope_theta", delete=True), "rope_theta"),
-    (_mut("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), "rope_type"),
+    (_mut("rope_scaling", {"rope_type": "linear", "factor": 4.0}), "rope_type"),
     (_mut("hidden_act", "gelu"), "hidden_act"),
     (_mut("attention_bias", True), "attention_bias"),
     (_mut("block_size", 1), "block_size"),
@@ -269,17 +270,22 @@ def _np_rms(x, w, eps=1e-6):
     return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
 
 
-def _np_rope(x, pos, theta):  # x [T, H, d]; rotate_half NEOX over all d dims
+def _np_rope(x, pos, theta, rp=None):  # x [T, H, d]; rotate_half NEOX over all d dims; rp: YaRN rope_parameters
     d = x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    mscale = 1.0
+    if rp is not None:
+        inv, mscale = np_oracle.yarn_inv_freq(inv, d, theta, rp, 0)
     ang = pos[:, None] * inv[None]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+    cos = mscale * np.cos(np.concatenate([ang, ang], -1))[:, None]
+    sin = mscale * np.sin(np.concatenate([ang, ang], -1))[:, None]
     rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
     return x * cos + rot * sin
 
 
-def _np_draft(cfg, params, embed, head, feats, tokens):
-    """Logits [blk, V] of one block right after a context of C = len(feats) positions (float64)."""
+def _np_draft(cfg, params, embed, head, feats, tokens, rp=None):
+    """Logits [blk, V] of one block right after a context of C = len(feats) positions (float64); rp: the
+    config's YaRN rope_parameters (None: plain rotary)."""
     P = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     c, blk, hd = feats.shape[0], len(tokens), cfg.head_dim
     ctx = _np_rms(np.asarray(feats, np.float64) @ P["fc"].T, P["hidden_norm"])
@@ -288,9 +294,9 @@ def _np_draft(cfg, params, embed, head, feats, tokens):
     for i, L in enumerate(P["layers"]):
         a = L["attn"]
         u = _np_rms(h, L["input_norm"])
-        q = _np_rope(_np_rms((u @ a["q"].T).reshape(blk, -1, hd), a["q_norm"]), qpos, cfg.rope_theta)
+        q = _np_rope(_np_rms((u @ a["q"].T).reshape(blk, -1, hd), a["q_norm"]), qpos, cfg.rope_theta, rp)
         x = np.concatenate([ctx, u])
-        k = _np_rope(_np_rms((x @ a["k"].T).reshape(c + blk, -1, hd), a["k_norm"]), kpos, cfg.rope_theta)
+        k = _np_rope(_np_rms((x @ a["k"].T).reshape(c + blk, -1, hd), a["k_norm"]), kpos, cfg.rope_theta, rp)
         v = (x @ a["v"].T).reshape(c + blk, -1, hd)
         vis = np.ones((blk, c + blk), bool)
         if cfg.layer_causal(i):
@@ -312,9 +318,16 @@ def _np_draft(cfg, params, embed, head, feats, tokens):
     return _np_rms(h, P["norm"]) @ np.asarray(head, np.float64).T
 
 
-@pytest.mark.parametrize("layers", ["nano", "all_full"])
+YARN_RP = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # S = 40 > 16 positions
+
+
+@pytest.mark.parametrize("layers", ["nano", "all_full", "yarn"])
 def test_draft_forward_matches_numpy_oracle(layers):
-    cfg = nano() if layers == "nano" else nano(layer_types=(FULL,) * 5)
+    """The drafter against an independent float64 forward; ``yarn``: a YaRN drafter config (x4 over 16 positions)
+    against the oracle's own YaRN frequencies and attention factor."""
+    rp = YARN_RP if layers == "yarn" else None
+    cfg = (nano() if layers == "nano" else nano(layer_types=(FULL,) * 5) if layers == "all_full"
+           else DrafterConfig.from_hf_dict({**NANO, "rope_scaling": rp}))
     params = _params(cfg)
     embed, head = _shared()
     feats = _feats(15, 2, S)
@@ -322,8 +335,19 @@ def test_draft_forward_matches_numpy_oracle(layers):
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S))
     out = _draft(cfg, params, feats, pos, jnp.ones((2, S), bool), toks, jnp.array([S, S], jnp.int32))
     for b in range(2):
-        ref = _np_draft(cfg, params, embed, head, np.asarray(feats[b]), np.asarray(toks[b]))
+        ref = _np_draft(cfg, params, embed, head, np.asarray(feats[b]), np.asarray(toks[b]), rp)
         np.testing.assert_allclose(np.asarray(out[b]), ref, rtol=2e-4, atol=2e-4)
+    if rp is not None:  # the scaling is applied, not just parsed: the plain drafter's logits differ
+        plain = _draft(nano(), params, feats, pos, jnp.ones((2, S), bool), toks, jnp.array([S, S], jnp.int32))
+        assert float(jnp.abs(plain - out).max()) > 1e-2
+
+
+def test_yarn_config_round_trips():
+    c = DrafterConfig.from_hf_dict({**NANO, "rope_scaling": YARN_RP})
+    y = c.rope_scaling
+    assert (y.factor, y.original_max_position_embeddings) == (4.0, 16)
+    assert y.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert DrafterConfig.from_hf_dict(c.to_hf_dict()) == c and nano().rope_scaling is None
 
 
 # ---- the key property: the parallel training mask == the inference forward block by block -------------------------

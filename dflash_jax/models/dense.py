@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dflash_jax.config import (FULL, ConfigError, _check_dense_silu, _qwen3_attention, _read_config_json,
+from dflash_jax.config import (FULL, ConfigError, YarnScaling, _check_dense_silu, _qwen3_attention, _read_config_json,
                                _req_positive, _rms_norm_eps, _top_object)
 from dflash_jax.models.loader import _ATTN, _LAYER, Placer, load_checkpoint, save_checkpoint, stream_params
 from dflash_jax.models.qwen3_layers import qwen3_layer_shapes, random_params
@@ -64,6 +64,7 @@ class DenseConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
+    rope_scaling: YarnScaling | None = None  # YaRN (e.g. Qwen3's 32K -> 128K); None: plain rotary at rope_theta
 
     def kv_bytes_per_token(self, itemsize: int = 2) -> int:
         """Cached K and V of every layer for one token."""
@@ -127,7 +128,7 @@ class DenseConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": self.rope_scaling and self.rope_scaling.to_hf(),
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
@@ -170,9 +171,18 @@ def model_dtype(params: Params) -> jnp.dtype:
 # ---------------------------------------------------------------------------------------------
 # building blocks (unbatched: one sequence, tokens on axis 0)
 # ---------------------------------------------------------------------------------------------
-def _rope1(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Full-dim NEOX RoPE on x [T, H, hd] at positions [T]."""
-    return rope(x[None], positions[None], x.shape[-1], theta)[0]
+def _rope1(x: jax.Array, positions: jax.Array, theta: float, scaling: YarnScaling | None = None) -> jax.Array:
+    """Full-dim NEOX RoPE on x [T, H, hd] at positions [T] (``scaling``: YaRN)."""
+    return rope(x[None], positions[None], x.shape[-1], theta, scaling)[0]
+
+
+def _unrope1(x: jax.Array, positions: jax.Array, theta: float, scaling: YarnScaling | None = None) -> jax.Array:
+    """The inverse of :func:`_rope1`: x [T, H, hd] rotated at positions [T] back to its pre-RoPE value (YaRN's
+    attention factor divided out, not applied a second time)."""
+    if scaling is None:
+        return _rope1(x, -positions, theta)
+    plain = dataclasses.replace(scaling, attention_factor=1.0)
+    return _rope1(x, -positions, theta, plain) / jnp.asarray(scaling.attention_factor, x.dtype)
 
 
 def _qkv(p: Params, cfg: DenseConfig, u: jax.Array, positions: jax.Array):
@@ -182,8 +192,8 @@ def _qkv(p: Params, cfg: DenseConfig, u: jax.Array, positions: jax.Array):
     q = linear(u, p["q"]).reshape(t, cfg.num_heads, hd)
     k = linear(u, p["k"]).reshape(t, cfg.num_kv_heads, hd)
     v = linear(u, p["v"]).reshape(t, cfg.num_kv_heads, hd)
-    q = _rope1(rms_norm(q, p["q_norm"], eps), positions, cfg.rope_theta)
-    k = _rope1(rms_norm(k, p["k_norm"], eps), positions, cfg.rope_theta)
+    q = _rope1(rms_norm(q, p["q_norm"], eps), positions, cfg.rope_theta, cfg.rope_scaling)
+    k = _rope1(rms_norm(k, p["k_norm"], eps), positions, cfg.rope_theta, cfg.rope_scaling)
     return q, k, v
 
 
@@ -414,31 +424,32 @@ def tail_queries(params: Params, cfg: DenseConfig, ids: Any, *, n_query: int = 8
     return qs, DenseCache(k, v, t), t - nq
 
 
-def tail_probs(q: jax.Array, k: jax.Array, q_start: jax.Array, theta: float, nope: bool = False) -> jax.Array:
+def tail_probs(q: jax.Array, k: jax.Array, q_start: jax.Array, theta: float, nope: bool = False,
+               scaling: YarnScaling | None = None) -> jax.Array:
     """Softmax attention of tail queries over a layer's cached keys.
 
     q [nq, H, hd] (rotated, at positions ``q_start + i``); k [cap, Hkv, hd] (rotated, row = position). Returns
     ``[H, nq, cap]`` float32 probabilities, zero for keys after each query (and hence for rows >= T). With ``nope``
     both sides are rotated back to their pre-RoPE values first (lucebox's default "NoPE" scoring, which removes
-    RoPE's distance decay).
+    RoPE's distance decay); ``scaling``: the YaRN the cache was rotated with (``nope`` undoes it too).
     """
     nq, h, hd = q.shape
     cap, hkv = k.shape[:2]
     a = acc_dtype(q.dtype)
     q_pos = q_start + jnp.arange(nq, dtype=jnp.int32)
     if nope:
-        q = _rope1(q.astype(a), -q_pos, theta)
-        k = _rope1(k.astype(a), -jnp.arange(cap, dtype=jnp.int32), theta)
+        q = _unrope1(q.astype(a), q_pos, theta, scaling)
+        k = _unrope1(k.astype(a), jnp.arange(cap, dtype=jnp.int32), theta, scaling)
     qg = q.astype(a).reshape(nq, hkv, h // hkv, hd)
     s = jnp.einsum("ckgd,nkd->kgcn", qg, k.astype(a)) * hd ** -0.5  # [Hkv, G, nq, cap]
     s = jnp.where(jnp.arange(cap)[None, :] <= q_pos[:, None], s, _NEG)
     return jax.nn.softmax(s, axis=-1).reshape(h, nq, cap)
 
 
-@functools.partial(jax.jit, static_argnames=("layers", "theta", "nope"))
+@functools.partial(jax.jit, static_argnames=("layers", "theta", "nope", "scaling"))
 def _all_tail_probs(qs: jax.Array, k: jax.Array, q_start: jax.Array, layers: tuple[int, ...], theta: float,
-                    nope: bool) -> jax.Array:
-    return jnp.stack([tail_probs(qs[j], k[li], q_start, theta, nope) for j, li in enumerate(layers)])
+                    nope: bool, scaling: YarnScaling | None) -> jax.Array:
+    return jnp.stack([tail_probs(qs[j], k[li], q_start, theta, nope, scaling) for j, li in enumerate(layers)])
 
 
 def tail_attention(params: Params, cfg: DenseConfig, ids: Any, *, n_query: int = 8, n_layers: int | None = None,
@@ -451,7 +462,7 @@ def tail_attention(params: Params, cfg: DenseConfig, ids: Any, *, n_query: int =
     """
     qs, cache, q_start = tail_queries(params, cfg, ids, n_query=n_query, n_layers=n_layers, chunk=chunk)
     layers = _layer_ids(cfg, n_layers)
-    p = _all_tail_probs(qs, cache.k, jnp.int32(q_start), layers, cfg.rope_theta, nope)
+    p = _all_tail_probs(qs, cache.k, jnp.int32(q_start), layers, cfg.rope_theta, nope, cfg.rope_scaling)
     return p[..., :cache.length]
 
 

@@ -142,7 +142,7 @@ def _qkv_scored(p: dense.Params, cfg: dense.DenseConfig, h: jax.Array, run: jax.
     q, k, v = dense._qkv(p["attn"], cfg, rms_norm(h, p["input_norm"], cfg.rms_norm_eps), pos)
     if score:
         qt = lax.dynamic_slice_in_dim(q, q_start, run.shape[0], 0)
-        run = jnp.maximum(run, dense.tail_probs(qt, k, q_start, cfg.rope_theta, nope).max(axis=0))
+        run = jnp.maximum(run, dense.tail_probs(qt, k, q_start, cfg.rope_theta, nope, cfg.rope_scaling).max(axis=0))
     return q, k, v, run
 
 

@@ -79,7 +79,8 @@ def _project_kv(p: Params, cfg: DrafterConfig, x: jax.Array, positions: jax.Arra
     b, t, _ = x.shape
     k = linear(x, p["k"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = linear(x, p["v"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.head_dim, cfg.rope_theta)
+    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.head_dim, cfg.rope_theta,
+             cfg.rope_scaling)
     return k, v
 
 
@@ -190,7 +191,7 @@ def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array
         a = p["attn"]
         u = rms_norm(h, p["input_norm"], eps).reshape(b, n * blk, d)
         q = linear(u, a["q"]).reshape(b, n * blk, hq, hd)
-        q = rope(rms_norm(q, a["q_norm"], eps), pos, hd, cfg.rope_theta)
+        q = rope(rms_norm(q, a["q_norm"], eps), pos, hd, cfg.rope_theta, cfg.rope_scaling)
         if with_query and i in cfg.full_layers:
             full_qs.append(q)
         kb, vb = _project_kv(a, cfg, u, pos)
