@@ -143,6 +143,10 @@ def _yarn(rope: Mapping[str, Any], d: Mapping[str, Any], where: str) -> YarnScal
     if rope.get("rope_type", rope.get("type")) != "yarn":
         return None
     k = "rope_parameters"
+    theta = rope.get("rope_theta", d.get("rope_theta"))
+    if isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta <= 1:
+        raise ConfigError(f"{where}: key 'rope_theta' = {theta} must be > 1 with YaRN (its frequency bands are "
+                          "placed by log(rope_theta))")
 
     def num(key: str, default: float | None) -> float | None:
         v = rope.get(key)

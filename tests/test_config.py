@@ -209,6 +209,8 @@ BAD = [
     ("yarn_no_factor", lambda r: (r[TC].pop("max_position_embeddings"), r[TC].update(rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e7, "original_max_position_embeddings": 262144})),
      ["factor", "is missing", "max_position_embeddings"]),
+    ("yarn_theta_1", _set((TC, "rope_parameters"), {"rope_type": "yarn", "rope_theta": 1, "factor": 4.0}),
+     ["rope_theta", "> 1"]),
     ("yarn_truncate", _set((TC, "rope_parameters"), {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0,
                                                      "truncate": "yes"}), ["truncate"]),
     ("rope_theta_missing", _set((TC, "rope_parameters", "rope_theta"), _DEL), ["rope_theta"]),
