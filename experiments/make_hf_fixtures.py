@@ -115,17 +115,6 @@ def build(name: str, text_overrides: dict, seed: int) -> Qwen3_5ForConditionalGe
     return model.eval().float()
 
 
-def weights_sha256(ckpt: str) -> str:
-    """SHA-256 over a checkpoint's ``*.safetensors`` files in name order (which weights a golden belongs to)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for fname in sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors")):
-        with open(os.path.join(ckpt, fname), "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()
-
-
 def shipped_golden(ckpt: str, out: str, lengths: list[int], new_tokens: int, every: int = 128) -> None:
     """Logits of an exported target (the shipped tiny one) from transformers' ``Qwen3_5ForCausalLM``, its weights
     loaded from the checkpoint's ``model.language_model.*`` tensors (strict: every tensor used, none missing), on
@@ -138,6 +127,7 @@ def shipped_golden(ckpt: str, out: str, lengths: list[int], new_tokens: int, eve
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from dflash_jax.bench import needle
+    from dflash_jax.models.loader import weights_sha256
     from dflash_jax.models.tokenizer import Tokenizer
     from experiments import corpus
 

@@ -1,7 +1,6 @@
 """The shipped tiny model set (``dflash_jax/assets/tiny``) loads through the normal loaders, is wired as trained, and
 its drafter really drafts: a small held-out acceptance evaluation (a regression guard, not the target)."""
 
-import hashlib
 import json
 import os
 
@@ -110,11 +109,7 @@ def test_shipped_target_matches_transformers():
     stem = os.path.join(FIXTURES, "shipped_target_golden")
     with open(stem + ".json") as fh:
         meta = json.load(fh)
-    h = hashlib.sha256()
-    for f in sorted(f for f in os.listdir(TARGET) if f.endswith(".safetensors")):
-        with open(os.path.join(TARGET, f), "rb") as fh:
-            h.update(fh.read())
-    assert h.hexdigest() == meta["weights_sha256"], (
+    assert loader.weights_sha256(TARGET) == meta["weights_sha256"], (
         "the shipped target changed since its golden was made; regenerate it with: " + meta["command"])
     g = dict(np.load(stem + ".npz"))
     t = dj.load_target(TARGET, dtype="float32")

@@ -8,6 +8,7 @@ cast and placed on the device before the next is read, so the host never holds t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -101,6 +102,16 @@ def checkpoint_files(path: str) -> list[str]:
         if not os.path.exists(f):
             raise CheckpointError(f"{path}: shard {os.path.basename(f)} listed in the index is missing")
     return out
+
+
+def weights_sha256(path: str) -> str:
+    """SHA-256 over a checkpoint's safetensors files in shard order: which weights a golden or a result belongs to."""
+    h = hashlib.sha256()
+    for fn in checkpoint_files(path):
+        with open(fn, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
