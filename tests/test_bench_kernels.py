@@ -3,6 +3,7 @@ check before timing, a failing kernel recorded while the others go on, and the t
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -90,6 +91,20 @@ def test_sweep_names_configs_and_reports_the_best(tmp_path, monkeypatch):
     assert f["paged_decode.sweep.b2.p48.best_us"] == min(
         f[f"paged_decode.sweep.b2.p48.{n}.kernel_us"] for n in ("ppb1.w4", "ppb2.st3.pf1"))
     assert "paged_decode.bandwidth_fraction" not in f  # sweep figures are not grid cases
+
+
+def test_sweep_overrides_give_every_case_the_configs_of_its_tree_size():
+    def ns(**kw):
+        return argparse.Namespace(**{"batches": None, "prefixes": None, "trees": None, **kw})
+
+    assert kernels.sweep_cases("tree_attention", ns()) == kernels.SWEEP["tree_attention"]
+    cases = kernels.sweep_cases("tree_attention", ns(batches=[16], trees=[32, 16], prefixes=[2048, 8192]))
+    assert [c for c, _ in cases] == [(16, 32, 2048), (16, 32, 8192), (16, 16, 2048), (16, 16, 8192)]
+    assert cases[0][1] is kernels._TREE_T32 and cases[2][1] is kernels._TREE
+    assert kernels.sweep_cases("tree_attention", ns(trees=[48]))[0] == ((16, 48, 4096), kernels._TREE)
+    gdn = kernels.sweep_cases("gdn_tree", ns(batches=[4], prefixes=[999]))  # the tree GDN has no prefix
+    assert [c for c, _ in gdn] == [(4, 32, None)]
+    assert [c for c, _ in kernels.sweep_cases("paged_decode", ns(prefixes=[2048]))] == [(1, None, 2048)]
 
 
 def test_configs_and_names():

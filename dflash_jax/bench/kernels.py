@@ -512,14 +512,20 @@ def _tag(op, b, n, p):
 
 
 def sweep_cases(op: str, a: argparse.Namespace) -> list[tuple]:
-    """[((B, tree, prefix), configs)] of ``op``; ``--batches/--prefixes/--trees`` replace the cases by one."""
+    """[((B, tree, prefix), configs)] of ``op``. ``--batches/--prefixes/--trees`` replace the cases by their
+    product, each with the configs of the listed case of that tree size (else the first case's)."""
     cases = SWEEP[op]
     if not (a.batches or a.prefixes or a.trees):
         return cases
-    (b, n, p), configs = cases[0]
-    b, p = (a.batches or [b])[0], (a.prefixes or [p])[0] if op not in ("gdn_step", "gdn_tree") else p
-    n = (a.trees or [n])[0] if n else None
-    return [((b, n, p), configs)]
+    out = []
+    (b0, n0, p0), _ = cases[0]
+    fixed_prefix = op in ("gdn_step", "gdn_tree")
+    for b in a.batches or [b0]:
+        for n in (a.trees or [n0]) if n0 else [None]:
+            for p in [p0] if fixed_prefix else (a.prefixes or [p0]):
+                configs = next((c for (_, cn, _), c in cases if cn == n), cases[0][1])
+                out.append(((b, n, p), configs))
+    return out
 
 
 def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict, skipped: list,
