@@ -197,6 +197,18 @@ def test_default_configs_fit_targets(n):
         assert plan["n_partitions"] * plan["pages_per_partition"] >= 1024
 
 
+@pytest.mark.parametrize("n, batch, tiles, parts", [(16, 16, 1, 4), (32, 16, 2, 1), (23, 4, 2, 4), (16, 64, 1, 1)])
+def test_prefix_partitions_fill_the_grid_and_multi_tile_trees_take_half(n, batch, tiles, parts):
+    """The 27B's heads over a 4K prefix (128 blocks of 32 keys): a one-tile tree's grid aims at 264 programs (2 an
+    SM), a tree of two or more row tiles at 132 (its tiles already share every prefix block)."""
+    cfg = default_config(256, 16, jnp.bfloat16, backend="cuda")
+    plan = block_plan(batch=batch, n_tree=n, n_heads=24, n_kv_heads=4, head_dim=256, page_size=16, width=256,
+                      dtype=jnp.bfloat16, block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"],
+                      num_partitions=None, num_stages=cfg["num_stages"], smem_budget=227 * 1024, backend="cuda")
+    assert (plan["n_row_tiles"], plan["n_partitions"]) == (tiles, parts)
+    assert plan["programs"] <= cfg["target_programs"] // (1 if tiles == 1 else 2) or parts == 1
+
+
 def test_model_verify_and_decode_with_kernels_equal_reference(monkeypatch):
     """forward_tree and a one-token forward of the tiny target give the same logits with the Pallas kernels
     (interpret mode) as with the references: switching implementation changes no model code."""
