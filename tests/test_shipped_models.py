@@ -72,6 +72,19 @@ def test_loaders_and_drafter_wiring(models):
     assert scfg.vocab_size == tcfg.vocab_size
 
 
+def test_held_out_text_ships_with_the_set(monkeypatch, tmp_path):
+    """The held-out files come from the set's own archive, not this interpreter's stdlib (another patch release's
+    files would shift every prompt window), in the report's order, whatever the stdlib holds."""
+    import sysconfig
+
+    _, names = acceptance.held_out_names(TARGET)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})  # an empty stdlib
+    files = acceptance.held_out_files(TARGET)
+    assert len(files) == len(names) == 28
+    assert [f.endswith(os.sep + n.replace("/", os.sep)) for f, n in zip(files, names)] == [True] * len(names)
+    assert all(os.path.getsize(f) > 0 for f in files) and acceptance.held_out_files(TARGET) == files
+
+
 def test_target_is_trained(models):
     """Held-out next-token loss on a stdlib file far below the uniform log(V)."""
     target, _, _ = models

@@ -29,9 +29,13 @@ Held-out text: by default the standard-library files held out of the training of
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import sysconfig
+import tarfile
+import tempfile
 import time
 from typing import Sequence
 
@@ -75,19 +79,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-tokens", type=int, default=64, help="tokens generated per engine prompt")
 
 
-def held_out_files(model_dir: str, report: str | None = None) -> list[str]:
-    """The held-out standard-library files recorded in the model set's ``train_report.json``, as paths in this
-    interpreter's standard library (files missing here are skipped)."""
+HELD_OUT_ARCHIVE = "held_out_stdlib.tar.gz"  # beside train_report.json: the held-out files as the set was made with
+
+
+def held_out_names(model_dir: str, report: str | None = None) -> tuple[str, list[str]]:
+    """(the report's path, the held-out standard-library files it lists, relative to the stdlib root)."""
     path = report or os.path.join(os.path.dirname(os.path.abspath(model_dir)), "train_report.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no train_report.json; pass --files or --report")
     with open(path) as fh:
-        names = json.load(fh)["data"]["held_out"]["stdlib_files"]
+        return path, list(json.load(fh)["data"]["held_out"]["stdlib_files"])
+
+
+def held_out_files(model_dir: str, report: str | None = None) -> list[str]:
+    """The held-out standard-library files recorded in the model set's ``train_report.json``, as paths.
+
+    When the set ships them (``held_out_stdlib.tar.gz`` beside the report: the files of the Python that made the
+    set), they are unpacked once into a temporary directory keyed by the archive's digest and read from there, so
+    every machine benchmarks the same text (another patch release's stdlib shifts every window of the prompt
+    stream). Otherwise they are read from this interpreter's standard library (files missing here are skipped)."""
+    path, names = held_out_names(model_dir, report)
+    archive = os.path.join(os.path.dirname(path), HELD_OUT_ARCHIVE)
+    if os.path.exists(archive):
+        root = _unpacked(archive)
+        missing = [n for n in names if not os.path.isfile(os.path.join(root, n))]
+        if missing:
+            raise FileNotFoundError(f"{archive} lacks held-out files of {path}: {missing[:5]}")
+        return [os.path.join(root, n) for n in names]
     root = sysconfig.get_paths()["stdlib"]
     found = [os.path.join(root, n) for n in names if os.path.exists(os.path.join(root, n))]
     if not found:
         raise FileNotFoundError(f"none of the {len(names)} held-out files of {path} exist under {root}")
     return found
+
+
+def _unpacked(archive: str) -> str:
+    """The directory holding ``archive``'s files (a tar.gz of relative paths), unpacked on first use."""
+    with open(archive, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()[:16]
+    root = os.path.join(tempfile.gettempdir(), f"dflash_jax_held_out_{digest}")
+    if not os.path.isdir(root):
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(root) + ".", dir=os.path.dirname(root))
+        with tarfile.open(archive, "r:gz") as tf:
+            tf.extractall(tmp, filter="data")
+        try:
+            os.rename(tmp, root)
+        except OSError:  # another process unpacked it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
 
 
 def held_out_rows(tok: Tokenizer, files: Sequence[str], rows: int, row_len: int) -> np.ndarray:
