@@ -260,6 +260,7 @@ def test_pflash_case_proves_compression_per_request_and_bills_raw(tmp_path, caps
     assert "raw" in extra["feature_matrix"][2] and "compressed" in extra["feature_matrix"][2]
     assert "[case 2/2 c2.ddtree]" in cap.err  # the progress line
     lens = extra["prompt_lens"][:2]
+    assert len(extra["prompts_hash"]) == 64  # the digest of the prompts: runs compare only where it agrees
     for mode in ("ar", "ddtree"):
         k = f"c2.{mode}"
         assert figs[f"{k}.prompt_tokens_billed"] == sum(lens)

@@ -1078,6 +1078,8 @@ def run(args: argparse.Namespace, command: str) -> int:
             "prefill_chunk": args.prefill_chunk, "prefill_batch": args.prefill_batch,
             "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "prompt_distribution": dist, "prompt_lens": [len(p) for p in prompts],
+            # one digest of every prompt's token ids: runs on two machines compare only where it is the same
+            "prompts_hash": hashlib.sha256(";".join(token_hash(p) for p in prompts).encode()).hexdigest(),
             "hash": "sha256 of the decimal token ids joined by ',' (UTF-8)",
             "feature_matrix": feature_matrix(plan, cases, {}, args.kvflash, args.pflash, args.oracle_tau),
             "oracle": {"tau": args.oracle_tau, "keep_prob": keep,
