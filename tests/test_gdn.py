@@ -266,6 +266,7 @@ def test_conv_zero_state_is_zero_padding():
 
 @given(c_log=st.integers(0, 6), batch=st.integers(1, 3), scale=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
 @example(c_log=6, batch=1, scale=1.0, seed=0)
+@example(c_log=6, batch=2, scale=0.9375, seed=242)  # an entry near 1 off by 3.8e-4 next to entries of ~2000
 @settings(max_examples=25, deadline=None)
 def test_unit_lower_inverse_equals_the_triangular_solve(c_log, batch, scale, seed):
     c = 1 << c_log
@@ -274,8 +275,13 @@ def test_unit_lower_inverse_equals_the_triangular_solve(c_log, batch, scale, see
     got = gdn.unit_lower_inverse(a)
     want = jax.lax.linalg.triangular_solve(a, jnp.broadcast_to(jnp.eye(c), a.shape), left_side=True, lower=True,
                                            unit_diagonal=True)
-    # entries of the inverse reach ~15 at c = 64: the two float32 algorithms round apart by up to ~2e-5 relative
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    # entries of the inverse reach ~1e4 at c = 64 (uniform(-1, 1) below the diagonal), so float32 rounding is
+    # norm-wise: an entry near 1 inherits errors of ~1e-3 from the large ones. Both float32 algorithms are held to
+    # 1e-5 of the float64 inverse's largest entry (measured: <= 5e-7 for either).
+    ref = np.linalg.inv(np.asarray(a, np.float64))
+    bound = 1e-5 * np.abs(ref).max()
+    assert np.abs(np.asarray(got, np.float64) - ref).max() <= bound
+    assert np.abs(np.asarray(want, np.float64) - ref).max() <= bound
     assert np.all(np.triu(np.asarray(got), 1) == 0) and np.all(np.diagonal(np.asarray(got), axis1=-2, axis2=-1) == 1)
     with pytest.raises(ValueError, match="power of two"):
         gdn.unit_lower_inverse(jnp.eye(3))
