@@ -40,6 +40,8 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
 5. **Sweep** (``<op>.sweep.<case>.<config>.{kernel_us,bandwidth_fraction,rel_err}``, ``<op>.sweep.<case>.best_us``):
    launch configs of each kernel (block sizes, warps, pipeline stages, hand prefetch, programs per launch) at
    the target cases (``SWEEP``), to tune the per-device ``default_config`` from; the best is printed.
+   ``--batches/--trees/--prefixes`` sweep their product instead, each case with the configs ``SWEEP`` lists for
+   its tree size.
 
 A kernel that fails to lower or run is recorded (``<op>.ok = 0``, the error text under ``extra.errors``) and
 the others continue. Order: all checks, then the grids (tree attention first), the quantized-KV cases, then the
