@@ -77,6 +77,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from dflash_jax.bench import acceptance  # noqa: E402
 from dflash_jax.config import FULL, DrafterConfig, TargetConfig  # noqa: E402
 from dflash_jax.engine.compile import enable_compile_cache  # noqa: E402
 from dflash_jax.engine.spec_steps import features  # noqa: E402
@@ -1445,6 +1446,7 @@ def _main(args: argparse.Namespace, cfg: dict[str, Any], deadline: float | None,
     }
     with open(os.path.join(out, "train_report.json"), "w") as fh:
         json.dump(report, fh, indent=1)
+    acceptance.write_held_out_archive(out, data.meta["eval_files"], data.meta["stdlib_dir"])
     last_r = retrieval.get("after_target_long") or retrieval.get("after_target") or retrieval.get("loaded") or {}
     log(f"[done] {report['timing']['total_seconds']:.1f}s; target ppl {t_eval['ppl']:.3f}" +
         "".join(f", {k} {v:.2f}" for k, v in last_r.items() if k.startswith("needle_acc")) + ", drafter tau "

@@ -85,6 +85,20 @@ def test_held_out_text_ships_with_the_set(monkeypatch, tmp_path):
     assert all(os.path.getsize(f) > 0 for f in files) and acceptance.held_out_files(TARGET) == files
 
 
+def test_held_out_archive_is_rebuilt_byte_for_byte(tmp_path):
+    """``write_held_out_archive`` (what the training script's export calls) reproduces the shipped archive from
+    its own files: the archive is what the committed command builds, and rebuilding it is deterministic."""
+    _, names = acceptance.held_out_names(TARGET)
+    first = acceptance.held_out_files(TARGET)[0]  # <unpacked root>/<names[0]>
+    root = first[: len(first) - len(names[0])]
+    rebuilt = acceptance.write_held_out_archive(str(tmp_path), names, root)
+    shipped = os.path.join(os.path.dirname(TARGET), acceptance.HELD_OUT_ARCHIVE)
+    with open(rebuilt, "rb") as a, open(shipped, "rb") as b:
+        assert a.read() == b.read()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        acceptance.write_held_out_archive(str(tmp_path), names + ["no/such_file.py"], root)
+
+
 def test_target_is_trained(models):
     """Held-out next-token loss on a stdlib file far below the uniform log(V)."""
     target, _, _ = models

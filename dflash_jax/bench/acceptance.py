@@ -113,6 +113,31 @@ def held_out_files(model_dir: str, report: str | None = None) -> list[str]:
     return found
 
 
+def write_held_out_archive(out_dir: str, names: Sequence[str], root: str | None = None) -> str:
+    """Write ``out_dir/held_out_stdlib.tar.gz``: the files ``names`` (relative to ``root``, default this interpreter's
+    standard library) in that order, byte-for-byte reproducible (no timestamps, owners or gzip name); returns its path.
+    ``held_out_files`` reads the set's text from it, on any machine."""
+    import gzip
+    import io
+
+    root = root or sysconfig.get_paths()["stdlib"]
+    missing = [n for n in names if not os.path.isfile(os.path.join(root, n))]
+    if missing:
+        raise FileNotFoundError(f"held-out files missing under {root}: {missing[:5]}")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for n in names:
+            with open(os.path.join(root, n), "rb") as fh:
+                data = fh.read()
+            info = tarfile.TarInfo(n)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tf.addfile(info, io.BytesIO(data))
+    path = os.path.join(out_dir, HELD_OUT_ARCHIVE)
+    with open(path, "wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0, compresslevel=9) as gz:
+        gz.write(buf.getvalue())
+    return path
+
+
 def _unpacked(archive: str) -> str:
     """The directory holding ``archive``'s files (a tar.gz of relative paths), unpacked on first use."""
     with open(archive, "rb") as fh:
