@@ -114,23 +114,6 @@ def test_paged_decode_lowers_quantized(platform, kv_dtype, b, parts, prefetch):
     assert "__gpu$xla.gpu.triton" in text and f"_kv{jnp.dtype(kv_dtype).name}" in text  # the quantized variant
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.int8])
-def test_kernels_lower_quantized_with_float16_dots(kv_dtype):
-    """``dot_dtype="float16"`` on the H200 target: both kernels lower, with float16 dots."""
-    q, kp, _, pt, lens, _, _ = attention_args(4, 0, jnp.bfloat16)
-    kq = quantized_pages(kp, kv_dtype)
-    fn = lambda *a: paged_decode.paged_decode(*a, CFG.head_dim ** -0.5, pages_per_block=4,  # noqa: E731
-                                              num_partitions=None, dot_dtype="float16")
-    text = lower("cuda", fn, q, kq, kq, pt, lens)
-    assert "_f16dot" in text and "f16" in text
-    q, kp, _, pt, start, kt, anc = attention_args(4, 16, jnp.bfloat16)
-    kq = quantized_pages(kp, kv_dtype)
-    fn = lambda *a: tree_attention.tree_attention(*a, CFG.head_dim ** -0.5, block_m=128,  # noqa: E731
-                                                  pages_per_block=4, num_partitions=None, dot_dtype="float16")
-    text = lower("cuda", fn, q, kq, kq, pt, start, kt, kt, anc)
-    assert "_f16dot" in text and "f16" in text
-
-
 @pytest.mark.parametrize("platform,kv_dtype", QUANTIZED)
 @pytest.mark.parametrize("b,n,parts,prefetch", [(16, 16, None, False), (1, 23, None, True)])
 def test_tree_attention_lowers_quantized(platform, kv_dtype, b, n, parts, prefetch):

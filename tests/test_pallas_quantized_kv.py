@@ -88,64 +88,6 @@ def test_tree_kernel_matches_reference_quantized_bf16(kv_dtype):
     check_tree(*tta.EDGE, kv_dtype, jnp.bfloat16, 2e-2)
 
 
-# ---------------------------------------------------------------------------------------------- float16 dots
-
-V_TINY = 1e-4  # values scaled down so a page's value scales (~3e-7) sit far below float16's normal range
-
-
-def f16_case(make, case, kv_dtype):
-    """The case's q / pages with tiny values, quantized for bf16 compute; plus the same pages for f32 compute (the
-    exact dequantized reference)."""
-    q, k, v, *rest = make(dtype=jnp.float32, **case)
-    v = v * V_TINY
-    bf = quantize(q, k, v, kv_dtype, jnp.bfloat16)
-    f32 = quantize(q, k, v, kv_dtype, jnp.float32)
-    return bf, f32, rest
-
-
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_decode_kernel_float16_dots_match_the_exact_dequantized_reference(kv_dtype):
-    """``dot_dtype="float16"``: the stored values are float16 values, and p * scale is taken relative to the
-    block's largest scale, so even value scales far below float16's normal range keep bf16-or-better accuracy
-    against the f32 reference on the same pages (and the bf16-dot kernel's accuracy is no better)."""
-    case, static = tpd.EDGE
-    (q, kq, vq), (q32, kq32, vq32), (pt, lens) = f16_case(tpd.make_case, case, kv_dtype)
-    scale = case["d"] ** -0.5
-    vis = tpd.has_visible_key(pt, lens, case["page_size"])
-    ref = np.asarray(pd.paged_decode_reference(q32, kq32, vq32, pt, lens, scale))[vis]
-    errs = {}
-    for dd in ("float16", None):
-        out = np.asarray(tpd.run_kernel(q, kq, vq, pt, lens, scale, dot_dtype=dd, **static).astype(jnp.float32))
-        assert (out[~vis] == 0).all() and np.isfinite(out).all()
-        errs[dd] = np.abs(out[vis] - ref).max() / np.abs(ref).max()
-    assert errs["float16"] <= 1e-2 and errs["float16"] <= errs[None] * 1.5, errs
-
-
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_tree_kernel_float16_dots_match_the_exact_dequantized_reference(kv_dtype):
-    case, static = tta.EDGE
-    (q, kq, vq), (q32, kq32, vq32), (pt, start, kt, vt, anc) = f16_case(tta.make_case, case, kv_dtype)
-    vt = vt * V_TINY
-    scale = case["d"] ** -0.5
-    ref = np.asarray(ta.tree_attention_reference(q32, kq32, vq32, pt, start, kt, vt, anc, scale))
-    errs = {}
-    for dd in ("float16", None):
-        args = (q, kq, vq, pt, start, kt.astype(jnp.bfloat16), vt.astype(jnp.bfloat16), anc)
-        out = np.asarray(tta.run_kernel(args, scale, dot_dtype=dd, **static).astype(jnp.float32))
-        assert np.isfinite(out).all()
-        errs[dd] = np.abs(out - ref).max() / np.abs(ref).max()
-    assert errs["float16"] <= 1e-2 and errs["float16"] <= errs[None] * 1.5, errs
-
-
-def test_float16_dots_are_for_quantized_pages_only():
-    case, static = tpd.EDGE
-    q, k, v, pt, lens = tpd.make_case(dtype=jnp.bfloat16, **case)
-    with pytest.raises(ValueError, match="dot_dtype='float16' is for fp8 / int8 pages"):
-        tpd.run_kernel(q, k, v, pt, lens, 0.1, dot_dtype="float16", **static)
-    with pytest.raises(ValueError, match="expected one of"):
-        tpd.run_kernel(q, k, v, pt, lens, 0.1, dot_dtype="float8", **static)
-
-
 def test_quantized_pages_equal_their_dequantized_plain_pages():
     """The kernel on QuantizedPages equals the same kernel on the pages dequantized up front (f32): the scales are
     applied to the right keys, including through the flash-decoding split and the prefetch double buffer."""

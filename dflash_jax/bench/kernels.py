@@ -33,9 +33,8 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
    (``kv_<dt>.<op>.check.rel_err`` / ``.ok``; ``kv_<dt>.<op>.quant_rel_err`` is the reference's error from
    quantizing, against the f32 oracle on the unquantized pages), then timed against the bf16-page kernel at the
    same shape (``KV_GRIDS``): ``<op>.kv_<dt>.b{B}[.t{N}].p{P}.{kernel_us,bf16_kernel_us,speedup,bytes_per_s,
-   bandwidth_fraction,kernel_bk64_us,speedup_bk64,kernel_f16dot_us,speedup_f16dot}`` (speedup = bf16 pages /
-   quantized pages, the issue's figure; ``bk64``: the quantized kernel with 64-key blocks, ``f16dot``: with float16
-   dots (``dot_dtype``), to tune its defaults from), and the minimum over the
+   bandwidth_fraction,kernel_bk64_us,speedup_bk64}`` (speedup = bf16 pages / quantized pages, the issue's figure;
+   ``bk64``: the quantized kernel with 64-key blocks, to tune its default from), and the minimum over the
    cases ``kv_<dt>.<op>.speedup`` (e.g. ``kv_fp8.tree_attention.speedup``).
 
 5. **Sweep** (``<op>.sweep.<case>.<config>.{kernel_us,bandwidth_fraction,rel_err}``, ``<op>.sweep.<case>.best_us``):
@@ -667,10 +666,10 @@ def quantized_problem(prob: Problem, kv_dtype: str) -> Problem:
 def run_kv_checks(op: str, kv_dtype: str, a: argparse.Namespace, figures: dict, errors: dict) -> bool:
     """The registered kernel on quantized pages against the reference on the same pages (bf16 tolerance), at the
     model's head shapes. True iff all cases pass."""
-    pallas_fn, ref_fn, explicit = implementations(op)
+    pallas_fn, ref_fn, _ = implementations(op)
     rng = np.random.default_rng(3)
     tag = f"kv_{kv_dtype}.{op}"
-    worst, worst_f16, quant_err = 0.0, 0.0, 0.0
+    worst, quant_err = 0.0, 0.0
     cases = KV_CHECK_CASES[op][:1] if a.quick else KV_CHECK_CASES[op]
     for ci, c in enumerate(cases):
         key = jax.random.key(200 + ci)
@@ -683,19 +682,15 @@ def run_kv_checks(op: str, kv_dtype: str, a: argparse.Namespace, figures: dict, 
         qargs = quantized_problem(prob, kv_dtype).args
         ref = jax.block_until_ready(ref_fn(*qargs))
         worst = max(worst, _rel_err(pallas_fn(*qargs), ref))
-        worst_f16 = max(worst_f16, _rel_err(explicit(*qargs, dot_dtype="float16"), ref))
         f32 = tuple(x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16 else x
                     for x in prob.args)
         with jax.default_matmul_precision("highest"):
             quant_err = max(quant_err, _rel_err(ref, ref_fn(*f32)))
-    ok = bool(np.isfinite(worst) and worst <= TOL["bfloat16"] and np.isfinite(worst_f16)
-              and worst_f16 <= TOL["bfloat16"])
+    ok = bool(np.isfinite(worst) and worst <= TOL["bfloat16"])
     figures[f"{tag}.check.rel_err"] = _finite(worst)
-    figures[f"{tag}.check.f16dot_rel_err"] = _finite(worst_f16)
     figures[f"{tag}.check.ok"] = int(ok)
     figures[f"{tag}.quant_rel_err"] = _finite(quant_err)
-    print(f"check {tag}: kernel vs reference on the same pages rel err {worst:.3g} (float16 dots {worst_f16:.3g}); "
-          f"quantization rel err "
+    print(f"check {tag}: kernel vs reference on the same pages rel err {worst:.3g}; quantization rel err "
           f"{quant_err:.3g}", flush=True)
     if not ok:
         print(f"MISMATCH {tag}: rel err {worst:.3g} > {TOL['bfloat16']}", flush=True)
@@ -710,7 +705,6 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
     its default from."""
     pallas_fn, ref_fn, explicit = implementations(op)
     bk64 = lambda *args: explicit(*args, pages_per_block=max(1, 64 // a.page_size))  # noqa: E731
-    f16 = lambda *args: explicit(*args, dot_dtype="float16")  # noqa: E731
     rng = np.random.default_rng(4)
     speedups = []
     for b, n, p in kv_grid(op, a):
@@ -721,8 +715,7 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
         base = _problem(op, a, b, n, p, jnp.dtype(jnp.bfloat16), rng)
         prob = quantized_problem(base, kv_dtype)
         row = {}
-        variants = [("kernel", pallas_fn, prob), ("bf16_kernel", pallas_fn, base), ("kernel_bk64", bk64, prob),
-                    ("kernel_f16dot", f16, prob)]
+        variants = [("kernel", pallas_fn, prob), ("bf16_kernel", pallas_fn, base), ("kernel_bk64", bk64, prob)]
         if not a.quick:
             variants.append(("reference", ref_fn, prob))
         for name, fn, pr in variants:
@@ -741,9 +734,8 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
         if "kernel" in row and "bf16_kernel" in row:
             figures[f"{tag}.speedup"] = row["bf16_kernel"] / row["kernel"]
             speedups.append(figures[f"{tag}.speedup"])
-        for name in ("bk64", "f16dot"):
-            if f"kernel_{name}" in row and "bf16_kernel" in row:
-                figures[f"{tag}.speedup_{name}"] = row["bf16_kernel"] / row[f"kernel_{name}"]
+        if "kernel_bk64" in row and "bf16_kernel" in row:
+            figures[f"{tag}.speedup_bk64"] = row["bf16_kernel"] / row["kernel_bk64"]
         print(f"time {tag}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in row.items())
               + (f", {figures[f'{tag}.speedup']:.2f}x vs bf16 pages" if f"{tag}.speedup" in figures else ""),
               flush=True)

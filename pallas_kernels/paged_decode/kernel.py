@@ -85,26 +85,6 @@ def page_arrays(pages) -> tuple[jax.Array, jax.Array | None, jnp.dtype]:
     return pages, None, jnp.dtype(pages.dtype)
 
 
-DOT_DTYPES = ("bfloat16", "float16")
-
-
-def dot_dtype_for(op: str, compute_dtype, dot_dtype: str | None, quantized: bool) -> jnp.dtype:
-    """The dtype of a kernel's dot operands: the pages' compute dtype, or ``dot_dtype`` for quantized pages.
-
-    ``"float16"`` with fp8 / int8 pages: their stored values are float16 values too (e4m3 converts to float16 in
-    one instruction on sm_89+, to bfloat16 through float32), q (a bfloat16 value within float16's range) and the
-    probabilities lose nothing, and the f32 accumulation is unchanged; queries beyond float16's range (65504)
-    would overflow, which the model's normed q / k never reach."""
-    if dot_dtype is None:
-        return jnp.dtype(compute_dtype)
-    if dot_dtype not in DOT_DTYPES:
-        raise ValueError(f"{op}: dot_dtype={dot_dtype!r}; expected one of {DOT_DTYPES} or None")
-    if not quantized and jnp.dtype(dot_dtype) != jnp.dtype(compute_dtype):
-        raise ValueError(f"{op}: dot_dtype={dot_dtype!r} is for fp8 / int8 pages; plain {jnp.dtype(compute_dtype)} "
-                         "pages compute in their own dtype")
-    return jnp.dtype(dot_dtype)
-
-
 def check_page_dtype(op: str, pages, backend: str | None = None) -> None:
     """Raise ValueError when ``backend`` cannot read ``pages``' storage dtype in a kernel: fp8 e4m3fn
     (``--kv-dtype fp8``) on ROCm, whose MI300 (gfx942) Triton backend converts only the e4m3fnuz fp8 variant
@@ -117,25 +97,15 @@ def check_page_dtype(op: str, pages, backend: str | None = None) -> None:
 
 def online_update(carry, s, visible, v, precision, v_scale=None):
     """One online-softmax step: s [M, K] logits in log2 units, visible [M, K] or [1, K], v [K, D] (in the
-    dots' dtype); v_scale [K] f32 per-key value scales of quantized pages (None: v as is)."""
+    compute dtype); v_scale [K] f32 per-key value scales of quantized pages (None: v as is)."""
     o, m, l = carry
     s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # a block with no visible key adds nothing
     l = alpha * l + p.sum(axis=-1)
-    if v_scale is None:
-        pv = plt.dot(p.astype(v.dtype), v, precision=precision)
-    elif v.dtype == jnp.float16:
-        # (p * scale) @ v == p @ (scale * v). float16 has bfloat16's range only down to 6e-5, and a page's value
-        # scales are ~1e-4..1e-2, so p * scale is taken relative to the block's largest visible scale (<= 1)
-        # and that scale multiplies the f32 product.
-        top = jnp.max(jnp.where(visible[0], v_scale, 0.0))  # visible [1, K] in the prefix loop
-        top = jnp.where(top > 0, top, 1.0)
-        pv = plt.dot((p * (v_scale / top)[None, :]).astype(v.dtype), v, precision=precision) * top
-    else:
-        pv = plt.dot((p * v_scale[None, :]).astype(v.dtype), v, precision=precision)
-    o = alpha[:, None] * o + pv
+    pv = p if v_scale is None else p * v_scale[None, :]  # (p * scale) @ v == p @ (scale * v)
+    o = alpha[:, None] * o + plt.dot(pv.astype(v.dtype), v, precision=precision)
     return o, m_new, l
 
 
@@ -145,7 +115,7 @@ def paged_prefix_loop(q, k_ref, v_ref, pt_ref, length, carry, first_blk, n_iter,
     paged KV (k_ref, v_ref [n_pages * page_size, D] of one KV head). ``prefetch`` loads block i + 1 before the
     dots of block i (a register double buffer), for when Triton's pipeliner does not stage the gathers.
     Quantized pages: ks_ref, vs_ref [n_pages * page_size] f32 per-token scales of the head (k_ref / v_ref hold
-    the fp8 / int8 rows, cast to q's dtype, the dots' dtype, after the load); None for plain pages."""
+    the fp8 / int8 rows, cast to q's dtype after the load); None for plain pages."""
     quantized = ks_ref is not None
 
     def load(blk):
@@ -290,13 +260,12 @@ def block_plan(*, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, page
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "num_partitions", "num_warps",
-                                             "num_stages", "prefetch", "target_programs", "interpret", "smem_budget",
-                                             "dot_dtype"))
+                                             "num_stages", "prefetch", "target_programs", "interpret", "smem_budget"))
 def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                  lengths: jax.Array, scale: float, *, pages_per_block: int, num_partitions: int | None = 1,
                  num_warps: int | None = None, num_stages: int | None = None, prefetch: bool = False,
                  target_programs: int = 2 * N_SM_TARGET, interpret: bool = False,
-                 smem_budget: int | None = None, dot_dtype: str | None = None) -> jax.Array:
+                 smem_budget: int | None = None) -> jax.Array:
     """Single-token paged GQA decode attention.
 
     q [B, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D] arrays, or ``QuantizedPages`` (fp8 / int8 rows
@@ -308,8 +277,7 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     pages_per_block: pages gathered per inner step (block_k = pages_per_block * page_size tokens, a
     power of two >= 16). num_partitions: KV partitions per sequence (flash-decoding); None picks
     one by grid size (~target_programs programs). prefetch: hand-written double buffering of the K/V
-    gathers. dot_dtype: the dots' operand dtype for quantized pages (:func:`dot_dtype_for`; None: their compute
-    dtype). Raises ValueError (before lowering) for shapes Triton cannot take.
+    gathers. Raises ValueError (before lowering) for shapes Triton cannot take.
     """
     b, h, d = q.shape
     n_pages, page_size, hkv, dk = k_pages.shape
@@ -320,7 +288,6 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
     k_data, k_scale, cd = page_arrays(k_pages)
     v_data, v_scale, _ = page_arrays(v_pages)
     quantized = k_scale is not None
-    cd = dot_dtype_for("paged_decode", cd, dot_dtype, quantized)
     backend = None  # current backend; off GPU (interpret mode) the checks use the H200 target's budget
     cfg = default_config(d, page_size, cd, backend=backend, quantized=quantized)
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
@@ -372,7 +339,7 @@ def paged_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tabl
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=(f"paged_decode_gp{plan['gp']}_d{d}_bk{plan['block_k']}_s{s}{'_pf' if prefetch else ''}"
-              f"{'_kv' + k_data.dtype.name if quantized else ''}{'_f16dot' if cd == jnp.float16 else ''}"),
+              f"{'_kv' + k_data.dtype.name if quantized else ''}"),
     )(qg, kr, vr, *scales, pt, lens)
 
     o = merge_partitions(*outs, axis=2) if split else outs[0]

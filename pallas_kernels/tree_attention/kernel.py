@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, MIN_DOT, N_SM_TARGET, _next_pow2, dot_dtype_for,
+from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, MIN_DOT, N_SM_TARGET, _next_pow2,
                                                 merge_partitions, online_update, page_arrays, paged_prefix_loop)
 from pallas_kernels.registry import check_block_shapes, current_backend
 
@@ -177,13 +177,13 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_m", "pages_per_block", "num_partitions", "num_warps",
                                              "num_stages", "prefetch", "target_programs", "interpret",
-                                             "smem_budget", "dot_dtype"))
+                                             "smem_budget"))
 def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, start: jax.Array,
                    k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float, *, block_m: int,
                    pages_per_block: int, num_partitions: int | None = 1, num_warps: int | None = None,
                    num_stages: int | None = None, prefetch: bool = False,
                    target_programs: int = 2 * N_SM_TARGET, interpret: bool = False,
-                   smem_budget: int | None = None, dot_dtype: str | None = None) -> jax.Array:
+                   smem_budget: int | None = None) -> jax.Array:
     """Tree queries over each sequence's paged prefix plus its own tree (``tree_attention_reference``'s contract).
 
     q [B, N, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D] arrays, or ``QuantizedPages`` (fp8 / int8
@@ -194,9 +194,8 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     pages: their compute dtype) with
     f32 accumulation. block_m: the most rows (tree token x q head) per program; pages_per_block: pages
     gathered per step; num_partitions: prefix partitions (None: chosen by grid size, ~target_programs
-    programs); prefetch: hand-written double buffering of the K/V gathers; dot_dtype: the dots' operand dtype
-    for quantized pages (:func:`pallas_kernels.paged_decode.kernel.dot_dtype_for`; None: their compute dtype).
-    Raises ValueError before lowering for tiles Triton cannot take.
+    programs); prefetch: hand-written double buffering of the K/V gathers. Raises ValueError before
+    lowering for tiles Triton cannot take.
     """
     b, n, h, d = q.shape
     n_pages, page_size, hkv, dk = k_pages.shape
@@ -210,7 +209,6 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     k_data, k_scale, dt = page_arrays(k_pages)
     v_data, v_scale, _ = page_arrays(v_pages)
     quantized = k_scale is not None
-    dt = dot_dtype_for("tree_attention", dt, dot_dtype, quantized)
     cfg = default_config(d, page_size, dt, quantized=quantized)
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
@@ -269,7 +267,7 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"tree_attention_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}{'_pf' if prefetch else ''}"
-              f"{'_kv' + k_data.dtype.name if quantized else ''}{'_f16dot' if dt == jnp.float16 else ''}",
+              f"{'_kv' + k_data.dtype.name if quantized else ''}",
     )(qr, kr, vr, *scales, kt, vt, pt, lens, anc)
 
     o = merge_partitions(*outs, axis=1) if s > 1 else outs[0]
