@@ -180,10 +180,11 @@ def test_block_plan_and_defaults():
         gdn_tree(*args, jnp.asarray(np_ancestors(chain(1, 4))), block_v=16, solve="lu", interpret=True)
 
 
-def test_opt_in_registration_dispatch_and_fallback(monkeypatch):
+def test_registration_dispatch_and_fallback(monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
-    for b in ("cpu", "cuda", "rocm"):  # not the default anywhere until measured on a GPU
-        assert registry.resolve("gdn_tree", backend=b).name == "reference"
+    assert registry.resolve("gdn_tree", backend="cpu").name == "reference"
+    for b in ("cuda", "rocm"):  # the GPU default (routed by batch)
+        assert registry.resolve("gdn_tree", backend=b).name == "pallas_triton"
     par = random_parents(np.random.default_rng(1), 2, 6, 0.2)
     anc = jnp.asarray(np_ancestors(par))
     args = make_inputs(1, 2, 6, 2, 16, 32, "mixed", 1.0, jnp.float32)
@@ -198,6 +199,32 @@ def test_opt_in_registration_dispatch_and_fallback(monkeypatch):
     with pytest.warns(RuntimeWarning, match="gdn_tree: the Pallas kernel cannot take"):
         o, _ = gdn.gdn_tree(*odd, small)
     np.testing.assert_allclose(np.asarray(o), np.asarray(gdn_tree_reference(*odd, small)[0]), atol=1e-6)
+
+
+def test_routed_kernel_runs_within_one_resident_wave(monkeypatch):
+    """The default implementation launches the kernel while B x value heads x value blocks fit one resident wave
+    (``TREE_MAX_PROGRAMS``) and runs the reference past it; ``pallas_triton_every_batch`` always launches it."""
+    import pallas_kernels.gdn as pg
+
+    calls = []
+    monkeypatch.setattr(pg.registry, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(pg, "gdn_tree", lambda *a, **kw: calls.append(a[0].shape[0]) or "kernel")
+    monkeypatch.setattr(pg, "gdn_tree_reference", lambda *a: "reference")
+    h, dv = 2, 32
+    block_v = pg.tree_default_config(8, 16, dv, dtype=jnp.float32, backend="cuda")["block_v"]
+    per_row = pg.tree_programs(1, h, dv, block_v)
+    fits = pg.TREE_MAX_PROGRAMS // per_row
+
+    def call(b, impl="pallas_triton"):
+        x, vv = jnp.zeros((b, 8, h, 16)), jnp.zeros((b, 8, h, dv))
+        gates, s0 = jnp.zeros((b, 8, h)), jnp.zeros((b, h, 16, dv))
+        fn = registry.implementations("gdn_tree")[impl].fn
+        return fn(x, x, vv, gates, gates, s0, jnp.ones((b, 8, 8), bool))
+
+    assert call(1) == call(fits) == "kernel" and calls == [1, fits]
+    assert call(fits + 1) == "reference"
+    assert call(fits + 1, "pallas_triton_every_batch") == "kernel" and calls[-1] == fits + 1
+    assert pg.tree_programs(1, 48, 128, 64) == 96  # the 27B at B1: one wave of an H100 / H200's 132 SMs
 
 
 def test_model_verify_with_kernel_equals_reference(monkeypatch):

@@ -52,6 +52,7 @@ sweeps; no new timing starts after ``--budget-s`` seconds (default 240; what was
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import time
 import traceback
@@ -259,7 +260,8 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
     elif op == "gdn_tree":
         from pallas_kernels import gdn as m
 
-        kernel, pallas_fn, ref_fn = m.gdn_tree, m.gdn_tree_pallas, m.gdn_tree_reference
+        kernel, ref_fn = m.gdn_tree, m.gdn_tree_reference
+        pallas_fn = functools.partial(m.gdn_tree_pallas, every_batch=True)  # the kernel, not the batch routing
         defaults = lambda args: m.tree_default_config(args[0].shape[1], args[0].shape[-1],  # noqa: E731
                                                       args[2].shape[-1], dtype=args[0].dtype)
     else:

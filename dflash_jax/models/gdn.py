@@ -184,8 +184,8 @@ class TreeGDNCache:
 
 
 def gdn_tree(q, k, v, beta, g, state, ancestors):
-    """:func:`gdn_tree_reference`'s contract through the kernel registry's ``"gdn_tree"`` op (the Pallas kernel is
-    opt-in: ``DFLASH_KERNELS=gdn_tree=pallas_triton``)."""
+    """:func:`gdn_tree_reference`'s contract through the kernel registry's ``"gdn_tree"`` op (on a GPU the Pallas
+    kernel for launches of one resident wave, e.g. the 27B at B1; see ``pallas_kernels.gdn.gdn_tree_pallas``)."""
     from pallas_kernels import registry
 
     return registry.get("gdn_tree")(q, k, v, beta, g, state, ancestors)

@@ -18,9 +18,11 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 ``"gdn_tree"`` (signature ``(q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H], state [B,H,dk,dv], ancestors [B,N,N])
 -> (o [B,N,H,dv], TreeGDNCache)``, as ``qwen36.forward_tree`` calls ``gdn.gdn_tree`` for verification):
 ``"reference"`` = ``gdn.gdn_tree_reference``; ``"pallas_triton"`` = :func:`tree.gdn_tree` (one program per
-(sequence, head, value block), the ancestor-masked system solved in registers), opt-in likewise
-(``DFLASH_KERNELS=gdn_tree=pallas_triton``); trees over 64 slots or tiles that do not fit run the reference,
-with a warning.
+(sequence, head, value block), the ancestor-masked system solved in registers), **the GPU default, routed**: a
+launch of more than ``TREE_MAX_PROGRAMS`` programs (one resident wave) runs the reference (see
+:func:`gdn_tree_pallas`); ``"pallas_triton_every_batch"`` (opt-in) runs the kernel at every batch;
+``DFLASH_KERNELS=gdn_tree=reference`` turns it off. Trees over 64 slots or tiles that do not fit run the
+reference, with a warning.
 
 ``"gdn_decode"`` (signature ``(parts (the in-projection outputs, together [B, C+Hv*dv+2*Hv] = [x | z | b | a]), conv_w [C,K], a_log, dt_bias [Hv], norm_w
 [dv], conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv],
@@ -49,6 +51,12 @@ from pallas_kernels.gdn.reference import (gdn_chunked_reference, gdn_decode_refe
 from pallas_kernels.gdn.tree import block_plan as tree_block_plan
 from pallas_kernels.gdn.tree import default_config as tree_default_config
 from pallas_kernels.gdn.tree import gdn_tree
+from pallas_kernels.paged_decode.kernel import N_SM_TARGET
+
+
+def tree_programs(batch: int, heads: int, dv: int, block_v: int) -> int:
+    """Programs of a tree-kernel launch: one per (sequence, value head, value block)."""
+    return batch * heads * -(-dv // block_v)
 
 
 def gdn_chunked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
@@ -84,14 +92,26 @@ def gdn_step_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     return gdn_step(q, k, v, beta, g, state, block_v=block_v, interpret=backend not in registry.GPU_BACKENDS)
 
 
+TREE_MAX_PROGRAMS = 2 * N_SM_TARGET  # one resident wave: the routed tree kernel's limit
+
+
 def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
-                    ancestors: jax.Array):
+                    ancestors: jax.Array, *, every_batch: bool = False):
     """The registered tree kernel with :func:`tree.default_config`; shapes its tiles cannot take (over 64 slots,
     head dims that are not powers of two >= 16, over the shared-memory budget) run the reference, with a
-    warning."""
+    warning.
+
+    Unless ``every_batch``, a launch of more than :data:`TREE_MAX_PROGRAMS` programs (B x value heads x value
+    blocks) runs the reference, by design: each program solves its tree serially (N - 1 substitution steps), so
+    the kernel wins while one wave holds them all (the 27B at B1, 96 programs: the speculative round 28.6 ->
+    27.5 ms and the oracle 242 -> 256 tok/s on an H100, ``spec_nvidia-h100-80gb-hbm3_20261206-1443/1444.json``)
+    and loses past it (B16 x 32 nodes, 1536 programs: 0.22x the reference on the H200), where the reference's
+    batched matmuls fill the GPU and its ~30 launches a layer no longer dominate."""
     backend = registry.current_backend()
     n, dk, dv = q.shape[1], q.shape[-1], v.shape[-1]
     cfg = tree_default_config(n, dk, dv, dtype=q.dtype, backend=backend)
+    if not every_batch and tree_programs(q.shape[0], v.shape[2], dv, cfg["block_v"]) > TREE_MAX_PROGRAMS:
+        return gdn_tree_reference(q, k, v, beta, g, state, ancestors)
     try:
         tree_block_plan(n=n, dk=dk, dv=dv, block_v=cfg["block_v"],
                         itemsize=jnp.dtype(operand_dtype(default_precision(q.dtype))).itemsize, backend=backend)
@@ -131,10 +151,12 @@ registry.register("gdn_decode", "reference", gdn_decode_reference, backends=("an
 registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_decode", "pallas_triton_one_kernel", functools.partial(gdn_decode_pallas, split=False),
                   backends=("gpu",), preferred=False)
-registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",), preferred=False)
+registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",))  # the GPU default, routed
+registry.register("gdn_tree", "pallas_triton_every_batch", functools.partial(gdn_tree_pallas, every_batch=True),
+                  backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
            "launch_precision",
            "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
-           "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "step_block_plan", "tree_block_plan",
+           "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "tree_programs", "TREE_MAX_PROGRAMS", "step_block_plan", "tree_block_plan",
            "tree_default_config"]
