@@ -27,17 +27,6 @@ OPTS = EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=16, max_model_l
                      cohort_yield_min=0.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_cache_writes():
-    """This module's executables are not written to the suite's compilation cache (still read from it). In the
-    last three clean-clone runs XLA:CPU segfaulted serialising one of them (``put_executable_and_time``) during
-    the warm-up, at the same point of the run; nothing else compiles these shapes, so nothing is lost."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
 @functools.lru_cache(maxsize=None)
 def target():
     return dj.load_target(os.path.join(FIXTURES, "qwen36_tiny_a"), dtype="float32")
