@@ -105,6 +105,16 @@ if __name__ != "__main__":
         assert r["spec_steps"] > 0
 
 
+    def test_quantized_kv_pages_split_by_kv_head_under_dp_and_tp(results):
+        """int8 pages (values and per token-head scales) split over ``model`` by KV head, per replica over
+        ``data``; greedy AR over 2 x 2 devices and DDTree under TP=2 equal the unsharded engine on the same pages."""
+        r = results["kv_quant"]
+        assert r["data_dtype"] == "int8"
+        assert r["data_spec"] == ["data", None, None, "model", None] and r["scale_spec"] == ["data", None, None, "model"]
+        assert r["tp_data_spec"] == [None, None, "model", None]
+        assert r["ar"] == r["ar_unsharded"]
+        assert r["spec"] == r["spec_unsharded"] and r["spec_steps"] > 0
+
     def test_shipped_set_splits_fully_at_tp2_and_ddtree_greedy_equals_unsharded(results):
         r = results["shipped"]
         assert all(r["plan"].values()), r["plan"]
@@ -291,6 +301,26 @@ def _main(out_path: str) -> None:
     res["spec"] = {"tokens": [o.token_ids for o in outs], "golden": res["engine"]["golden"],
                    "spec_steps": sum(o.stats["draft_steps"] for o in outs)}
     res["timing"]["spec"] = time.perf_counter() - t4
+
+    # ---- quantized KV pages split by KV head: AR over 2 x 2 (data x model), DDTree under TP=2 ----
+    t8 = time.perf_counter()
+    q_opts = dict(opts, kv_dtype="int8")
+    eng = Engine(base[name], None, EngineOptions(tensor_parallel=2, data_parallel=2, **q_opts))
+    ar_q = [o.token_ids for o in eng.generate(prompts, sp)]
+    pages = eng.state.kv.k[0]
+    spec_q = SpecConfig(budget=6)
+    sp_eng = Engine(base[name], None, EngineOptions(tensor_parallel=2, spec=spec_q, cohort_yield_min=0.0, **q_opts),
+                    drafter=(dcfg, dparams))
+    sp_outs = sp_eng.generate(prompts, sp)
+    res["kv_quant"] = {
+        "ar": ar_q, "ar_unsharded": [o.token_ids for o in Engine(base[name], None, EngineOptions(**q_opts))
+                                     .generate(prompts, sp)],
+        "spec": [o.token_ids for o in sp_outs], "spec_steps": sum(o.stats["draft_steps"] for o in sp_outs),
+        "spec_unsharded": [o.token_ids for o in Engine(base[name], None, EngineOptions(
+            spec=spec_q, cohort_yield_min=0.0, **q_opts), drafter=(dcfg, dparams)).generate(prompts, sp)],
+        "data_dtype": str(pages.data.dtype), "data_spec": spec_of(pages.data), "scale_spec": spec_of(pages.scale),
+        "tp_data_spec": spec_of(sp_eng.state.kv.k[0].data)}
+    res["timing"]["kv_quant"] = time.perf_counter() - t8
 
     # ---- the shipped trained set under TP=2: target logits, and DDTree with its own drafter ----
     t6 = time.perf_counter()
