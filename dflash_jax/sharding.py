@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.models.quant import QuantizedWeight
 
 DATA, MODEL = "data", "model"
 log = logging.getLogger(__name__)
@@ -203,6 +204,40 @@ def relayout(path: tuple, x, cfg: TargetConfig, plan: ShardPlan):
     return x
 
 
+def _is_quantized(x) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def relayout_quantized(path: tuple, w, cfg: TargetConfig, plan: ShardPlan):
+    """:func:`relayout` of a ``QuantizedWeight``: its data rows and their scales (per channel ``[out]``, or the
+    block rows ``[out / bo, ...]``) move together. Block scales need whole blocks to move: KV heads of a multiple
+    of ``bo`` rows, GDN qkv groups of block-aligned runs; otherwise a ShardingError says so."""
+    names = path_names(path)
+    name, group = names[-1], (names[-2] if len(names) >= 2 else None)
+    bo = w.block[0] if w.block else 1
+    where = "/".join(map(str, names))
+    if group == "attn" and name in ("k", "v") and plan.kv_repeat > 1:
+        if cfg.head_dim % bo:
+            raise ShardingError(f"{where}: head_dim {cfg.head_dim} is not a multiple of the scale blocks' {bo} rows, "
+                                "so KV heads cannot be repeated for tensor parallelism; quantize per channel")
+
+        def rep(a, per):
+            a = a.reshape(cfg.num_kv_heads, per, *a.shape[1:]).repeat(plan.kv_repeat, axis=0)
+            return a.reshape(-1, *a.shape[2:])
+
+        return dataclasses.replace(w, data=rep(w.data, cfg.head_dim), scale=rep(w.scale, cfg.head_dim // bo))
+    if group == "gdn" and name in ("qkv", "conv") and plan.gdn:
+        perm = qkv_permutation(cfg, plan.tp)
+        if bo == 1:
+            return dataclasses.replace(w, data=w.data[perm], scale=w.scale[perm])
+        runs = perm.reshape(-1, bo) if len(perm) % bo == 0 else None  # each block's rows, in their new order
+        if runs is None or (runs[:, 0] % bo).any() or ((runs - runs[:, :1]) != np.arange(bo)).any():
+            raise ShardingError(f"{where}: grouping the GDN q / k / v rows per device splits its {bo}-row scale "
+                                "blocks; quantize per channel for this tensor-parallel size")
+        return dataclasses.replace(w, data=w.data[perm], scale=w.scale[runs[:, 0] // bo])
+    return w
+
+
 def param_sharding(path: tuple, shape: tuple[int, ...], cfg: TargetConfig, mesh: Mesh) -> NamedSharding:
     """The sharding of one target parameter: ``path`` into the tree, its (re-laid-out) ``shape``, the checkpoint's
     ``cfg`` and the mesh (TP = its ``model`` axis). ``Layout`` does the same for whole trees."""
@@ -259,9 +294,28 @@ class Layout:
                                     f"over TP={self.tp}")
         return NamedSharding(self.mesh, spec)
 
+    def quantized_sharding(self, path: tuple, w):
+        """The shardings of a (re-laid-out) ``QuantizedWeight`` at ``path``, as a ``QuantizedWeight`` of
+        ``NamedSharding``: data as the full-precision matrix; per-channel scales ``[out]`` split with the output rows
+        (column-parallel) or replicated (row-parallel: they scale the reduced output); block scales as the data,
+        which needs each device's rows / columns to be whole blocks."""
+        spec = param_spec(path, self.plan)
+        col, row = spec == P(MODEL, None), spec == P(None, MODEL)
+        where = "/".join(map(str, path_names(path)))
+        if col or row:
+            dim, blk = (w.shape[0], (w.block or (1, 1))[0]) if col else (w.shape[1], (w.block or (1, 1))[1])
+            if dim % self.tp or (dim // self.tp) % blk:
+                raise ShardingError(f"quantized parameter {where}: its {dim} {'rows' if col else 'columns'} in "
+                                    f"scale blocks of {blk} do not split over TP={self.tp}")
+        scale = (P(MODEL) if col else P()) if w.scale.ndim == 1 else spec
+        return dataclasses.replace(w, data=NamedSharding(self.mesh, spec), scale=NamedSharding(self.mesh, scale))
+
     def params(self, params) -> Any:
-        """The sharding tree of a (re-laid-out) target parameter tree (arrays or ShapeDtypeStructs)."""
-        return jax.tree_util.tree_map_with_path(lambda p, a: self.param_sharding(p, a.shape), params)
+        """The sharding tree of a (re-laid-out) target parameter tree (arrays or ShapeDtypeStructs; quantized
+        weights get a ``QuantizedWeight`` of shardings)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda p, a: self.quantized_sharding(p, a) if _is_quantized(a) else self.param_sharding(p, a.shape),
+            params, is_leaf=_is_quantized)
 
     def place(self, cfg: TargetConfig):
         """The loader's ``place(path, host_array)`` hook: re-layout, then write each device's shard directly."""
@@ -278,16 +332,22 @@ class Layout:
         ``place`` hook of ``qwen36.init_params``)."""
 
         def one(path: tuple, x: jax.Array) -> jax.Array:
+            if _is_quantized(x):
+                y = relayout_quantized(path, x, cfg, self.plan)
+                sh = self.quantized_sharding(path, y)
+                return dataclasses.replace(y, data=jax.device_put(y.data, sh.data),
+                                           scale=jax.device_put(y.scale, sh.scale))
             y = relayout(path, x, cfg, self.plan)
             return jax.device_put(y, self.param_sharding(path, y.shape))
 
         return one
 
     def shard_params(self, params, cfg: TargetConfig) -> Any:
-        """Re-lay-out and reshard an already-loaded parameter tree of checkpoint config ``cfg``, leaf by leaf."""
+        """Re-lay-out and reshard an already-loaded parameter tree of checkpoint config ``cfg``, leaf by leaf
+        (a ``QuantizedWeight`` as one leaf: its data and scales move together)."""
         tied = params.get("lm_head") is params.get("embed")
         rest = {k: v for k, v in params.items() if not (tied and k == "lm_head")}
-        out = jax.tree_util.tree_map_with_path(self.reshard(cfg), rest)
+        out = jax.tree_util.tree_map_with_path(self.reshard(cfg), rest, is_leaf=_is_quantized)
         if tied:
             out["lm_head"] = out["embed"]
         return out

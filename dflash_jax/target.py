@@ -117,14 +117,12 @@ def load_target(path: str | os.PathLike, dtype="float32", tensor_parallel: int =
     ``"int8"`` as Q8_0 blocks, ``"int4"`` as packed Q4_0 blocks (``models/quant.py``;
     quantized on the device as it loads). With ``tensor_parallel`` or
     ``data_parallel`` > 1, each tensor is re-laid out and written straight to its shards of a ``data`` x
-    ``model`` mesh over ``devices`` (default ``jax.devices()``) while streaming (unquantized only).
+    ``model`` mesh over ``devices`` (default ``jax.devices()``) while streaming; quantized weights are loaded
+    quantized on the default device first, then re-laid out and resharded leaf by leaf (scales with their rows).
     """
     path = os.fspath(path)
     quantization = quant.check_quantization(quantization)
     sharded = tensor_parallel != 1 or data_parallel != 1
-    if quantization is not None and sharded:
-        raise ShardingError("quantized weights cannot be sharded yet: use --quantization with "
-                            "--tensor-parallel 1 --data-parallel 1")
     if path.endswith(".gguf") and os.path.isfile(path):
         from dflash_jax.models import gguf_loader
 
@@ -133,9 +131,10 @@ def load_target(path: str | os.PathLike, dtype="float32", tensor_parallel: int =
         return shard_target(target, tensor_parallel, data_parallel, devices) if sharded else target
     cfg = TargetConfig.from_file(path)
     eos = tuple(dict.fromkeys(read_generation_eos(path) + cfg.eos_token_ids))
-    if not sharded:
+    if not sharded or quantization is not None:
         params = loader.load_params(path, cfg, resolve_dtype(dtype), quantization=quantization)
-        return Target(config=cfg, params=params, eos_token_ids=eos, path=path)
+        target = Target(config=cfg, params=params, eos_token_ids=eos, path=path)
+        return shard_target(target, tensor_parallel, data_parallel, devices) if sharded else target
     lay = Layout.build(cfg, tensor_parallel, data_parallel, devices)
     params = loader.load_params(path, cfg, resolve_dtype(dtype), place=lay.place(cfg))
     return Target(config=lay.plan.model_config(cfg), params=params, eos_token_ids=eos, path=path, layout=lay)

@@ -115,6 +115,20 @@ if __name__ != "__main__":
         assert r["ar"] == r["ar_unsharded"]
         assert r["spec"] == r["spec_unsharded"] and r["spec_steps"] > 0
 
+    def test_quantized_weights_split_with_their_scales(results):
+        """fp8 weights over TP=2 and 2 x 2 devices: greedy equals the unsharded fp8 engine; a column-parallel
+        weight's per-channel scales split with its rows, a row-parallel weight's are replicated; no quantized
+        weight is gathered. int8 / int4 blocks (32 columns) split too where each device gets whole blocks, and a
+        split that would cut them is refused by name."""
+        r = results["weight_quant"]
+        for case in ("2x1", "2x2"):
+            c = r["fp8"][case]
+            assert c["tokens"] == r["fp8_ref"], case
+            assert c["qkv"] == [["model", None], ["model"]] and c["down"] == [[None, "model"], [None]], c
+            assert c["weight_shaped_gathers"] == [], c
+        assert r["wide"]["int8"] <= 1e-5 and r["wide"]["int4"] <= 1e-5, r["wide"]
+        assert "layers/0/mlp/down" in r["misaligned"] and "scale blocks of 32" in r["misaligned"]
+
     def test_shipped_set_splits_fully_at_tp2_and_ddtree_greedy_equals_unsharded(results):
         r = results["shipped"]
         assert all(r["plan"].values()), r["plan"]
@@ -321,6 +335,41 @@ def _main(out_path: str) -> None:
         "data_dtype": str(pages.data.dtype), "data_spec": spec_of(pages.data), "scale_spec": spec_of(pages.scale),
         "tp_data_spec": spec_of(sp_eng.state.kv.k[0].data)}
     res["timing"]["kv_quant"] = time.perf_counter() - t8
+
+    # ---- quantized weights: fp8 engines over TP=2 and 2 x 2; int8 / int4 logits of the wide model at TP=2 ----
+    t9 = time.perf_counter()
+    from dflash_jax.models import quant
+    from dflash_jax.sharding import ShardingError
+
+    fp8_ref = [o.token_ids for o in Engine(base[name], None, EngineOptions(quantization="fp8", **opts))
+               .generate(prompts, sp)]
+    wq = {"fp8_ref": fp8_ref, "fp8": {}}
+    for tp, dp in ((2, 1), (2, 2)):
+        eng = Engine(base[name], None, EngineOptions(quantization="fp8", tensor_parallel=tp, data_parallel=dp, **opts))
+        qkv, down = eng.target.params["layers"][0]["gdn"]["qkv"], eng.target.params["layers"][0]["mlp"]["down"]
+        tokens = [o.token_ids for o in eng.generate(prompts, sp)]
+        text = eng._exec[("decode", 1 if dp > 1 else B)].as_text()
+        quantized = {tuple(a.shape) for w in jax.tree_util.tree_leaves(
+            eng.target.params, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+            if isinstance(w, quant.QuantizedWeight) for a in (w.data, w.scale)}
+        wq["fp8"][f"{tp}x{dp}"] = {
+            "tokens": tokens,
+            "qkv": [spec_of(qkv.data), spec_of(qkv.scale)], "down": [spec_of(down.data), spec_of(down.scale)],
+            "weight_shaped_gathers": [s for s, _ in _collectives(text, "all-gather") if tuple(s) in quantized]}
+    wide_q = {}
+    for q in ("int8", "int4"):
+        qt = Target(wcfg, quant.quantize_params(wt.params, q))
+        want = np.asarray(qt.logits(ids))
+        got = np.asarray(shard_target(qt, 2).logits(ids))
+        wide_q[q] = float(np.abs(got - want).max() / np.abs(want).max())
+    wq["wide"] = wide_q
+    try:  # the fixture's MLP: 160 columns, 80 per device, not whole 32-column scale blocks
+        Engine(base[name], None, EngineOptions(quantization="int8", tensor_parallel=2, **opts))
+        wq["misaligned"] = ""
+    except ShardingError as e:
+        wq["misaligned"] = str(e)
+    res["weight_quant"] = wq
+    res["timing"]["weight_quant"] = time.perf_counter() - t9
 
     # ---- the shipped trained set under TP=2: target logits, and DDTree with its own drafter ----
     t6 = time.perf_counter()

@@ -82,10 +82,8 @@ def load_target_source(args: argparse.Namespace, quantization: str | None = None
     if tp == dp == 1:
         t = Target(cfg, qwen36.init_params(cfg, jax.random.key(0), dtype, quantization=q), ())
         return t.fuse_projections() if fuse else t
-    if q is not None:
-        raise SystemExit("--quantization fp8 cannot be combined with --tensor-parallel/--data-parallel > 1 yet")
     lay = Layout.build(cfg, tp, dp)
-    params = qwen36.init_params(cfg, jax.random.key(0), dtype, place=lay.reshard(cfg))
+    params = qwen36.init_params(cfg, jax.random.key(0), dtype, place=lay.reshard(cfg), quantization=q)
     return Target(lay.plan.model_config(cfg), params, (), layout=lay)
 
 

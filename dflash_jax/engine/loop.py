@@ -392,6 +392,17 @@ class Engine:
         if o.data_parallel < 1 or o.max_batch % o.data_parallel:
             raise ValueError(f"max_batch {o.max_batch} must be a multiple of data_parallel {o.data_parallel} (each "
                              "replica serves max_batch / data_parallel sequences)")
+        if quant.check_quantization(o.quantization) is not None:  # no-op for leaves quantized at load
+            if qwen36.fused_unquantized(target.params):
+                raise ValueError("quantization applies to the checkpoint's matrices, but this target's projections "
+                                 "are already fused in full precision: load it with quantization=... (or quantize "
+                                 "before fusing)")
+            if target.layout is not None:  # quantized before it is laid out, so scales move with their rows
+                raise ValueError("this target is already sharded in full precision: load it with quantization=... "
+                                 "and tensor_parallel / data_parallel together, or pass the unsharded target")
+            target = dataclasses.replace(target, params=quant.quantize_params(target.params, o.quantization))
+            if drafter is not None:
+                drafter = (drafter[0], quant.quantize_params(drafter[1], o.quantization))
         if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
             target = shard_target(target, o.tensor_parallel, o.data_parallel)
         self.layout: Layout | None = target.layout
@@ -399,17 +410,6 @@ class Engine:
             _warn_skinny_matmul_under_tp()
         if drafter is not None and self.layout is not None:  # the drafter is small: replicated on every device
             drafter = (drafter[0], jax.device_put(drafter[1], self.layout.replicated))
-        if quant.check_quantization(o.quantization) is not None:  # no-op for leaves quantized at load
-            if qwen36.fused_unquantized(target.params):
-                raise ValueError("quantization applies to the checkpoint's matrices, but this target's projections "
-                                 "are already fused in full precision: load it with quantization=... (or quantize "
-                                 "before fusing)")
-            if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
-                raise ValueError("quantized weights cannot be sharded yet: use quantization with tensor_parallel=1 "
-                                 "and data_parallel=1")
-            target = dataclasses.replace(target, params=quant.quantize_params(target.params, o.quantization))
-            if drafter is not None:
-                drafter = (drafter[0], quant.quantize_params(drafter[1], o.quantization))
         if o.fuse_projections and target.layout is None and not qwen36.is_fused(target.params):
             target = dataclasses.replace(target, params=qwen36.fuse_projections(target.params))
         self.target, self.cfg, self.tokenizer, self.options = target, target.config, tokenizer, o

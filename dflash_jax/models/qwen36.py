@@ -75,11 +75,8 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.bfloat16, place=Non
     Generated leaf by leaf on the default device, so a 27B tree never needs a host copy; ``place(path, leaf)``
     (e.g. ``sharding.Layout.reshard``) moves each leaf to its final placement before the next is made. With
     ``quantization="fp8"`` each matmul weight is quantized as soon as it is generated (per output channel),
-    so the full-precision model never exists on the device (not combined with ``place``).
+    so the full-precision model never exists on the device; ``place`` then moves the ``QuantizedWeight``.
     """
-    if quantization is not None and place is not None:
-        raise ValueError("quantized weights cannot be sharded yet: use quantization with tensor_parallel=1 and "
-                         "data_parallel=1")
     qleaf = quant.leaf_quantizer(quantization)
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
