@@ -193,14 +193,15 @@ def param_spec(path: tuple, plan: ShardPlan) -> P:
 
 def relayout(path: tuple, x, cfg: TargetConfig, plan: ShardPlan):
     """One checkpoint tensor (numpy or jax, checkpoint layout of ``cfg``) -> the layout of
-    ``plan.model_config(cfg)``: KV heads repeated, GDN qkv / conv rows grouped."""
-    path = path_names(path)
-    name, group = path[-1], (path[-2] if len(path) >= 2 else None)
+    ``plan.model_config(cfg)``: KV heads repeated, GDN qkv / conv rows grouped. A ``QuantizedWeight``'s data rows
+    and their scales (per channel ``[out]``, or block rows ``[out / bo, ...]``) move together; block scales move
+    only as whole blocks, otherwise a ShardingError says so."""
+    names = path_names(path)
+    name, group = names[-1], (names[-2] if len(names) >= 2 else None)
     if group == "attn" and name in ("k", "v") and plan.kv_repeat > 1:
-        x = x.reshape(cfg.num_kv_heads, cfg.head_dim, -1).repeat(plan.kv_repeat, axis=0)
-        return x.reshape(-1, x.shape[-1])
+        return _repeat_rows(x, cfg.num_kv_heads, plan.kv_repeat, names)
     if group == "gdn" and name in ("qkv", "conv") and plan.gdn:
-        return x[qkv_permutation(cfg, plan.tp)]
+        return _permute_rows(x, qkv_permutation(cfg, plan.tp), names)
     return x
 
 
@@ -208,34 +209,33 @@ def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
-def relayout_quantized(path: tuple, w, cfg: TargetConfig, plan: ShardPlan):
-    """:func:`relayout` of a ``QuantizedWeight``: its data rows and their scales (per channel ``[out]``, or the
-    block rows ``[out / bo, ...]``) move together. Block scales need whole blocks to move: KV heads of a multiple
-    of ``bo`` rows, GDN qkv groups of block-aligned runs; otherwise a ShardingError says so."""
-    names = path_names(path)
-    name, group = names[-1], (names[-2] if len(names) >= 2 else None)
-    bo = w.block[0] if w.block else 1
-    where = "/".join(map(str, names))
-    if group == "attn" and name in ("k", "v") and plan.kv_repeat > 1:
-        if cfg.head_dim % bo:
-            raise ShardingError(f"{where}: head_dim {cfg.head_dim} is not a multiple of the scale blocks' {bo} rows, "
-                                "so KV heads cannot be repeated for tensor parallelism; quantize per channel")
+def _block_rows(x) -> int:
+    return x.block[0] if x.block else 1
 
-        def rep(a, per):
-            a = a.reshape(cfg.num_kv_heads, per, *a.shape[1:]).repeat(plan.kv_repeat, axis=0)
-            return a.reshape(-1, *a.shape[2:])
 
-        return dataclasses.replace(w, data=rep(w.data, cfg.head_dim), scale=rep(w.scale, cfg.head_dim // bo))
-    if group == "gdn" and name in ("qkv", "conv") and plan.gdn:
-        perm = qkv_permutation(cfg, plan.tp)
-        if bo == 1:
-            return dataclasses.replace(w, data=w.data[perm], scale=w.scale[perm])
-        runs = perm.reshape(-1, bo) if len(perm) % bo == 0 else None  # each block's rows, in their new order
-        if runs is None or (runs[:, 0] % bo).any() or ((runs - runs[:, :1]) != np.arange(bo)).any():
-            raise ShardingError(f"{where}: grouping the GDN q / k / v rows per device splits its {bo}-row scale "
-                                "blocks; quantize per channel for this tensor-parallel size")
-        return dataclasses.replace(w, data=w.data[perm], scale=w.scale[runs[:, 0] // bo])
-    return w
+def _repeat_rows(x, groups: int, times: int, names: tuple):
+    """Rows ``[groups * per, ...]`` -> each group's rows ``times`` over (a QuantizedWeight: data and scales)."""
+    if _is_quantized(x):
+        if (x.shape[0] // groups) % _block_rows(x):
+            raise ShardingError(f"{'/'.join(map(str, names))}: a head's {x.shape[0] // groups} rows are not whole "
+                                f"{_block_rows(x)}-row scale blocks, so KV heads cannot be repeated for tensor "
+                                "parallelism; quantize per channel")
+        return dataclasses.replace(x, data=_repeat_rows(x.data, groups, times, names),
+                                   scale=_repeat_rows(x.scale, groups, times, names))
+    x = x.reshape(groups, -1, *x.shape[1:]).repeat(times, axis=0)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _permute_rows(x, perm: np.ndarray, names: tuple):
+    """Rows reordered by ``perm`` (a QuantizedWeight: its scale rows or blocks with them)."""
+    if not _is_quantized(x):
+        return x[perm]
+    bo = _block_rows(x)
+    runs = perm.reshape(-1, bo) if len(perm) % bo == 0 else None  # each block's rows, in their new order
+    if runs is None or (runs[:, 0] % bo).any() or ((runs - runs[:, :1]) != np.arange(bo)).any():
+        raise ShardingError(f"{'/'.join(map(str, names))}: grouping the GDN q / k / v rows per device splits its "
+                            f"{bo}-row scale blocks; quantize per channel for this tensor-parallel size")
+    return dataclasses.replace(x, data=x.data[perm], scale=x.scale[runs[:, 0] // bo])
 
 
 def param_sharding(path: tuple, shape: tuple[int, ...], cfg: TargetConfig, mesh: Mesh) -> NamedSharding:
@@ -310,12 +310,14 @@ class Layout:
         scale = (P(MODEL) if col else P()) if w.scale.ndim == 1 else spec
         return dataclasses.replace(w, data=NamedSharding(self.mesh, spec), scale=NamedSharding(self.mesh, scale))
 
+    def sharding_of(self, path: tuple, x):
+        """The sharding of the (re-laid-out) parameter ``x`` at ``path``: a NamedSharding, or for a
+        ``QuantizedWeight`` a ``QuantizedWeight`` of them."""
+        return self.quantized_sharding(path, x) if _is_quantized(x) else self.param_sharding(path, x.shape)
+
     def params(self, params) -> Any:
-        """The sharding tree of a (re-laid-out) target parameter tree (arrays or ShapeDtypeStructs; quantized
-        weights get a ``QuantizedWeight`` of shardings)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda p, a: self.quantized_sharding(p, a) if _is_quantized(a) else self.param_sharding(p, a.shape),
-            params, is_leaf=_is_quantized)
+        """The sharding tree of a (re-laid-out) target parameter tree (arrays or ShapeDtypeStructs)."""
+        return jax.tree_util.tree_map_with_path(self.sharding_of, params, is_leaf=_is_quantized)
 
     def place(self, cfg: TargetConfig):
         """The loader's ``place(path, host_array)`` hook: re-layout, then write each device's shard directly."""
@@ -332,13 +334,8 @@ class Layout:
         ``place`` hook of ``qwen36.init_params``)."""
 
         def one(path: tuple, x: jax.Array) -> jax.Array:
-            if _is_quantized(x):
-                y = relayout_quantized(path, x, cfg, self.plan)
-                sh = self.quantized_sharding(path, y)
-                return dataclasses.replace(y, data=jax.device_put(y.data, sh.data),
-                                           scale=jax.device_put(y.scale, sh.scale))
             y = relayout(path, x, cfg, self.plan)
-            return jax.device_put(y, self.param_sharding(path, y.shape))
+            return jax.device_put(y, self.sharding_of(path, y))
 
         return one
 

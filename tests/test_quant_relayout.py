@@ -1,4 +1,4 @@
-"""Quantized weights re-laid out for tensor parallelism (``sharding.relayout_quantized``): the data rows and their
+"""Quantized weights re-laid out for tensor parallelism (``sharding.relayout``): the data rows and their
 scales move together, so dequantizing after the re-layout equals re-laying out the dequantized matrix; scale
 blocks that a re-layout would split are refused by name."""
 
@@ -14,7 +14,7 @@ import pytest
 from conftest import FIXTURES
 from dflash_jax.config import TargetConfig
 from dflash_jax.models import quant
-from dflash_jax.sharding import ShardingError, ShardPlan, relayout, relayout_quantized
+from dflash_jax.sharding import ShardingError, ShardPlan, relayout
 
 CFG = TargetConfig.from_file(os.path.join(FIXTURES, "qwen36_tiny_b", "config.json"))
 QKV = ("layers", 0, "gdn", "qkv")
@@ -25,7 +25,7 @@ def weight(rows: int, cols: int, seed: int = 0) -> jax.Array:
 
 
 def check(path: tuple, w: jax.Array, q: quant.QuantizedWeight, plan: ShardPlan) -> None:
-    got = quant.dequantize(relayout_quantized(path, q, CFG, plan))
+    got = quant.dequantize(relayout(path, q, CFG, plan))
     want = relayout(path, quant.dequantize(q), CFG, plan)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -52,4 +52,4 @@ def test_scale_blocks_a_relayout_would_split_are_refused():
     w = weight(2 * CFG.key_dim + CFG.value_dim, CFG.hidden_size)
     blk = CFG.key_dim // 2 * 3  # a block spanning the q / k boundary of the per-device groups
     with pytest.raises(ShardingError, match="splits its .*-row scale blocks"):
-        relayout_quantized(QKV, quant.quantize_fp8(w, block=(blk, 32)), CFG, plan)
+        relayout(QKV, quant.quantize_fp8(w, block=(blk, 32)), CFG, plan)

@@ -29,7 +29,9 @@ Held-out text: by default the standard-library files held out of the training of
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -117,9 +119,6 @@ def write_held_out_archive(out_dir: str, names: Sequence[str], root: str | None 
     """Write ``out_dir/held_out_stdlib.tar.gz``: the files ``names`` (relative to ``root``, default this interpreter's
     standard library) in that order, byte-for-byte reproducible (no timestamps, owners or gzip name); returns its path.
     ``held_out_files`` reads the set's text from it, on any machine."""
-    import gzip
-    import io
-
     root = root or sysconfig.get_paths()["stdlib"]
     missing = [n for n in names if not os.path.isfile(os.path.join(root, n))]
     if missing:
