@@ -128,6 +128,7 @@ if __name__ != "__main__":
             assert c["weight_shaped_gathers"] == [], c
         assert r["wide"]["int8"] <= 1e-5 and r["wide"]["int4"] <= 1e-5, r["wide"]
         assert "layers/0/mlp/down" in r["misaligned"] and "scale blocks of 32" in r["misaligned"]
+        assert "already sharded in full precision" in r["sharded_then_quantized"], r["sharded_then_quantized"]
 
     def test_shipped_set_splits_fully_at_tp2_and_ddtree_greedy_equals_unsharded(results):
         r = results["shipped"]
@@ -368,6 +369,11 @@ def _main(out_path: str) -> None:
         wq["misaligned"] = ""
     except ShardingError as e:
         wq["misaligned"] = str(e)
+    try:  # a target sharded in full precision cannot be quantized afterwards (its scales would not move with rows)
+        Engine(shard_target(base[name], 2), None, EngineOptions(quantization="fp8", **opts))
+        wq["sharded_then_quantized"] = ""
+    except ValueError as e:
+        wq["sharded_then_quantized"] = str(e)
     res["weight_quant"] = wq
     res["timing"]["weight_quant"] = time.perf_counter() - t9
 
