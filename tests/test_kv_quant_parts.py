@@ -1,0 +1,53 @@
+"""experiments/kv_quant_parts.py: its rounding of keys / values is the quantized pages' own, a rotation leaves
+unrounded keys unchanged, and a smoke run of two variants measures agreement."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from conftest import load_experiment
+from dflash_jax.kv import quant as kv_quant
+
+kqp = load_experiment("kv_quant_parts")
+
+
+def test_hadamard_is_orthonormal():
+    for n in (1, 2, 64, 256):
+        h = np.asarray(kqp.hadamard(n))
+        np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-6)
+
+
+def test_round_trip_is_what_quantized_pages_read_back():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 2, 64)), jnp.float32)
+    for dt in (jnp.float8_e4m3fn, jnp.int8):
+        pages = kv_quant.quantize_pages(x, dt)
+        want = np.asarray(kv_quant.take(pages, jnp.arange(3)))
+        np.testing.assert_array_equal(np.asarray(kqp.round_trip(x, dt)), want)
+
+
+def test_variants_write_what_they_name():
+    rng = np.random.default_rng(1)
+    k, v = (jnp.asarray(rng.normal(size=(1, 20, 2, 64)), jnp.float32) for _ in range(2))
+    pos = jnp.arange(20)[None]
+    seen = {}
+
+    def capture(kp, vp, kk, vv, *rest):
+        seen["k"], seen["v"] = np.asarray(kk), np.asarray(vv)
+        return kp, vp
+
+    for name, (kd, vd, sink, rot) in kqp.VARIANTS.items():
+        kqp.rounding_write_kv((kd, vd, sink, rot), capture)(None, None, k, v, None, pos, None)
+        assert np.array_equal(seen["k"], np.asarray(k)) == (kd is None), name
+        assert np.array_equal(seen["v"], np.asarray(v)) == (vd is None), name
+        if sink:
+            assert np.array_equal(seen["k"][:, :sink], np.asarray(k)[:, :sink]), name
+        if kd is not None:  # rounded keys stay within the format's error of the originals
+            assert np.max(np.abs(seen["k"] - np.asarray(k))) <= 0.07 * np.max(np.abs(np.asarray(k))), name
+
+
+def test_smoke_run_measures_agreement(capsys):
+    assert kqp.main(["--rows", "2", "--row-len", "96", "--agree-prefix", "64", "--agree-tokens", "8",
+                     "--variants", "none", "kv_fp8.rot", "--no-write"]) == 0
+    out = capsys.readouterr().out
+    assert "none" in out and "kv_fp8.rot" in out and "greedy agreement" in out
