@@ -129,8 +129,8 @@ def test_quantized_kv_cases(tmp_path):
             assert f[f"kv_{dt}.{op}.check.ok"] == 1
             assert f[f"kv_{dt}.{op}.check.rel_err"] <= kernels.TOL["bfloat16"]
             assert 0 < f[f"kv_{dt}.{op}.quant_rel_err"] < 0.1
-            for k in ("kernel_us", "bf16_kernel_us", "speedup", "bytes_per_s", "bandwidth_fraction", "kernel_bk64_us",
-                      "speedup_bk64"):
+            for k in ("kernel_us", "bf16_kernel_us", "speedup", "bytes_per_s", "bandwidth_fraction",
+                      *(f"kernel_{c}_us" for c in kernels.KV_CONFIGS), *(f"speedup_{c}" for c in kernels.KV_CONFIGS)):
                 assert f[f"{op}.kv_{dt}.{case}.{k}"] > 0
             assert f[f"kv_{dt}.{op}.speedup"] == f[f"{op}.kv_{dt}.{case}.speedup"]
             assert f"{op}.{case}.kernel_us" not in f  # --no-grid: the bf16 grid was not timed

@@ -631,6 +631,12 @@ KV_GRIDS = {  # op -> [(B, tree, prefix)] timed with quantized pages, full and -
     "paged_decode": ([(1, None, 16384), (16, None, 16384), (1, None, 4096)], [(1, None, 16384)]),
     "tree_attention": ([(16, 16, 16384), (1, 16, 16384), (16, 16, 4096)], [(16, 16, 16384)]),
 }
+# quantized-page launch configs timed beside the default: name -> page_size -> keyword arguments
+KV_CONFIGS = {
+    "bk64": lambda ps: dict(pages_per_block=max(1, 64 // ps)),
+    "bk64_pf": lambda ps: dict(pages_per_block=max(1, 64 // ps), prefetch=True),
+    "bk32_pf": lambda ps: dict(pages_per_block=max(1, 32 // ps), prefetch=True),
+}
 KV_CHECK_CASES = {  # the 27B's head shapes, ragged lengths, non-resident pages; --quick: the first
     "paged_decode": [dict(b=4, lengths=[1, 17, 1024, 300], non_resident=[(3, 5), (2, 0)]),
                      dict(b=2, lengths=[16, 4500], non_resident=[])],
@@ -703,10 +709,9 @@ def run_kv_checks(op: str, kv_dtype: str, a: argparse.Namespace, figures: dict, 
 def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict,
                   skipped: list, deadline: float) -> None:
     """Kernel on quantized pages vs the kernel on the same pages in bf16 (``KV_GRIDS``), bf16 compute; also the
-    quantized kernel with 64-key blocks (``kernel_bk64``: the bytes per block of bf16's 32-key default), to tune
-    its default from."""
+    quantized kernel with other launch configs (``KV_CONFIGS``: 64-key blocks, the bytes per block of bf16's
+    32-key default; the hand prefetch, on for bf16 pages only), to tune its default from."""
     pallas_fn, ref_fn, explicit = implementations(op)
-    bk64 = lambda *args: explicit(*args, pages_per_block=max(1, 64 // a.page_size))  # noqa: E731
     rng = np.random.default_rng(4)
     speedups = []
     for b, n, p in kv_grid(op, a):
@@ -717,7 +722,9 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
         base = _problem(op, a, b, n, p, jnp.dtype(jnp.bfloat16), rng)
         prob = quantized_problem(base, kv_dtype)
         row = {}
-        variants = [("kernel", pallas_fn, prob), ("bf16_kernel", pallas_fn, base), ("kernel_bk64", bk64, prob)]
+        variants = [("kernel", pallas_fn, prob), ("bf16_kernel", pallas_fn, base)]
+        variants += [(f"kernel_{name}", functools.partial(explicit, **kw(a.page_size)), prob)
+                     for name, kw in KV_CONFIGS.items()]
         if not a.quick:
             variants.append(("reference", ref_fn, prob))
         for name, fn, pr in variants:
@@ -736,8 +743,9 @@ def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float,
         if "kernel" in row and "bf16_kernel" in row:
             figures[f"{tag}.speedup"] = row["bf16_kernel"] / row["kernel"]
             speedups.append(figures[f"{tag}.speedup"])
-        if "kernel_bk64" in row and "bf16_kernel" in row:
-            figures[f"{tag}.speedup_bk64"] = row["bf16_kernel"] / row["kernel_bk64"]
+        for name in KV_CONFIGS:
+            if f"kernel_{name}" in row and "bf16_kernel" in row:
+                figures[f"{tag}.speedup_{name}"] = row["bf16_kernel"] / row[f"kernel_{name}"]
         print(f"time {tag}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in row.items())
               + (f", {figures[f'{tag}.speedup']:.2f}x vs bf16 pages" if f"{tag}.speedup" in figures else ""),
               flush=True)
