@@ -45,6 +45,7 @@ _BUILTIN_MODULES = {
     "gdn_tree": "pallas_kernels.gdn",
     "gdn_decode": "pallas_kernels.gdn",
     "skinny_matmul": "pallas_kernels.skinny_matmul",
+    "ddtree_build": "pallas_kernels.ddtree",
 }
 
 

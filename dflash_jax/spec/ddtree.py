@@ -40,6 +40,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dflash_jax.spec import topk
 
@@ -79,24 +80,39 @@ def _resolve_k(top_k: int | None, budget: int, vocab: int) -> int:
 
 
 def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x [B, M], idx [B] -> x[b, idx[b]] (a one-hot select-reduce: cheaper to compile than a gather in the loop)."""
-    hot = jnp.arange(x.shape[1])[None, :] == idx[:, None]
-    if x.dtype == jnp.bool_:
-        return jnp.any(hot & x, axis=1)
-    return jnp.sum(jnp.where(hot, x, jnp.zeros((), x.dtype)), axis=1)
+    """x [M] (one row), idx [] -> x[idx] (a one-hot select-reduce: no gather in the loop; 0 if idx is out of
+    range)."""
+    hot = lax.broadcasted_iota(jnp.int32, x.shape, 0) == idx
+    return jnp.sum(jnp.where(hot, x, jnp.zeros((), x.dtype)))
 
 
-def _build(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> dict:
-    """``lp``/``tok`` [B, L, K] sorted top-K log-probs / ids -> the tree's [B, N] arrays (and [B, N, N] ancestors).
+@dataclasses.dataclass(frozen=True)
+class BuildShape:
+    """The static shape of a build: ``L`` draft depths, ``K`` candidates per depth, ``budget`` nodes, ``c`` nodes
+    of the seeded top-1 chain (0 without ``chain_seed``), ``n_seed`` frontier candidates before the first pop."""
 
-    Batched directly over the rows (equivalent to a vmap of the per-row heap): dynamic reads and writes are one-hot
-    select-reduces / selects, so the loop has no gathers or scatters (small, GPU-friendly, quicker to compile).
-    """
+    L: int
+    K: int
+    budget: int
+    c: int
+    n_seed: int
+
+    @property
+    def n_pops(self) -> int:
+        return self.budget - self.c
+
+    @property
+    def n_frontier(self) -> int:
+        return self.n_seed + 2 * self.n_pops
+
+
+def seed(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> tuple[BuildShape, tuple, tuple]:
+    """``lp``/``tok`` [B, L, K] sorted top-K log-probs / ids -> (shape, the tree's [B, N] arrays and [B, N, N]
+    ancestors before the first pop, the frontier's five [B, F] arrays). Flags are int32 (1 = set) so that the pop
+    loop runs the same in XLA and in a Triton kernel."""
     bsz, L, K = lp.shape
     n = budget + 1
     neg_inf = jnp.float32(-jnp.inf)
-    lp_flat = lp.reshape(bsz, L * K)
-    tok_flat = tok.reshape(bsz, L * K)
     col = lambda v: jnp.broadcast_to(jnp.asarray(v), (bsz,))[:, None]  # noqa: E731
 
     # Seed: either the single (depth 1, rank 0) candidate, or the top-1 chain as nodes 1..C plus, per chain depth,
@@ -116,14 +132,14 @@ def _build(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> dict
     depth = jnp.broadcast_to(jnp.concatenate([jnp.arange(c + 1), jnp.ones(pad, jnp.int32)]).astype(jnp.int32), (bsz, n))
     score = cat(jnp.zeros((bsz, 1), jnp.float32), jnp.stack(chain_sc, 1) if c else jnp.zeros((bsz, 0)),
                 jnp.full((bsz, pad), neg_inf, jnp.float32))
-    valid = jnp.broadcast_to(jnp.arange(n) <= c, (bsz, n))
+    valid = jnp.broadcast_to(jnp.arange(n) <= c, (bsz, n)).astype(jnp.int32)
     idx = jnp.arange(n)
     anc = jnp.broadcast_to((idx[:, None] == idx[None, :]) | ((idx[None, :] <= idx[:, None]) & (idx[:, None] <= c)),
-                           (bsz, n, n))
+                           (bsz, n, n)).astype(jnp.int32)
 
-    n_seed = c if chain_seed else 1
-    f_size = n_seed + 2 * (budget - c)
-    fpad = f_size - n_seed
+    shape = BuildShape(L=L, K=K, budget=budget, c=c, n_seed=c if chain_seed else 1)
+    f_size = shape.n_frontier
+    fpad = f_size - shape.n_seed
     if chain_seed:
         f_score = cat(jnp.stack(sib_sc, 1), jnp.full((bsz, fpad), neg_inf))
         f_parent = jnp.arange(f_size, dtype=jnp.int32) * (jnp.arange(f_size) < c)
@@ -136,52 +152,88 @@ def _build(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> dict
         f_depth = jnp.ones(f_size, jnp.int32)
         f_rank = jnp.zeros(f_size, jnp.int32)
         f_alive = jnp.arange(f_size) < 1
-    frontier = tuple(jnp.broadcast_to(x, (bsz, f_size)) for x in (f_score, f_parent, f_depth, f_rank, f_alive))
-    fidx = jnp.arange(f_size)
+    frontier = tuple(jnp.broadcast_to(x, (bsz, f_size)) for x in (f_score, f_parent, f_depth, f_rank,
+                                                                   f_alive.astype(jnp.int32)))
+    return shape, (tokens, parent, depth, score, valid, anc), frontier
+
+
+def pop_row(shape: BuildShape, lp_row: jax.Array, tok_row: jax.Array):
+    """The body of one row's pop loop, ``(t, (tree, frontier)) -> (tree, frontier)``, over that row's arrays
+    (``lp_row`` / ``tok_row`` [L*K]; tree: tokens, parent, depth, score, valid [N], ancestors [N, N]; frontier:
+    score, parent, depth, rank, alive [F]). Arrays may be longer than N / F / L*K (a kernel's power-of-two tiles):
+    slots past them are never picked, written or read as a parent, provided the extra frontier slots are dead.
+    Dynamic reads and writes are one-hot select-reduces / selects: no gathers or scatters."""
+    c, n_seed, K, L = shape.c, shape.n_seed, shape.K, shape.L
+    neg_inf = jnp.float32(-jnp.inf)
 
     def pop(t, carry):
         (tokens, parent, depth, score, valid, anc), (f_score, f_parent, f_depth, f_rank, f_alive) = carry
-        key = jnp.where(f_alive, f_score, neg_inf)
-        best = jnp.max(key, axis=1, keepdims=True)
-        pick = jnp.argmax(f_alive & (key >= best), axis=1)  # first live slot holding the best score = earliest push
-        ok = _take(f_alive, pick)
+        fidx = lax.broadcasted_iota(jnp.int32, f_alive.shape, 0)
+        idx = lax.broadcasted_iota(jnp.int32, tokens.shape, 0)
+        rows = lax.broadcasted_iota(jnp.int32, anc.shape, 0)
+        live = f_alive != 0
+        key = jnp.where(live, f_score, neg_inf)
+        best = jnp.max(key)
+        # the first live slot holding the best score = the earliest push (none live: past the end, ok = 0)
+        pick = jnp.min(jnp.where(live & (key >= best), fidx, f_alive.shape[0]))
+        ok = _take(f_alive, pick) != 0
         p, d, r, sc = (_take(x, pick) for x in (f_parent, f_depth, f_rank, f_score))
-        f_alive = f_alive & (fidx[None, :] != pick[:, None])
+        f_alive = jnp.where(fidx == pick, 0, f_alive)
 
         node = c + 1 + t
-        hot = idx == node  # [N]
-        put = lambda arr, v: jnp.where(hot[None, :], v[:, None], arr)  # noqa: E731
-        tokens = put(tokens, jnp.where(ok, _take(tok_flat, (d - 1) * K + r), 0))
+        hot = idx == node
+        put = lambda arr, v: jnp.where(hot, v, arr)  # noqa: E731
+        tokens = put(tokens, jnp.where(ok, _take(tok_row, (d - 1) * K + r), 0))
         parent = put(parent, jnp.where(ok, p, 0))
         depth = put(depth, jnp.where(ok, d, 1))
         score = put(score, jnp.where(ok, sc, neg_inf))
-        valid = put(valid, ok)
-        anc_p = jnp.any(anc & (idx[None, :] == p[:, None])[:, :, None], axis=1)  # [B, N]: row p
-        new_row = jnp.where(ok[:, None], anc_p | hot[None, :], hot[None, :])
-        anc = jnp.where(hot[None, :, None], new_row[:, None, :], anc)
+        valid = put(valid, ok.astype(jnp.int32))
+        anc_p = jnp.max(jnp.where(rows == p, anc, 0), axis=0)  # row p
+        new_row = jnp.where(ok, jnp.maximum(anc_p, hot.astype(jnp.int32)), hot.astype(jnp.int32))
+        anc = jnp.where(rows == node, new_row[None, :], anc)
 
         # push the next sibling and the first child into this pop's two frontier slots
         sib, child = n_seed + 2 * t, n_seed + 2 * t + 1
         r1 = jnp.minimum(r + 1, K - 1)
         d1 = jnp.minimum(d, L - 1)
         vals = (
-            (_take(score, p) + _take(lp_flat, (d - 1) * K + r1), sc + _take(lp_flat, d1 * K)),
+            (_take(score, p) + _take(lp_row, (d - 1) * K + r1), sc + _take(lp_row, d1 * K)),
             (p, jnp.full_like(p, node)),
             (d, d + 1),
             (r + 1, jnp.zeros_like(r)),
-            (ok & (r + 1 < K), ok & (d < L)),
+            ((ok & (r + 1 < K)).astype(jnp.int32), (ok & (d < L)).astype(jnp.int32)),
         )
-        hs, hc = (fidx == sib)[None, :], (fidx == child)[None, :]
-        frontier = tuple(
-            jnp.where(hs, vs[:, None], jnp.where(hc, vc[:, None], arr))
-            for arr, (vs, vc) in zip((f_score, f_parent, f_depth, f_rank, f_alive), vals))
+        hs, hc = fidx == sib, fidx == child
+        frontier = tuple(jnp.where(hs, vs, jnp.where(hc, vc, arr))
+                         for arr, (vs, vc) in zip((f_score, f_parent, f_depth, f_rank, f_alive), vals))
         return (tokens, parent, depth, score, valid, anc), frontier
 
-    carry = ((tokens, parent, depth, score, valid, anc), frontier)
-    if budget - c > 0:
-        carry = jax.lax.fori_loop(0, budget - c, pop, carry)
-    tokens, parent, depth, score, valid, anc = carry[0]
-    return dict(tokens=tokens, parent=parent, depth=depth, score=score, valid=valid, ancestors=anc)
+    return pop
+
+
+def build_reference(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> dict:
+    """``lp``/``tok`` [B, L, K] sorted top-K log-probs / ids -> the tree's [B, N] arrays (and [B, N, N] ancestors),
+    valid / ancestors as int32 flags: :func:`seed`, then :func:`pop_row`'s loop per row (vmapped)."""
+    shape, tree, frontier = seed(lp, tok, budget, chain_seed)
+    b = lp.shape[0]
+    if shape.n_pops > 0:
+        def run(lp_row, tok_row, carry):
+            return lax.fori_loop(0, shape.n_pops, pop_row(shape, lp_row, tok_row), carry)
+
+        tree, _ = jax.vmap(run)(lp.reshape(b, -1), tok.reshape(b, -1), (tree, frontier))
+    return dict(zip(TREE_FIELDS, tree))
+
+
+TREE_FIELDS = ("tokens", "parent", "depth", "score", "valid", "ancestors")
+
+
+def _build(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> dict:
+    """The tree's arrays through the kernel registry's ``"ddtree_build"`` op (:func:`build_reference`'s contract;
+    on a GPU, with the op asked for, one Triton kernel for the whole pop loop), flags as bool."""
+    from pallas_kernels import registry
+
+    out = registry.get("ddtree_build")(lp, tok, budget, chain_seed)
+    return {**out, "valid": out["valid"] != 0, "ancestors": out["ancestors"] != 0}
 
 
 def build_tree(draft_logprobs: jax.Array, budget: int, top_k: int | None = None, chain_seed: bool = False,
