@@ -71,8 +71,9 @@ def test_build_tree_routes_to_the_kernel_when_asked(monkeypatch):
     assert got.valid.dtype == jnp.bool_ and got.ancestors.dtype == jnp.bool_
 
 
-def test_the_kernel_is_opt_in_until_timed():
-    assert registry.resolve("ddtree_build", backend="cuda").name == "reference"
+def test_the_kernel_is_the_gpu_default_and_cpu_keeps_the_reference():
+    assert registry.resolve("ddtree_build", backend="cuda").name == "pallas_triton"
+    assert registry.resolve("ddtree_build", backend="rocm").name == "pallas_triton"
     assert registry.resolve("ddtree_build", backend="cpu").name == "reference"
 
 

@@ -20,9 +20,10 @@ own as ``dflash_config.ddtree_level_bonus``). A level with ``lp + c > 0`` scores
 the same best-first expansion (still prefix-closed, parents first), no longer always the top-``budget`` prefixes.
 
 For static shapes the heap is a fixed array "frontier" of candidate slots: the candidates pushed by pop t go to two
-fixed slots (sibling, child), a pop is an argmax over the live slots, and the loop is a ``lax.fori_loop`` over the
-pops, batched over the rows. Ties on score go to the earlier-pushed candidate, exactly like a ``heapq`` keyed by
-``(-score, push counter)`` (``build_tree_reference``).
+fixed slots (sibling, child), a pop is an argmax over the live slots, and the loop runs ``pop_row`` once per pop:
+a ``lax.fori_loop`` vmapped over the rows (``build_reference``), or on a GPU one Triton kernel per row for the whole
+loop (op ``ddtree_build``, ``pallas_kernels.ddtree``). Ties on score go to the earlier-pushed candidate, exactly
+like a ``heapq`` keyed by ``(-score, push counter)`` (``build_tree_reference``).
 
 Output layout (``Tree``, all ``[B, N]`` with ``N = budget + 1``): slot 0 is the root (the pending bonus token, filled by
 the caller; ``tokens[:, 0] = -1`` here), slots 1.. are the nodes in pop order. When fewer than ``budget`` prefixes exist
@@ -229,7 +230,7 @@ TREE_FIELDS = ("tokens", "parent", "depth", "score", "valid", "ancestors")
 
 def _build(lp: jax.Array, tok: jax.Array, budget: int, chain_seed: bool) -> dict:
     """The tree's arrays through the kernel registry's ``"ddtree_build"`` op (:func:`build_reference`'s contract;
-    on a GPU, with the op asked for, one Triton kernel for the whole pop loop), flags as bool."""
+    on a GPU one Triton kernel for the whole pop loop, ``pallas_kernels.ddtree``), flags as bool."""
     from pallas_kernels import registry
 
     out = registry.get("ddtree_build")(lp, tok, budget, chain_seed)
