@@ -83,3 +83,30 @@ def test_kernel_lowers(platform, chain_seed):
     sd = jax.ShapeDtypeStruct
     fn = lambda lp, tok: ddtree_build(lp, tok, 22, chain_seed)  # noqa: E731
     assert "__gpu$xla.gpu.triton" in lower(platform, fn, sd((4, 16, 22), jnp.float32), sd((4, 16, 22), jnp.int32))
+
+
+def test_engine_rounds_with_the_kernel_equal_the_reference_rounds_and_ar(monkeypatch):
+    import os
+
+    import dflash_jax as dj
+    from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
+    from dflash_jax.engine.spec_steps import SpecConfig
+    from dflash_jax.models.dflash_loader import load_drafter
+    from dflash_jax.models.tokenizer import Tokenizer
+
+    path = os.path.join(dj.SHIPPED_MODELS, "target")
+    target, tok = dj.load_target(path, dtype="float32"), Tokenizer.from_dir(path)
+    drafter = load_drafter(os.path.join(dj.SHIPPED_MODELS, "drafter"), dtype="float32")
+    prompts = [tok.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser("), tok.encode("import os\n")]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    opts = dict(max_batch=2, max_model_len=128, prefill_chunk=64)
+    runs = {}
+    for impl in ("reference", "pallas_triton"):
+        monkeypatch.setenv(registry.ENV_VAR, f"ddtree_build={impl}")
+        eng = Engine(target, tok, EngineOptions(spec=SpecConfig(budget=22), cohort_yield_min=0.0, **opts),
+                     drafter=drafter)
+        runs[impl] = [(o.token_ids, o.stats["draft_steps"], o.stats["accepted_tokens"]) for o in eng.generate(prompts, sp)]
+    assert runs["pallas_triton"] == runs["reference"]
+    assert all(steps > 0 for _, steps, _ in runs["reference"])
+    ar = Engine(target, tok, EngineOptions(**opts)).generate(prompts, sp)
+    assert [o.token_ids for o in ar] == [t for t, _, _ in runs["reference"]]
