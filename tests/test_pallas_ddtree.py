@@ -110,3 +110,14 @@ def test_engine_rounds_with_the_kernel_equal_the_reference_rounds_and_ar(monkeyp
     assert all(steps > 0 for _, steps, _ in runs["reference"])
     ar = Engine(target, tok, EngineOptions(**opts)).generate(prompts, sp)
     assert [o.token_ids for o in ar] == [t for t, _, _ in runs["reference"]]
+
+
+def test_cost_experiment_checks_and_times_both(capsys):
+    from conftest import load_experiment
+
+    cost = load_experiment("ddtree_build_cost")
+    assert cost.main(["--batch", "2", "--budget", "6", "--depth", "4", "--vocab", "64", "--iters", "1",
+                      "--no-write"]) == 0
+    out = capsys.readouterr().out
+    for kind in cost.KINDS:
+        assert f"ddtree_build.b2.{kind}: reference" in out
