@@ -209,16 +209,17 @@ def _is_quantized(x) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
-def _block_rows(x) -> int:
-    return x.block[0] if x.block else 1
+def _block(x: QuantizedWeight) -> tuple[int, int]:
+    """A ``QuantizedWeight``'s scale block ``(rows, columns)``; per-channel scales: ``(1, 1)``."""
+    return tuple(x.block) if x.block else (1, 1)
 
 
 def _repeat_rows(x, groups: int, times: int, names: tuple):
     """Rows ``[groups * per, ...]`` -> each group's rows ``times`` over (a QuantizedWeight: data and scales)."""
     if _is_quantized(x):
-        if (x.shape[0] // groups) % _block_rows(x):
+        if (x.shape[0] // groups) % _block(x)[0]:
             raise ShardingError(f"{'/'.join(map(str, names))}: a head's {x.shape[0] // groups} rows are not whole "
-                                f"{_block_rows(x)}-row scale blocks, so KV heads cannot be repeated for tensor "
+                                f"{_block(x)[0]}-row scale blocks, so KV heads cannot be repeated for tensor "
                                 "parallelism; quantize per channel")
         return dataclasses.replace(x, data=_repeat_rows(x.data, groups, times, names),
                                    scale=_repeat_rows(x.scale, groups, times, names))
@@ -230,7 +231,7 @@ def _permute_rows(x, perm: np.ndarray, names: tuple):
     """Rows reordered by ``perm`` (a QuantizedWeight: its scale rows or blocks with them)."""
     if not _is_quantized(x):
         return x[perm]
-    bo = _block_rows(x)
+    bo = _block(x)[0]
     runs = perm.reshape(-1, bo) if len(perm) % bo == 0 else None  # each block's rows, in their new order
     if runs is None or (runs[:, 0] % bo).any() or ((runs - runs[:, :1]) != np.arange(bo)).any():
         raise ShardingError(f"{'/'.join(map(str, names))}: grouping the GDN q / k / v rows per device splits its "
@@ -303,7 +304,8 @@ class Layout:
         col, row = spec == P(MODEL, None), spec == P(None, MODEL)
         where = "/".join(map(str, path_names(path)))
         if col or row:
-            dim, blk = (w.shape[0], (w.block or (1, 1))[0]) if col else (w.shape[1], (w.block or (1, 1))[1])
+            axis = 0 if col else 1
+            dim, blk = w.shape[axis], _block(w)[axis]
             if dim % self.tp or (dim // self.tp) % blk:
                 raise ShardingError(f"quantized parameter {where}: its {dim} {'rows' if col else 'columns'} in "
                                     f"scale blocks of {blk} do not split over TP={self.tp}")

@@ -65,8 +65,7 @@ def round_trip(x, dtype):
     """``x [..., D]`` rounded as a quantized page row of ``dtype`` stores it (None: unchanged), in x's dtype."""
     if dtype is None:
         return x
-    q, s = kv_quant.quantize_rows(x, dtype)
-    return (q.astype(jnp.float32) * s[..., None]).astype(x.dtype)
+    return kv_quant.dequantize(*kv_quant.quantize_rows(x, dtype), x.dtype)
 
 
 def rounding_write_kv(variant: tuple, write_kv=attention.write_kv):

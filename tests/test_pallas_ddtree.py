@@ -105,7 +105,8 @@ def test_engine_rounds_with_the_kernel_equal_the_reference_rounds_and_ar(monkeyp
         monkeypatch.setenv(registry.ENV_VAR, f"ddtree_build={impl}")
         eng = Engine(target, tok, EngineOptions(spec=SpecConfig(budget=22), cohort_yield_min=0.0, **opts),
                      drafter=drafter)
-        runs[impl] = [(o.token_ids, o.stats["draft_steps"], o.stats["accepted_tokens"]) for o in eng.generate(prompts, sp)]
+        runs[impl] = [(o.token_ids, o.stats["draft_steps"], o.stats["accepted_tokens"])
+                      for o in eng.generate(prompts, sp)]
     assert runs["pallas_triton"] == runs["reference"]
     assert all(steps > 0 for _, steps, _ in runs["reference"])
     ar = Engine(target, tok, EngineOptions(**opts)).generate(prompts, sp)

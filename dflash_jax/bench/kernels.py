@@ -33,8 +33,8 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
    (``kv_<dt>.<op>.check.rel_err`` / ``.ok``; ``kv_<dt>.<op>.quant_rel_err`` is the reference's error from
    quantizing, against the f32 oracle on the unquantized pages), then timed against the bf16-page kernel at the
    same shape (``KV_GRIDS``): ``<op>.kv_<dt>.b{B}[.t{N}].p{P}.{kernel_us,bf16_kernel_us,speedup,bytes_per_s,
-   bandwidth_fraction,kernel_bk64_us,speedup_bk64}`` (speedup = bf16 pages / quantized pages, the issue's figure;
-   ``bk64``: the quantized kernel with 64-key blocks, to tune its default from), and the minimum over the
+   bandwidth_fraction}`` (speedup = bf16 pages / quantized pages, the issue's figure) plus ``kernel_<cfg>_us`` /
+   ``speedup_<cfg>`` for the other launch configs of ``KV_CONFIGS``, to tune the default from, and the minimum over the
    cases ``kv_<dt>.<op>.speedup`` (e.g. ``kv_fp8.tree_attention.speedup``).
 
 5. **Sweep** (``<op>.sweep.<case>.<config>.{kernel_us,bandwidth_fraction,rel_err}``, ``<op>.sweep.<case>.best_us``):
@@ -631,9 +631,8 @@ KV_GRIDS = {  # op -> [(B, tree, prefix)] timed with quantized pages, full and -
     "paged_decode": ([(1, None, 16384), (16, None, 16384), (1, None, 4096)], [(1, None, 16384)]),
     "tree_attention": ([(16, 16, 16384), (1, 16, 16384), (16, 16, 4096)], [(16, 16, 16384)]),
 }
-# quantized-page launch configs timed beside the default: name -> page_size -> keyword arguments
+# quantized-page launch configs timed beside the default (64-key blocks, no prefetch): name -> page_size -> kwargs
 KV_CONFIGS = {
-    "bk64": lambda ps: dict(pages_per_block=max(1, 64 // ps)),
     "bk64_pf": lambda ps: dict(pages_per_block=max(1, 64 // ps), prefetch=True),
     "bk32_pf": lambda ps: dict(pages_per_block=max(1, 32 // ps), prefetch=True),
     "bk64_st3": lambda ps: dict(pages_per_block=max(1, 64 // ps), num_stages=3),
@@ -711,8 +710,8 @@ def run_kv_checks(op: str, kv_dtype: str, a: argparse.Namespace, figures: dict, 
 def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict,
                   skipped: list, deadline: float) -> None:
     """Kernel on quantized pages vs the kernel on the same pages in bf16 (``KV_GRIDS``), bf16 compute; also the
-    quantized kernel with other launch configs (``KV_CONFIGS``: 64-key blocks, the bytes per block of bf16's
-    32-key default; the hand prefetch, on for bf16 pages only), to tune its default from."""
+    quantized kernel with other launch configs (``KV_CONFIGS``: the hand prefetch, on for bf16 pages only; 3 stages;
+    128-key blocks), to tune its default from."""
     pallas_fn, ref_fn, explicit = implementations(op)
     rng = np.random.default_rng(4)
     speedups = []

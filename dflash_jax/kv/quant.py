@@ -110,9 +110,13 @@ def set_rows(pages: jax.Array | QuantizedPages, page: jax.Array, off: jax.Array,
                           set_rows_where(pages.scale, (page, off), s, keep), pages.compute_dtype)
 
 
+def dequantize(data: jax.Array, scale: jax.Array, compute_dtype) -> jax.Array:
+    """Stored rows ``data [..., D]`` and their scales ``[...]`` -> values in ``compute_dtype`` (what a read gives)."""
+    return (data.astype(F32) * scale[..., None]).astype(compute_dtype)
+
+
 def take(pages: jax.Array | QuantizedPages, idx: jax.Array) -> jax.Array:
     """``pages[idx]`` (dequantized to the compute dtype for ``QuantizedPages``)."""
     if not isinstance(pages, QuantizedPages):
         return pages[idx]
-    cd = pages.compute_dtype
-    return (pages.data[idx].astype(F32) * pages.scale[idx][..., None]).astype(cd)
+    return dequantize(pages.data[idx], pages.scale[idx], pages.compute_dtype)

@@ -23,19 +23,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.paged_decode.kernel import MIN_DOT, _next_pow2
 from pallas_kernels.registry import check_block_shapes
-
-
-def _pow2(n: int, least: int = 16) -> int:
-    p = least
-    while p < n:
-        p *= 2
-    return p
 
 
 def block_plan(*, n: int, f: int, lk: int) -> dict:
     """Padded tile sizes for N tree slots, F frontier slots and L * K top-K entries (checked: powers of two)."""
-    plan = dict(n_pad=_pow2(n), f_pad=_pow2(f), lk_pad=_pow2(lk))
+    plan = dict(n_pad=max(MIN_DOT, _next_pow2(n)), f_pad=max(MIN_DOT, _next_pow2(f)),
+                lk_pad=max(MIN_DOT, _next_pow2(lk)))
     check_block_shapes("ddtree_build", {"tree": (plan["n_pad"],), "ancestors": (plan["n_pad"], plan["n_pad"]),
                                         "frontier": (plan["f_pad"],), "top_k": (plan["lk_pad"],)})
     return plan
