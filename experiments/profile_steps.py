@@ -38,6 +38,7 @@ from dflash_jax.device_memory import set_memory_fraction  # noqa: E402
 from dflash_jax.bench.concurrency import prompt_set, prompt_text_ids, step_time_figures, text_prompt_set  # noqa: E402
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams  # noqa: E402
 from dflash_jax.engine.spec_steps import SpecConfig  # noqa: E402
+from dflash_jax.spec import draft_vocab  # noqa: E402
 from dflash_jax.bench.sources import load_drafter_source, load_target_source  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "assets", "tiny")
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", choices=("random", "held-out"), default="random",
                     help="random ids, or windows of the --model set's held-out text (as bench concurrency's)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--draft-vocab", type=draft_vocab.parse_arg, default=None, metavar="N|FILE",
+                    help="DDTree drafts over token ids 0..N-1 or those in FILE (SpecConfig.draft_vocab)")
     ap.add_argument("--out-dir", default="experiments/results")
     args = ap.parse_args(argv)
     if args.prompts == "held-out" and args.random_weights:
@@ -111,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     max_len = int(lens.max()) + args.output_len + 64
     figures: dict[str, float] = {}
     extra: dict = {"model": args.random_weights or args.model, "drafter": args.random_drafter or args.drafter,
-                   "dtype": args.dtype, "prompts": args.prompts, "prompt_lens": lens.tolist()}
+                   "dtype": args.dtype, "prompts": args.prompts, "prompt_lens": lens.tolist(),
+                   "draft_vocab": args.draft_vocab}
     for mode in args.modes:
         eng = Engine(target, None, EngineOptions(
             max_batch=args.concurrency, max_model_len=max_len, prefill_chunk=args.prefill_chunk,
             prefill_batch=min(4, args.concurrency), batch_buckets=(args.concurrency,), cohort_yield_min=0.0,
-            spec=SpecConfig() if mode == "ddtree" else None), drafter=drafter if mode == "ddtree" else None)
+            spec=SpecConfig(draft_vocab=args.draft_vocab) if mode == "ddtree" else None),
+            drafter=drafter if mode == "ddtree" else None)
         eng.warmup()
         eng.generate(prompts, sp)  # warm: every executable has run once
         eng.step_seconds.clear()

@@ -51,6 +51,7 @@ from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams
 from dflash_jax.engine.spec_steps import SpecConfig, features
 from dflash_jax.models import dflash
 from dflash_jax.models.tokenizer import Tokenizer
+from dflash_jax.spec import draft_vocab
 from dflash_jax.spec.ddtree import build_tree
 
 
@@ -77,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also report ddtree.level_bonus_<v>.tau (best-first trees at --budget) at these bonuses")
     p.add_argument("--sweep-budgets", type=int, nargs="*", default=[3, 7, 15, 31],
                    help="also report both tree kinds at these budgets")
+    p.add_argument("--sweep-draft-vocab", type=int, nargs="*", default=[], metavar="N",
+                   help="also report chain / DDTree tau when drafting over token ids 0..N-1 plus EOS "
+                        "(SpecConfig.draft_vocab): ddtree.draft_vocab<N>.tau, chain.draft_vocab<N>.tau")
     p.add_argument("--engine-prompts", type=int, default=8, help="prompts for the engine AR/DDTree run (0 = skip)")
     p.add_argument("--engine-tokens", type=int, default=64, help="tokens generated per engine prompt")
 
@@ -229,6 +233,16 @@ def tree_tau(lp: np.ndarray, labels: np.ndarray, budget: int, chain_seed: bool =
     return out.reshape(labels.shape[:-1])
 
 
+def restrict(lp: np.ndarray, labels: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drafting over the token set ``ids`` (``SpecConfig.draft_vocab``): lp ``[..., V]`` renormalised over the set
+    -> (``[..., len(ids)]``, labels as set indices, -1 where a label lies outside the set: never drafted)."""
+    sub = lp[..., ids]
+    sub = sub - np.logaddexp.reduce(sub, axis=-1, keepdims=True)
+    where = np.full(lp.shape[-1], -1, np.int64)
+    where[ids] = np.arange(len(ids))
+    return sub, where[labels]
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     target = load_target_source(args)
     dcfg, dparams = load_drafter_source(args)
@@ -265,6 +279,11 @@ def run(args: argparse.Namespace, command: str) -> int:
             t = (d_tau if (b == args.budget and seeded == args.chain_seed)
                  else tree_tau(lp, labels, b, seeded, bonus))
             figures[f"{name}.{kind}.tau"] = float(t.mean())
+    for n in args.sweep_draft_vocab:
+        sub, sub_labels = restrict(lp, labels, draft_vocab.resolve(n, lp.shape[-1], tok.eos_token_ids))
+        figures[f"chain.draft_vocab{n}.tau"] = float(chain_tau(sub, sub_labels).mean())
+        figures[f"ddtree.draft_vocab{n}.tau"] = float(tree_tau(sub, sub_labels, args.budget, args.chain_seed,
+                                                               bonus).mean())
     for k in (4, 8):
         figures[f"chain.p_tau_ge{k}"] = float((c_tau >= k).mean())
         figures[f"ddtree.p_tau_ge{k}"] = float((d_tau >= k).mean())

@@ -100,6 +100,7 @@ from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.engine.spec_steps import SpecConfig
 from dflash_jax.prefill.pflash import PFlashError, PFlashOptions, compress
+from dflash_jax.spec import draft_vocab
 from dflash_jax.target import Target
 
 MODES = ("ar", "ddtree")
@@ -133,6 +134,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DDTree trees around the drafter's full top-1 chain (SpecConfig.chain_seed); default best-first")
     p.add_argument("--level-bonus", type=float, default=None, metavar="NATS",
                    help="nats added per DDTree level (SpecConfig.level_bonus); default: the drafter's calibrated one")
+    p.add_argument("--draft-vocab", type=draft_vocab.parse_arg, default=None, metavar="N|FILE",
+                   help="draft over token ids 0..N-1 or those in FILE (SpecConfig.draft_vocab); default: all")
     p.add_argument("--max-verify-tokens", type=int, default=None,
                    help="cap on tree tokens verified per round over a batch bucket (SpecConfig.max_verify_tokens)")
     p.add_argument("--cohort-yield-min", type=float, default=6.0,
@@ -205,7 +208,7 @@ PRESET_NOT_APPLIED = ("target_device", "draft_device", "host", "port", "api_key"
                       "enable_thinking", "max_concurrency", "model", "drafter", "gpu_memory_utilization")
 # server preset flag -> the benchmark's dest, copied as is
 PRESET_COPIED = {"ddtree_budget": "budget", "ddtree_max_verify_tokens": "max_verify_tokens",
-                 "ddtree_chain_seed": "chain_seed", "ddtree_level_bonus": "level_bonus",
+                 "ddtree_chain_seed": "chain_seed", "ddtree_level_bonus": "level_bonus", "ddtree_draft_vocab": "draft_vocab",
                  "prefill_keep_ratio": "pflash_keep_ratio",
                  "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
                  "kvflash_max_page_in": "kvflash_max_page_in", "kvflash_host_prewarm_gb": "kvflash_host_prewarm_gb",
@@ -602,7 +605,7 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches (each prompt through
     ``prep`` before it is submitted, if given)."""
     spec = (SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens, chain_seed=args.chain_seed,
-                       level_bonus=args.level_bonus) if mode == "ddtree" else None)
+                       level_bonus=args.level_bonus, draft_vocab=args.draft_vocab) if mode == "ddtree" else None)
     kvflash = args.kvflash if mode != "ar_unbounded" else None
     inv = bool(getattr(args, "batch_invariant", False))
     rows = max(args.concurrency) if inv else c  # batch-invariant: every case at the same shapes
@@ -1073,7 +1076,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             "peaked_random_weights": peaked, "peaked_random_weights_detail": describe() if peaked else None,
             "dtype": args.dtype, "concurrency": conc,
             "output_len": args.output_len, "repeats": args.repeats, "seed": args.seed, "budget": args.budget, "max_verify_tokens": args.max_verify_tokens,
-            "chain_seed": args.chain_seed, "level_bonus": args.level_bonus,
+            "chain_seed": args.chain_seed, "level_bonus": args.level_bonus, "draft_vocab": args.draft_vocab,
             "cohort_yield_min": args.cohort_yield_min, "max_model_len": max_len, "page_size": args.page_size,
             "prefill_chunk": args.prefill_chunk, "prefill_batch": args.prefill_batch,
             "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,

@@ -27,7 +27,8 @@ from dflash_jax.engine import compile as compile_mod
 from dflash_jax.engine.sampling import MAX_BANNED, TOP_LOGPROBS, RowSampling, SamplingArrays
 from dflash_jax.engine.hostpack import Packing
 from dflash_jax.config import DrafterConfig
-from dflash_jax.engine.spec_steps import SpecConfig, SpecInput, draft_step, masked_verify_step, spec_step
+from dflash_jax.engine.spec_steps import (SpecConfig, SpecInput, draft_step, masked_verify_step, spec_step,
+                                         with_draft_vocab)
 from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.engine.structured import Constraint, Matcher, Structured, StructuredError
 from dflash_jax.engine.turns import DeviceTurns
@@ -39,7 +40,7 @@ from dflash_jax.models import quant, qwen36
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, RecurrentSlots, SlotPenalties, StepInput
 from dflash_jax.sharding import Layout, to_host
-from dflash_jax.spec import ddtree
+from dflash_jax.spec import ddtree, draft_vocab
 from dflash_jax.target import Target, load_target, shard_target
 
 #: Newest positions whose target queries rank pages under KVFlash ``bounds`` / ``shadow`` scoring (a page's worth:
@@ -416,6 +417,11 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.dcfg, self.dparams = drafter if drafter is not None else (None, None)
+        if o.spec is not None and o.spec.draft_vocab is not None and self.dparams is not None:
+            ids = draft_vocab.resolve(o.spec.draft_vocab, self.cfg.vocab_size, self.eos_token_ids)
+            self.dparams = with_draft_vocab(self.dparams, self.target.params["lm_head"], ids)
+            if self.layout is not None:
+                self.dparams = jax.device_put(self.dparams, self.layout.replicated)
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
         self.dtype = jnp.dtype(qwen36.param_dtype(self.target.params))
         self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)

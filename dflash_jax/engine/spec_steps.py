@@ -16,8 +16,11 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.engine import sampling
 from dflash_jax.engine.sampling import TOP_LOGPROBS, SamplingArrays
 from dflash_jax.models import attention, dflash, qwen36
+from dflash_jax.models.quant import QuantizedWeight
 from dflash_jax.spec import ddtree, verify
 from dflash_jax.state import DraftKV, EngineState, TreeInput
+
+DRAFT_HEAD, DRAFT_IDS = "draft_head", "draft_ids"  # drafter params entries of a drafting vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +45,13 @@ class SpecConfig:
     # min(budget, max_verify_tokens // B - 1) (>= 1), so verify stays near the weight-streaming regime at large B
     # instead of turning compute-bound (B x (budget + 1) tokens through every matmul). None: budget at every B
     max_verify_tokens: int | None = None
+    # the drafter's LM head over a set of frequent tokens only (spec.draft_vocab: an int N = ids 0..N-1, a file of
+    # ids, or the ids); None: the whole vocabulary. Lossless either way; only what is drafted changes
+    draft_vocab: int | str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_vocab is not None and not isinstance(self.draft_vocab, (int, str)):
+            object.__setattr__(self, "draft_vocab", tuple(int(t) for t in self.draft_vocab))
         if self.budget < 1:
             raise ValueError(f"the DDTree budget must be >= 1, got {self.budget}")
         if self.max_verify_tokens is not None and self.max_verify_tokens < 2:
@@ -142,12 +150,43 @@ def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params,
     ctx_pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (inp.root.shape[0], c))
     ctx_valid = (ctx_pos < inp.start[:, None]) & attention.resident_tokens(inp.page_table, dkv.k[0].shape[1])
     blocks = dflash.make_blocks(dcfg, inp.root)
-    out = dflash.draft_forward(dparams, dcfg, params["embed"], params["lm_head"], blocks, inp.start,
+    head = dparams.get(DRAFT_HEAD, params["lm_head"])  # [Vh, D] with a drafting vocabulary, else the target's
+    out = dflash.draft_forward(dparams, dcfg, params["embed"], head, blocks, inp.start,
                                ctx_k, ctx_v, ctx_pos, ctx_valid, with_query=spec.draft_query)
     logits, query = out if spec.draft_query else (out, None)
     logp = jax.nn.log_softmax(logits[:, 1:], axis=-1)
     tree = ddtree.build_tree(logp, spec.budget, spec.top_k, spec.chain_seed, spec.bonus_for(dcfg))
+    if DRAFT_IDS in dparams:
+        tree = dataclasses.replace(tree, tokens=to_vocab_ids(tree.tokens, dparams[DRAFT_IDS]))
     return tree.with_root(inp.root), query
+
+
+def draft_head_rows(lm_head, ids):
+    """The rows ``ids`` of the LM head ``[V, D]`` (an array or a ``QuantizedWeight``) -> the drafting head
+    ``[Vh, D]`` of the same kind. Block-scaled weights keep their column blocks; their rows become blocks of one."""
+    idx = jnp.asarray(ids, jnp.int32)
+    if not isinstance(lm_head, QuantizedWeight):
+        return jnp.take(jnp.asarray(lm_head), idx, axis=0)
+    if lm_head.block is None:
+        scale = jnp.take(lm_head.scale, idx, axis=0)
+        block = None
+    else:
+        bo, bi = lm_head.block
+        scale = jnp.take(lm_head.scale, idx // bo, axis=0)
+        block = (1, bi)
+    return QuantizedWeight(data=jnp.take(lm_head.data, idx, axis=0), scale=scale, block=block, dtype=lm_head.dtype,
+                           packing=lm_head.packing, act=lm_head.act)
+
+
+def to_vocab_ids(tokens: jax.Array, ids: jax.Array) -> jax.Array:
+    """Drafting-set indices -> vocabulary ids; negative entries (a tree's root placeholder) stay as they are."""
+    return jnp.where(tokens >= 0, jnp.take(ids, jnp.clip(tokens, 0, ids.shape[0] - 1)), tokens).astype(jnp.int32)
+
+
+def with_draft_vocab(dparams: dict, lm_head, ids) -> dict:
+    """The drafter's params plus a drafting vocabulary (``spec.draft_vocab``): the LM head's rows ``ids`` and the
+    ids, which ``draft_tree`` drafts over instead of the whole head."""
+    return {**dparams, DRAFT_HEAD: draft_head_rows(lm_head, ids), DRAFT_IDS: jnp.asarray(ids, jnp.int32)}
 
 
 def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state: EngineState, dkv: DraftKV,

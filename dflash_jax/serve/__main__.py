@@ -25,6 +25,7 @@ from typing import Callable
 
 from dflash_jax import SHIPPED_MODELS as SHIPPED
 from dflash_jax.kv.kvflash import SCORINGS
+from dflash_jax.spec import draft_vocab
 
 QUANTIZATIONS = ("none", "fp8", "fp8_dynamic", "int8", "int4")  # = models.quant.QUANTIZATIONS (not imported: no jax at parse time)
 DEVICE_PREFIXES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "hip": "gpu"}
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="nats added to each tree level's draft log-prob, favouring deeper trees (a block drafter's "
                          "hits come in runs its per-position marginals do not show); default: the drafter "
                          "checkpoint's calibrated dflash_config.ddtree_level_bonus, else 0 (the paper's tree)")
+    ap.add_argument("--ddtree-draft-vocab", type=draft_vocab.parse_arg, default=None, metavar="N|FILE",
+                    help="draft over a reduced vocabulary (FR-Spec): the drafter's LM head over token ids 0..N-1 "
+                         "(byte-level BPE ids run in merge order, roughly by frequency) or the ids in FILE (.json "
+                         "list or .npy; `python -m dflash_jax.spec.draft_vocab` counts a corpus), plus the EOS ids. "
+                         "Lossless; reads N / vocab of the drafter's head each round. Default: the whole vocabulary")
     ap.add_argument("--draft-residency", choices=("persistent",), default=None,
                     help="persistent (the only mode): the drafter and the PFlash scorer stay loaded on the device for "
                          "the server's life, next to the target")
@@ -142,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
-            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False,
+            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False, "ddtree_draft_vocab": None,
             "prefill_compression": "off", "kvflash": "off",
             "kvflash_scoring": "shadow", "kvflash_max_page_in": 64, "kvflash_host_prewarm_gb": 8.0,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1,
@@ -222,6 +228,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise StartupError(f"--ddtree-level-bonus must be a finite number, got {ns.ddtree_level_bonus!r}")
         if not ns.ddtree:
             raise StartupError("--ddtree-level-bonus shapes DDTree trees: it needs --ddtree")
+    if ns.ddtree_draft_vocab is not None and not ns.ddtree:
+        raise StartupError("--ddtree-draft-vocab sets what DDTree drafts: it needs --ddtree")
     if ns.fast_rollback and not ns.ddtree:
         raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
     if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:
@@ -374,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                    if args.ddtree else None)
         spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback),
                            chain_seed=bool(args.ddtree_chain_seed), level_bonus=args.ddtree_level_bonus,
-                           max_verify_tokens=args.ddtree_max_verify_tokens) if args.ddtree else None)
+                           max_verify_tokens=args.ddtree_max_verify_tokens,
+                           draft_vocab=args.ddtree_draft_vocab) if args.ddtree else None)
         target.fuse_projections()  # in place: the engine would otherwise hold a fused copy next to these matrices
         try:
             eng = Engine(target, Tokenizer.from_dir(args.model),
