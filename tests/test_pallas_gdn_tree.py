@@ -124,7 +124,7 @@ def adversarial_chain(n, dk=16, dv=16):
 
 
 def test_substitution_exact_on_adversarial_chain_product_form_is_not():
-    """Forward substitution (the default) matches the reference's triangular solve on the worst chain; the
+    """Forward substitution matches the reference's triangular solve on the worst chain; the
     nilpotent product form is exact on a star (M^2 = 0) and on random keys, but cancels catastrophically along a
     33-slot chain of identical keys (measured ~24x the output's scale; see ``pallas_kernels.gdn.tree``)."""
     args, anc = adversarial_chain(33)
@@ -137,6 +137,27 @@ def test_substitution_exact_on_adversarial_chain_product_form_is_not():
     assert_matches(args, star_anc, run_kernel((*args, star_anc), block_v=16, solve="product"))
     rnd = make_inputs(8, 1, 33, 1, 16, 16, "mild", 1.0, jnp.float32)
     assert_matches(rnd, anc, run_kernel((*rnd, anc), block_v=16, solve="product"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_blocked_solve_matches_reference(name):
+    """Two half-length substitutions side by side plus the off-diagonal block by products: the same inverse."""
+    tree, b, n, h, dk, dv, block_v, g_mode, s_scale = CASES[name]
+    par = tree(b, n) if callable(tree) else random_parents(np.random.default_rng(n), b, n, tree)
+    args = make_inputs(n, b, n, h, dk, dv, g_mode, s_scale, jnp.float32)
+    anc = jnp.asarray(np_ancestors(par))
+    assert_matches(args, anc, run_kernel((*args, anc), block_v=block_v, solve="blocked"))
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([2, 9, 16, 23]), pad=st.sampled_from([0.0, 0.3]))
+def test_blocked_solve_random_trees_and_adversarial_chain(seed, n, pad):
+    par = random_parents(np.random.default_rng(seed), 2, n, pad)
+    args = make_inputs(seed, 2, n, 2, 16, 32, "mixed", 1.0, jnp.float32)
+    anc = jnp.asarray(np_ancestors(par))
+    assert_matches(args, anc, run_kernel((*args, anc), block_v=16, solve="blocked"))
+    args, anc = adversarial_chain(n)
+    assert_matches(args, anc, run_kernel((*args, anc), block_v=16, solve="blocked"))
 
 
 @pytest.mark.parametrize("name", ["random23", "chain33"])
@@ -163,6 +184,7 @@ def test_block_plan_and_defaults():
         ("rocm", None, 16, jnp.float32), ("rocm", None, 23, jnp.bfloat16)]
     for backend, budget, n, dtype in fits:  # the 27B's GDN heads (dk = dv = 128)
         cfg = tree_default_config(n, 128, 128, dtype=dtype, backend=backend, smem_budget=budget)
+        assert cfg["solve"] == "blocked"
         tree_block_plan(n=n, dk=128, dv=128, block_v=cfg["block_v"], itemsize=jnp.dtype(dtype).itemsize,
                         smem_budget=budget, backend=backend)
     with pytest.raises(ValueError, match="exceeds the budget"):  # MI300's 64 KiB: fp32 33-slot trees fall back

@@ -145,10 +145,10 @@ def test_skinny_matmul_lowers(platform, w_dtype, m, n, k, form):
 H200_BUDGET = 227 * 1024
 
 
-@pytest.mark.parametrize("platform,dtype,n,solve", [("cuda", d, n, "substitution") for d in (jnp.float32, jnp.bfloat16)
-                                                    for n in (16, 23, 33)]
+@pytest.mark.parametrize("platform,dtype,n,solve", [("cuda", d, n, sv) for d in (jnp.float32, jnp.bfloat16)
+                                                    for n in (16, 23, 33) for sv in ("blocked", "substitution")]
                          + [("cuda", jnp.float32, 32, "product"), ("rocm", jnp.float32, 16, "substitution"),
-                            ("rocm", jnp.bfloat16, 23, "substitution")])
+                            ("rocm", jnp.float32, 16, "blocked"), ("rocm", jnp.bfloat16, 23, "blocked")])
 def test_gdn_tree_lowers(platform, dtype, n, solve):
     b, h, dk, dv = 16, CFG.lin_num_v_heads, CFG.lin_k_dim, CFG.lin_v_dim
     cfg = gdn.tree_default_config(n, dk, dv, dtype=dtype, backend=platform,
