@@ -8,10 +8,11 @@
 
 For each mode, a fresh engine (one batch bucket = the concurrency) serves one warm batch of prompts (``bench
 concurrency``'s ``prompt_set``, or ``text_prompt_set`` with ``--prompts held-out``; seed 0), then a second batch
-under ``jax.profiler.trace``; the trace's device events are summed by name. Writes
+under ``jax.profiler.trace`` (by default from its first token on: decode steps / speculative rounds only,
+``--no-decode-only`` for prefill too); the trace's device events are summed by name. Writes
 ``profile_steps_<device>_<time>.json``: figures ``<mode>.<kind>_step_ms`` / ``<mode>.host_ms`` (wall time per engine
 step of that kind and of the host loop, ``bench.concurrency.step_time_figures``), ``<mode>.device_ms`` (device
-time of the traced batch) and, in ``extra``, the top
+time of the traced batch), ``<mode>.device_ms_per_step`` (of a traced step, decode-only traces) and, in ``extra``, the top
 device ops of each mode with their total milliseconds and counts. On CPU the trace holds no device events (only
 the step times are then meaningful).
 """
@@ -75,6 +76,24 @@ def families(ops: list[tuple[str, float, int]], top: int) -> list[tuple[str, flo
     return [(k, v, cnt[k]) for k, v in tot.most_common(top)]
 
 
+def traced_batch(eng: Engine, prompts, sp: SamplingParams, trace_dir: str, decode_only: bool) -> collections.Counter:
+    """Serve ``prompts`` under ``jax.profiler.trace``; with ``decode_only`` the trace starts once every request has
+    its first token (prefill done), so it holds only decode steps / speculative rounds. Returns the engine's step
+    counters over the traced part (its ``step_seconds`` cover the same steps)."""
+    for p in prompts:
+        eng.submit(p, sp)
+    if decode_only:
+        started: set = set()
+        while len(started) < len(prompts) and eng.has_work():
+            started.update(o.request_id for o in eng.step() if o.token_ids)
+    eng.step_seconds.clear()
+    steps0 = collections.Counter(eng.counters)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        while eng.has_work():
+            eng.step()
+    return eng.counters - steps0
+
+
 def main(argv: list[str] | None = None) -> int:
     set_memory_fraction()  # as the benches: 0.9 of the accelerator (JAX alone takes 0.75: too little for the 27B)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -92,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", choices=("random", "held-out"), default="random",
                     help="random ids, or windows of the --model set's held-out text (as bench concurrency's)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--decode-only", action=argparse.BooleanOptionalAction, default=True,
+                    help="trace only after every prompt has prefilled (figures <mode>.device_ms_per_step); "
+                         "--no-decode-only traces the whole batch, prefill included")
     ap.add_argument("--draft-vocab", type=draft_vocab.parse_arg, default=None, metavar="N|FILE",
                     help="DDTree drafts over token ids 0..N-1 or those in FILE (SpecConfig.draft_vocab)")
     ap.add_argument("--out-dir", default="experiments/results")
@@ -124,16 +146,16 @@ def main(argv: list[str] | None = None) -> int:
             drafter=drafter if mode == "ddtree" else None)
         eng.warmup()
         eng.generate(prompts, sp)  # warm: every executable has run once
-        eng.step_seconds.clear()
-        steps0 = collections.Counter(eng.counters)
         with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                eng.generate(prompts, sp)
+            steps = traced_batch(eng, prompts, sp, d, args.decode_only)
             dev_ms, ops = device_ops(d, None)
-        times = step_time_figures(eng.step_seconds, eng.counters - steps0, repeats=1)
+        times = step_time_figures(eng.step_seconds, steps, repeats=1)
         figures.update({f"{mode}.{k}": v for k, v in times.items()})
         figures[f"{mode}.step_wall_ms"] = 1e3 * eng.step_seconds["step"]
         figures[f"{mode}.device_ms"] = dev_ms
+        if args.decode_only:  # every traced step is a decode step / speculative round
+            n = max(1, sum(v for k, v in steps.items() if k in ("decode_steps", "spec_steps")))
+            figures[f"{mode}.device_ms_per_step"] = dev_ms / n
         fams = families(ops, args.top)
         extra[f"{mode}.top_device_ops"] = [{"op": k, "ms": ms, "count": c} for k, ms, c in ops[:args.top]]
         extra[f"{mode}.top_device_families"] = [{"op": k, "ms": ms, "count": c} for k, ms, c in fams]

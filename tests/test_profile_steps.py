@@ -24,15 +24,18 @@ def test_profile_steps_writes_step_times_for_both_modes(tmp_path):
                      "--output-len", "4", "--prefill-chunk", "32", "--out-dir", str(tmp_path)]) == 0
     (res,) = tmp_path.glob("profile_steps_*.json")
     figs = json.loads(res.read_text())["figures"]
-    assert figs["ar.prefill_steps"] == 1 and figs["ar.decode_steps"] == 3 and figs["ar.decode_step_ms"] > 0
+    # the trace starts after prefill by default: only the decode steps / rounds are in it
+    assert "ar.prefill_steps" not in figs and figs["ar.decode_steps"] == 3 and figs["ar.decode_step_ms"] > 0
     assert figs["ddtree.spec_steps"] >= 1 and figs["ddtree.spec_step_ms"] > 0
+    assert figs["ar.device_ms_per_step"] >= 0 and "ddtree.device_ms_per_step" in figs
 
 
 def test_profile_steps_takes_held_out_text(tmp_path):
     assert _module().main(["--dtype", "float32", "--concurrency", "2", "--prompts", "held-out", "--prompt-len-min", "16",
                            "--prompt-len-max", "24", "--output-len", "3", "--prefill-chunk", "32", "--modes", "ar",
-                           "--out-dir", str(tmp_path)]) == 0
+                           "--no-decode-only", "--out-dir", str(tmp_path)]) == 0
     (res,) = tmp_path.glob("profile_steps_*.json")
     rec = json.loads(res.read_text())
     assert rec["extra"]["prompts"] == "held-out" and all(16 <= n <= 24 for n in rec["extra"]["prompt_lens"])
-    assert rec["figures"]["ar.decode_steps"] == 2
+    assert rec["figures"]["ar.decode_steps"] == 2 and rec["figures"]["ar.prefill_steps"] == 1
+    assert "ar.device_ms_per_step" not in rec["figures"]
