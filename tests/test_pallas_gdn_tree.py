@@ -139,25 +139,28 @@ def test_substitution_exact_on_adversarial_chain_product_form_is_not():
     assert_matches(rnd, anc, run_kernel((*rnd, anc), block_v=16, solve="product"))
 
 
+@pytest.mark.parametrize("solve", ["blocked", "doubling"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_blocked_solve_matches_reference(name):
-    """Two half-length substitutions side by side plus the off-diagonal block by products: the same inverse."""
+def test_blocked_and_doubling_solves_match_reference(name, solve):
+    """Two half-length substitutions side by side plus the off-diagonal block by products, or diagonal blocks
+    doubled by products alone: the same inverse."""
     tree, b, n, h, dk, dv, block_v, g_mode, s_scale = CASES[name]
     par = tree(b, n) if callable(tree) else random_parents(np.random.default_rng(n), b, n, tree)
     args = make_inputs(n, b, n, h, dk, dv, g_mode, s_scale, jnp.float32)
     anc = jnp.asarray(np_ancestors(par))
-    assert_matches(args, anc, run_kernel((*args, anc), block_v=block_v, solve="blocked"))
+    assert_matches(args, anc, run_kernel((*args, anc), block_v=block_v, solve=solve))
 
 
 @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([2, 9, 16, 23]), pad=st.sampled_from([0.0, 0.3]))
-def test_blocked_solve_random_trees_and_adversarial_chain(seed, n, pad):
+def test_blocked_and_doubling_solves_random_trees_and_adversarial_chain(seed, n, pad):
     par = random_parents(np.random.default_rng(seed), 2, n, pad)
     args = make_inputs(seed, 2, n, 2, 16, 32, "mixed", 1.0, jnp.float32)
     anc = jnp.asarray(np_ancestors(par))
-    assert_matches(args, anc, run_kernel((*args, anc), block_v=16, solve="blocked"))
-    args, anc = adversarial_chain(n)
-    assert_matches(args, anc, run_kernel((*args, anc), block_v=16, solve="blocked"))
+    chain_args, chain_anc = adversarial_chain(n)
+    for solve in ("blocked", "doubling"):
+        assert_matches(args, anc, run_kernel((*args, anc), block_v=16, solve=solve))
+        assert_matches(chain_args, chain_anc, run_kernel((*chain_args, chain_anc), block_v=16, solve=solve))
 
 
 @pytest.mark.parametrize("name", ["random23", "chain33"])

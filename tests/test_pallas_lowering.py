@@ -146,7 +146,7 @@ H200_BUDGET = 227 * 1024
 
 
 @pytest.mark.parametrize("platform,dtype,n,solve", [("cuda", d, n, sv) for d in (jnp.float32, jnp.bfloat16)
-                                                    for n in (16, 23, 33) for sv in ("blocked", "substitution")]
+                                                    for n in (16, 23, 33) for sv in ("blocked", "doubling", "substitution")]
                          + [("cuda", jnp.float32, 32, "product"), ("rocm", jnp.float32, 16, "substitution"),
                             ("rocm", jnp.float32, 16, "blocked"), ("rocm", jnp.bfloat16, 23, "blocked")])
 def test_gdn_tree_lowers(platform, dtype, n, solve):

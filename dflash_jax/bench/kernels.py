@@ -478,7 +478,7 @@ SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, 
                      for bv, w in ((64, 8), (32, 4))]),
                  # a 27B verify tree at batch 1 (budget 22): the solve's dependent steps are most of the launch
                  ((1, 23, None), [dict(block_v=bv, num_warps=w, solve=sv) for bv, w in ((64, 8), (32, 4), (128, 8))
-                                  for sv in ("blocked", "substitution")])],
+                                  for sv in ("blocked", "doubling", "substitution")])],
 }
 SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
          "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c", "precision": "p",
