@@ -43,6 +43,7 @@ def test_files_and_sequences(tmp_path):
     assert draft_vocab.resolve(str(tmp_path / "b.json"), 16, (15,)).tolist() == [1, 5, 15]
     assert draft_vocab.resolve(str(tmp_path / "c.npy"), 16).tolist() == [2, 4]
     assert draft_vocab.resolve((8, 0), 16).tolist() == [0, 8]
+    assert draft_vocab.resolve("3", 16).tolist() == [0, 1, 2]  # a count given as text (a preset's string)
 
 
 def test_bad_sets_are_named(tmp_path):

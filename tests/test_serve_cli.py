@@ -25,6 +25,9 @@ def _resolve(*argv):
     (("--ddtree", "--fast-rollback", "--max-concurrency", "4"), "use --max-concurrency 1"),
     (("--model", MODEL, "--ddtree-chain-seed"), "--ddtree-chain-seed shapes DDTree trees"),
     (("--model", MODEL, "--ddtree-level-bonus", "0.3"), "--ddtree-level-bonus shapes DDTree trees"),
+    (("--model", MODEL, "--ddtree-draft-vocab", "32768"), "--ddtree-draft-vocab sets what DDTree drafts"),
+    (("--ddtree", "--ddtree-draft-vocab", "/no/such/ids.json"), "no such file"),
+    (("--ddtree", "--ddtree-draft-vocab", "0"), "a token count >= 1"),
     (("--cohort-reprobe-tokens", "-1"), "--cohort-reprobe-tokens must be >= 0"),
     (("--model", MODEL, "--ddtree-max-verify-tokens", "64"), "--ddtree-max-verify-tokens caps DDTree rounds"),
     (("--ddtree", "--ddtree-max-verify-tokens", "1"), "--ddtree-max-verify-tokens must be >= 2"),
@@ -80,6 +83,17 @@ def test_the_level_bonus_defaults_to_the_drafters_and_a_preset_must_give_a_numbe
     bad.write_text("ddtree: true\nddtree-level-bonus: lots\n")
     with pytest.raises(StartupError, match="--ddtree-level-bonus must be a finite number, got 'lots'"):
         _resolve("--config", str(bad))
+
+
+def test_the_drafting_vocabulary_is_a_count_or_a_file(tmp_path):
+    assert _resolve("--ddtree").ddtree_draft_vocab is None
+    assert _resolve("--ddtree", "--ddtree-draft-vocab", "32768").ddtree_draft_vocab == 32768
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    assert _resolve("--ddtree", "--ddtree-draft-vocab", str(ids)).ddtree_draft_vocab == str(ids)
+    preset = tmp_path / "p.yaml"
+    preset.write_text("ddtree: true\nddtree-draft-vocab: '4096'\n")
+    assert _resolve("--config", str(preset)).ddtree_draft_vocab == 4096
 
 
 def test_presets_load_and_command_line_overrides_them(tmp_path):

@@ -208,7 +208,8 @@ PRESET_NOT_APPLIED = ("target_device", "draft_device", "host", "port", "api_key"
                       "enable_thinking", "max_concurrency", "model", "drafter", "gpu_memory_utilization")
 # server preset flag -> the benchmark's dest, copied as is
 PRESET_COPIED = {"ddtree_budget": "budget", "ddtree_max_verify_tokens": "max_verify_tokens",
-                 "ddtree_chain_seed": "chain_seed", "ddtree_level_bonus": "level_bonus", "ddtree_draft_vocab": "draft_vocab",
+                 "ddtree_chain_seed": "chain_seed", "ddtree_level_bonus": "level_bonus",
+                 "ddtree_draft_vocab": "draft_vocab",
                  "prefill_keep_ratio": "pflash_keep_ratio",
                  "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
                  "kvflash_max_page_in": "kvflash_max_page_in", "kvflash_host_prewarm_gb": "kvflash_host_prewarm_gb",

@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_len": 4096, "page_size": 16,
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
-            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False, "ddtree_draft_vocab": None,
+            "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False,
+            "ddtree_draft_vocab": None,
             "prefill_compression": "off", "kvflash": "off",
             "kvflash_scoring": "shadow", "kvflash_max_page_in": 64, "kvflash_host_prewarm_gb": 8.0,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1,
@@ -228,8 +229,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise StartupError(f"--ddtree-level-bonus must be a finite number, got {ns.ddtree_level_bonus!r}")
         if not ns.ddtree:
             raise StartupError("--ddtree-level-bonus shapes DDTree trees: it needs --ddtree")
-    if ns.ddtree_draft_vocab is not None and not ns.ddtree:
-        raise StartupError("--ddtree-draft-vocab sets what DDTree drafts: it needs --ddtree")
+    if ns.ddtree_draft_vocab is not None:
+        if not ns.ddtree:
+            raise StartupError("--ddtree-draft-vocab sets what DDTree drafts: it needs --ddtree")
+        v = ns.ddtree_draft_vocab  # a preset bypasses argparse
+        v = draft_vocab.parse_arg(v) if isinstance(v, str) else v
+        if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, int) and v < 1):
+            raise StartupError(f"--ddtree-draft-vocab must be a token count >= 1 or a file of ids, got {v!r}")
+        if isinstance(v, str) and not os.path.isfile(v):
+            raise StartupError(f"--ddtree-draft-vocab {v}: no such file (a .json list of token ids or a .npy array)")
+        ns.ddtree_draft_vocab = v
     if ns.fast_rollback and not ns.ddtree:
         raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
     if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:

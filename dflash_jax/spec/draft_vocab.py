@@ -40,6 +40,8 @@ def parse_arg(text: str) -> int | str:
 
 def resolve(src: DraftVocab, vocab_size: int, always: Iterable[int] = ()) -> np.ndarray:
     """The drafting token set of ``src`` (see the module doc) plus ``always`` -> sorted unique int32 ``[Vh]``."""
+    if isinstance(src, str):
+        src = parse_arg(src)
     if isinstance(src, (int, np.integer)) and not isinstance(src, bool):
         if not 1 <= int(src) <= vocab_size:
             raise ValueError(f"draft_vocab={src}: a drafting vocabulary of N tokens needs 1 <= N <= {vocab_size}")
