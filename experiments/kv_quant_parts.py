@@ -1,11 +1,14 @@
 """Which part of a quantized KV page costs greedy agreement: keys or values, fp8 or int8, with attention-sink tokens
-kept exact, or with the keys Hadamard-rotated before they are rounded.
+kept exact, with the keys Hadamard-rotated before they are rounded, or with the keys centred.
 
 Each variant round-trips the new keys and / or values through :func:`dflash_jax.kv.quant.quantize_rows` (the
 rounding quantized pages apply) just before they are written to ordinary pages, so every attention path reads
 them as a quantized page would, and the engine is otherwise the reference one. ``rot`` variants round
 ``H k`` (``H`` the orthonormal Hadamard matrix of the head size) and write ``H^T round(H k)``: the same scores as
-rounding rotated keys and rotating the queries alike. The measure is ``bench quality``'s: the reference engine's
+rounding rotated keys and rotating the queries alike. ``centred`` variants write ``round(k - mu)``: ``mu [Hkv, D]``
+a per-layer mean of the (rotated, normed) keys, calibrated on training-split text (``--calib-rows`` rows of this
+interpreter's standard-library files outside the model set's held-out ones); every score of a query then moves by
+the same ``q . mu``, which softmax ignores, so only the rounding changes (``none.centred`` checks that). The measure is ``bench quality``'s: the reference engine's
 greedy continuations (``--agree-tokens`` after ``--agree-prefix``) teacher-forced through the variant, the fraction
 of positions whose most likely token is the reference's.
 
@@ -19,10 +22,14 @@ Figures ``<variant>.greedy_agreement`` (and ``.greedy_agreement_positions``), wr
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import os
 import shlex
 import sys
+import sysconfig
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,24 +37,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dflash_jax as dj  # noqa: E402
 from dflash_jax.bench import quality, results  # noqa: E402
-from dflash_jax.bench.acceptance import held_out_files, held_out_rows  # noqa: E402
+from dflash_jax.bench.acceptance import held_out_files, held_out_names, held_out_rows  # noqa: E402
 from dflash_jax.kv import quant as kv_quant  # noqa: E402
 from dflash_jax.models import attention  # noqa: E402
 from dflash_jax.models.tokenizer import Tokenizer  # noqa: E402
 
 F8, I8 = jnp.float8_e4m3fn, jnp.int8
-# name -> (key format, value format, leading tokens kept exact, rotate keys)
+# name -> (key format, value format, leading tokens kept exact, rotate keys, centre keys)
 VARIANTS = {
-    "none": (None, None, 0, False),
-    "k_fp8": (F8, None, 0, False),
-    "v_fp8": (None, F8, 0, False),
-    "kv_fp8": (F8, F8, 0, False),
-    "kv_fp8.sink4": (F8, F8, 4, False),
-    "kv_fp8.sink16": (F8, F8, 16, False),
-    "k_fp8.rot": (F8, None, 0, True),
-    "kv_fp8.rot": (F8, F8, 0, True),
-    "k_int8.v_fp8": (I8, F8, 0, False),
-    "kv_int8": (I8, I8, 0, False),
+    "none": (None, None, 0, False, False),
+    "k_fp8": (F8, None, 0, False, False),
+    "v_fp8": (None, F8, 0, False, False),
+    "kv_fp8": (F8, F8, 0, False, False),
+    "kv_fp8.sink4": (F8, F8, 4, False, False),
+    "kv_fp8.sink16": (F8, F8, 16, False, False),
+    "k_fp8.rot": (F8, None, 0, True, False),
+    "kv_fp8.rot": (F8, F8, 0, True, False),
+    "k_int8.v_fp8": (I8, F8, 0, False, False),
+    "kv_int8": (I8, I8, 0, False, False),
+    "none.centred": (None, None, 0, False, True),
+    "k_fp8.centred": (F8, None, 0, False, True),
+    "kv_fp8.centred": (F8, F8, 0, False, True),
+    "kv_fp8.centred.rot": (F8, F8, 0, True, True),
 }
 
 
@@ -68,11 +79,52 @@ def round_trip(x, dtype):
     return kv_quant.dequantize(*kv_quant.quantize_rows(x, dtype), x.dtype)
 
 
-def rounding_write_kv(variant: tuple, write_kv=attention.write_kv):
-    """``attention.write_kv`` that rounds new keys / values as ``variant`` says before writing them."""
-    k_dtype, v_dtype, sink, rotate = variant
+def training_rows(tok: Tokenizer, model_dir: str, rows: int, row_len: int) -> np.ndarray:
+    """``[rows, row_len]`` tokens of this interpreter's standard-library ``.py`` files on the training side of the
+    model set's split (not held out, not in the held-out hash class)."""
+    _, held = held_out_names(model_dir)
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
+    keep = [f for f in files if os.path.relpath(f, root) not in set(held)
+            and int(hashlib.sha1(os.path.relpath(f, root).encode()).hexdigest(), 16) % 20 != 0]
+    return held_out_rows(tok, keep[:200], rows, row_len)
+
+
+def key_means(n_layers: int, run) -> np.ndarray:
+    """``[n_layers, Hkv, D]`` mean of the keys written by each attention layer while ``run()`` serves prompts (the
+    layers write in order within every traced step, so the call count names the layer)."""
+    plain, calls = attention.write_kv, itertools.count()
+    sums: dict[int, np.ndarray] = {}
+    counts = np.zeros(n_layers)
 
     def write(k_pages, v_pages, k, v, page_table, positions, valid):
+        layer = next(calls) % n_layers
+
+        def acc(kk, vv):
+            kk, vv = np.asarray(kk, np.float64), np.asarray(vv, bool)
+            sums[layer] = sums.get(layer, 0.0) + kk[vv].sum(0)
+            counts[layer] += vv.sum()
+
+        jax.debug.callback(acc, k.astype(jnp.float32).reshape((-1,) + k.shape[2:]), valid.reshape(-1))
+        return plain(k_pages, v_pages, k, v, page_table, positions, valid)
+
+    attention.write_kv = write
+    try:
+        run()
+    finally:
+        attention.write_kv = plain
+    return np.stack([sums[i] / max(1.0, counts[i]) for i in range(n_layers)]).astype(np.float32)
+
+
+def rounding_write_kv(variant: tuple, write_kv=attention.write_kv, mu: np.ndarray | None = None):
+    """``attention.write_kv`` that rounds new keys / values as ``variant`` says before writing them (``mu``
+    ``[n_layers, Hkv, D]``: the key means of the centred variants)."""
+    k_dtype, v_dtype, sink, rotate, centre = variant
+    calls = itertools.count()
+
+    def write(k_pages, v_pages, k, v, page_table, positions, valid):
+        if centre:
+            k = (k.astype(jnp.float32) - jnp.asarray(mu[next(calls) % len(mu)])).astype(k.dtype)
         if rotate and k_dtype is not None:
             h = hadamard(k.shape[-1])
             kq = (round_trip(k.astype(jnp.float32) @ h.T, k_dtype) @ h).astype(k.dtype)
@@ -96,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agree-prefix", type=int, default=256)
     p.add_argument("--agree-tokens", type=int, default=64)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--calib-rows", type=int, default=16, help="training-split rows the centred variants' means use")
     p.add_argument("--out-dir", default="experiments/results")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
@@ -108,10 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     reference = quality.continuations(quality._engine(target, tok, max_len, None), rows, a.agree_prefix,
                                       a.agree_tokens)
     figures: dict[str, float] = {"rows": int(len(rows))}
+    mu = None
+    if any(VARIANTS[n][4] for n in a.variants):
+        calib = training_rows(tok, a.model, a.calib_rows, a.row_len)
+        mu = key_means(len(target.config.attn_layers), lambda: quality.continuations(
+            quality._engine(target, tok, max_len, None), calib, a.row_len - 1, 1))
+        figures["calib_rows"] = int(len(calib))
+        figures["key_mean_norm"] = float(np.linalg.norm(mu, axis=-1).mean())  # the keys' own norm: sqrt(D) (k_norm)
     plain = attention.write_kv
     try:
         for name in a.variants:
-            attention.write_kv = rounding_write_kv(VARIANTS[name], plain)
+            attention.write_kv = rounding_write_kv(VARIANTS[name], plain, mu)
             frac, n = quality.agreement(quality._engine(target, tok, max_len, None), reference, a.agree_prefix)
             figures[f"{name}.greedy_agreement"], figures[f"{name}.greedy_agreement_positions"] = frac, n
             print(f"{name:14s} greedy agreement {frac:.4f} of {n}", flush=True)

@@ -36,14 +36,31 @@ def test_variants_write_what_they_name():
         seen["k"], seen["v"] = np.asarray(kk), np.asarray(vv)
         return kp, vp
 
-    for name, (kd, vd, sink, rot) in kqp.VARIANTS.items():
-        kqp.rounding_write_kv((kd, vd, sink, rot), capture)(None, None, k, v, None, pos, None)
-        assert np.array_equal(seen["k"], np.asarray(k)) == (kd is None), name
+    mu = rng.normal(size=(3, 2, 64)).astype(np.float32)
+    for name, variant in kqp.VARIANTS.items():
+        kd, vd, sink, rot, centre = variant
+        kqp.rounding_write_kv(variant, capture, mu)(None, None, k, v, None, pos, None)
+        want_k = np.asarray(k) - mu[0] if centre else np.asarray(k)  # the first call is the first layer's
+        assert np.array_equal(seen["k"], want_k) == (kd is None), name
         assert np.array_equal(seen["v"], np.asarray(v)) == (vd is None), name
         if sink:
-            assert np.array_equal(seen["k"][:, :sink], np.asarray(k)[:, :sink]), name
+            assert np.array_equal(seen["k"][:, :sink], want_k[:, :sink]), name
         if kd is not None:  # rounded keys stay within the format's error of the originals
-            assert np.max(np.abs(seen["k"] - np.asarray(k))) <= 0.07 * np.max(np.abs(np.asarray(k))), name
+            assert np.max(np.abs(seen["k"] - want_k)) <= 0.07 * np.max(np.abs(want_k)), name
+
+
+def test_key_means_average_each_layers_valid_keys(monkeypatch):
+    monkeypatch.setattr(kqp.attention, "write_kv", lambda kp, vp, *rest: (kp, vp))
+    k = jnp.asarray(np.arange(2 * 3 * 1 * 2, dtype=np.float32).reshape(2, 3, 1, 2))
+    valid = jnp.asarray([[True, True, False], [True, False, False]])
+
+    def run():
+        for _ in range(2):  # two layers
+            kqp.attention.write_kv(None, None, k, k, None, None, valid)
+
+    mu = kqp.key_means(2, run)
+    want = np.asarray(k)[np.asarray(valid)].mean(0)
+    np.testing.assert_allclose(mu, np.stack([want, want]), rtol=1e-6)
 
 
 def test_smoke_run_measures_agreement(capsys):
