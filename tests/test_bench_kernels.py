@@ -102,6 +102,9 @@ def test_sweep_overrides_give_every_case_the_configs_of_its_tree_size():
     assert [c for c, _ in cases] == [(16, 32, 2048), (16, 32, 8192), (16, 16, 2048), (16, 16, 8192)]
     assert cases[0][1] is kernels._TREE_T32 and cases[2][1] is kernels._TREE
     assert kernels.sweep_cases("tree_attention", ns(trees=[48]))[0] == ((16, 48, 4096), kernels._TREE)
+    b1 = kernels.sweep_cases("tree_attention", ns(batches=[1], trees=[23], prefixes=[4096]))
+    assert b1 == [((1, 23, 4096), kernels._TREE_B1)]
+    assert [c for c, _ in kernels.sweep_cases("gdn_tree", ns(batches=[1], trees=[23]))] == [(1, 23, None)]
     gdn = kernels.sweep_cases("gdn_tree", ns(batches=[4], prefixes=[999]))  # the tree GDN has no prefix
     assert [c for c, _ in gdn] == [(4, 32, None)]
     assert [c for c, _ in kernels.sweep_cases("paged_decode", ns(prefixes=[2048]))] == [(1, None, 2048)]

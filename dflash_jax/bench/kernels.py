@@ -458,6 +458,11 @@ _TREE_T32 = _configs(dict(_TREE_BASE, prefetch=True), dict(block_m=64, num_warps
                      dict(block_m=64, num_warps=4, pages_per_block=4, num_stages=1), dict(pages_per_block=4, num_stages=1),
                      dict(num_stages=3), dict(block_m=64, num_warps=8), dict(prefetch=True, target_programs=132),
                      dict(block_m=64, num_warps=4, prefetch=True, target_programs=132))
+# a 27B verify tree at batch 1 (23 nodes x 6 heads = 138 rows: two 128-row tiles or three 64-row ones): 8 programs
+# before the prefix split, so the split sets the occupancy (29 us a layer at 4K on an H100, ~6x its bytes)
+_TREE_B1 = _configs(dict(_TREE_BASE, prefetch=True), dict(target_programs=528), dict(target_programs=1056),
+                    dict(block_m=64, num_warps=4), dict(block_m=64, num_warps=4, target_programs=528),
+                    dict(prefetch=False), dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1))
 _GDN = ([dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
         + [dict(chunk=64, block_v=bv, num_warps=w, precision="tf32x3") for bv, w in ((64, 8), (32, 4))]  # tensor cores
         + [dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 8), (128, 4))]
@@ -467,7 +472,8 @@ SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, 
     "tree_attention": [((16, 16, 4096), _TREE),
                        ((16, 32, 4096), _TREE_T32),
                        ((64, 32, 4096), _configs(_TREE_BASE, dict(block_m=64), dict(prefetch=True),
-                                                 dict(block_m=64, num_warps=4, prefetch=True)))],
+                                                 dict(block_m=64, num_warps=4, prefetch=True))),
+                       ((1, 23, 4096), _TREE_B1)],
     "paged_decode": [((1, None, 8192), _DECODE_B1), ((64, None, 8192), _DECODE_B64)],
     "gdn_chunked": [((1, None, 8192), _GDN), ((16, None, 8192), _GDN)],
     "gdn_step": [((64, None, 1), [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)])],
