@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-only", action=argparse.BooleanOptionalAction, default=True,
                     help="trace only after every prompt has prefilled (figures <mode>.device_ms_per_step); "
                          "--no-decode-only traces the whole batch, prefill included")
-    ap.add_argument("--draft-vocab", type=draft_vocab.parse_arg, default=None, metavar="N|FILE",
-                    help="DDTree drafts over token ids 0..N-1 or those in FILE (SpecConfig.draft_vocab)")
+    draft_vocab.add_argument(ap)
     ap.add_argument("--out-dir", default="experiments/results")
     args = ap.parse_args(argv)
     if args.prompts == "held-out" and args.random_weights:

@@ -46,6 +46,14 @@ def test_files_and_sequences(tmp_path):
     assert draft_vocab.resolve("3", 16).tolist() == [0, 1, 2]  # a count given as text (a preset's string)
 
 
+def test_spec_config_checks_its_set_when_made(tmp_path):
+    assert SpecConfig(draft_vocab="64").draft_vocab == 64 and SpecConfig(draft_vocab=[3, 1]).draft_vocab == (3, 1)
+    with pytest.raises(ValueError, match="token count >= 1"):
+        SpecConfig(draft_vocab=True)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        SpecConfig(draft_vocab=str(tmp_path / "missing.json"))
+
+
 def test_bad_sets_are_named(tmp_path):
     with pytest.raises(ValueError, match="1 <= N <= 16"):
         draft_vocab.resolve(17, 16)

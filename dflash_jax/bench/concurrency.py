@@ -134,8 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DDTree trees around the drafter's full top-1 chain (SpecConfig.chain_seed); default best-first")
     p.add_argument("--level-bonus", type=float, default=None, metavar="NATS",
                    help="nats added per DDTree level (SpecConfig.level_bonus); default: the drafter's calibrated one")
-    p.add_argument("--draft-vocab", type=draft_vocab.parse_arg, default=None, metavar="N|FILE",
-                   help="draft over token ids 0..N-1 or those in FILE (SpecConfig.draft_vocab); default: all")
+    draft_vocab.add_argument(p)
     p.add_argument("--max-verify-tokens", type=int, default=None,
                    help="cap on tree tokens verified per round over a batch bucket (SpecConfig.max_verify_tokens)")
     p.add_argument("--cohort-yield-min", type=float, default=6.0,

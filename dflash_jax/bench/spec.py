@@ -51,8 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trees around the drafter's top-1 chain (SpecConfig.chain_seed); default best-first")
     p.add_argument("--level-bonus", type=float, default=None, metavar="NATS",
                    help="nats added per DDTree level (SpecConfig.level_bonus); default: the drafter's calibrated one")
-    p.add_argument("--draft-vocab", type=draft_vocab.parse_arg, default=None, metavar="N|FILE",
-                   help="draft over token ids 0..N-1 or those in FILE (SpecConfig.draft_vocab); default: all")
+    draft_vocab.add_argument(p)
     p.add_argument("--max-verify-tokens", type=int, default=None,
                    help="cap on tree tokens verified per round over a bucket (lowers the budget at large batch)")
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache when steps are timed")

@@ -17,7 +17,7 @@ from dflash_jax.engine import sampling
 from dflash_jax.engine.sampling import TOP_LOGPROBS, SamplingArrays
 from dflash_jax.models import attention, dflash, qwen36
 from dflash_jax.models.quant import QuantizedWeight
-from dflash_jax.spec import ddtree, verify
+from dflash_jax.spec import ddtree, draft_vocab, verify
 from dflash_jax.state import DraftKV, EngineState, TreeInput
 
 DRAFT_HEAD, DRAFT_IDS = "draft_head", "draft_ids"  # drafter params entries of a drafting vocabulary
@@ -50,8 +50,8 @@ class SpecConfig:
     draft_vocab: int | str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.draft_vocab is not None and not isinstance(self.draft_vocab, (int, str)):
-            object.__setattr__(self, "draft_vocab", tuple(int(t) for t in self.draft_vocab))
+        if self.draft_vocab is not None:
+            object.__setattr__(self, "draft_vocab", draft_vocab.normalise(self.draft_vocab))
         if self.budget < 1:
             raise ValueError(f"the DDTree budget must be >= 1, got {self.budget}")
         if self.max_verify_tokens is not None and self.max_verify_tokens < 2:

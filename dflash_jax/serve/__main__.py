@@ -232,13 +232,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if ns.ddtree_draft_vocab is not None:
         if not ns.ddtree:
             raise StartupError("--ddtree-draft-vocab sets what DDTree drafts: it needs --ddtree")
-        v = ns.ddtree_draft_vocab  # a preset bypasses argparse
-        v = draft_vocab.parse_arg(v) if isinstance(v, str) else v
-        if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, int) and v < 1):
-            raise StartupError(f"--ddtree-draft-vocab must be a token count >= 1 or a file of ids, got {v!r}")
-        if isinstance(v, str) and not os.path.isfile(v):
-            raise StartupError(f"--ddtree-draft-vocab {v}: no such file (a .json list of token ids or a .npy array)")
-        ns.ddtree_draft_vocab = v
+        if not isinstance(ns.ddtree_draft_vocab, (int, str)):  # a preset bypasses argparse
+            raise StartupError(f"--ddtree-draft-vocab must be a token count or a file, got {ns.ddtree_draft_vocab!r}")
+        try:
+            ns.ddtree_draft_vocab = draft_vocab.normalise(ns.ddtree_draft_vocab)
+        except (ValueError, FileNotFoundError) as e:
+            raise StartupError(f"--ddtree-draft-vocab: {e}") from None
     if ns.fast_rollback and not ns.ddtree:
         raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
     if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:

@@ -38,18 +38,40 @@ def parse_arg(text: str) -> int | str:
     return int(text) if text.strip().isdigit() else text
 
 
+def add_argument(p: argparse.ArgumentParser, flag: str = "--draft-vocab") -> None:
+    """The benchmarks' drafting-vocabulary flag (``SpecConfig.draft_vocab``)."""
+    p.add_argument(flag, type=parse_arg, default=None, metavar="N|FILE",
+                   help="draft over token ids 0..N-1 or those in FILE (SpecConfig.draft_vocab); default: all")
+
+
+def normalise(src: DraftVocab) -> int | str | tuple[int, ...]:
+    """``src`` checked without the vocabulary (a preset or a caller may pass any of the forms): a count >= 1, the
+    path of an existing file, or a tuple of ids. Raises ValueError / FileNotFoundError saying what is wrong."""
+    if isinstance(src, (str, os.PathLike)):
+        src = parse_arg(os.fspath(src))
+    if isinstance(src, bool) or (isinstance(src, (int, np.integer)) and src < 1):
+        raise ValueError(f"draft_vocab must be a token count >= 1, a file of ids or the ids, got {src!r}")
+    if isinstance(src, (int, np.integer)):
+        return int(src)
+    if isinstance(src, str):
+        if not os.path.isfile(src):
+            raise FileNotFoundError(f"draft_vocab: {src} does not exist (no such file; a .json list of token ids or "
+                                    "a .npy array)")
+        return src
+    return tuple(int(t) for t in src)
+
+
 def resolve(src: DraftVocab, vocab_size: int, always: Iterable[int] = ()) -> np.ndarray:
     """The drafting token set of ``src`` (see the module doc) plus ``always`` -> sorted unique int32 ``[Vh]``."""
-    if isinstance(src, str):
-        src = parse_arg(src)
-    if isinstance(src, (int, np.integer)) and not isinstance(src, bool):
-        if not 1 <= int(src) <= vocab_size:
+    src = normalise(src)
+    if isinstance(src, int):
+        if src > vocab_size:
             raise ValueError(f"draft_vocab={src}: a drafting vocabulary of N tokens needs 1 <= N <= {vocab_size}")
-        ids = np.arange(int(src), dtype=np.int64)
-    elif isinstance(src, (str, os.PathLike)):
-        ids = _read(os.fspath(src))
+        ids = np.arange(src, dtype=np.int64)
+    elif isinstance(src, str):
+        ids = _read(src)
     else:
-        ids = np.asarray(list(src), dtype=np.int64)
+        ids = np.asarray(src, dtype=np.int64)
     ids = np.concatenate([ids.reshape(-1), np.asarray(list(always), dtype=np.int64)])
     if ids.size == 0:
         raise ValueError("draft_vocab: the drafting vocabulary is empty")
@@ -60,8 +82,6 @@ def resolve(src: DraftVocab, vocab_size: int, always: Iterable[int] = ()) -> np.
 
 
 def _read(path: str) -> np.ndarray:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"draft_vocab: {path} does not exist (a .json list of token ids or a .npy array)")
     if path.endswith(".npy"):
         return np.load(path).astype(np.int64)
     with open(path) as fh:

@@ -82,7 +82,7 @@ def _inverse_substitution(m: jax.Array, n_valid: int) -> jax.Array:
         mt = jnp.sum(m_i[:, None] * t, axis=0)  # sum_j M_ij T_j (rows j >= i of t are e_j, M_ij = 0 there)
         return jnp.where(sel, t - mt[None, :], t)
 
-    return lax.fori_loop(1, min(n, n_valid), body, eye)
+    return lax.fori_loop(1, n_valid, body, eye)
 
 
 def _inverse_blocked(m: jax.Array, n_valid: int, dot) -> jax.Array:
@@ -91,7 +91,7 @@ def _inverse_blocked(m: jax.Array, n_valid: int, dot) -> jax.Array:
     by two ``[N, N]`` products. Step i updates rows i and h + i at once: with the cross block of M left out, row
     i of M and of T lives in columns < h and row h + i in columns >= h, so one masked reduction serves both."""
     n = m.shape[0]
-    h = (min(n, n_valid) + 1) // 2
+    h = (n_valid + 1) // 2  # n_valid <= n, the padded slots
     rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     eye = (rows == cols).astype(jnp.float32)
@@ -106,7 +106,7 @@ def _inverse_blocked(m: jax.Array, n_valid: int, dot) -> jax.Array:
         mt = jnp.sum(m_i[:, None] * t, axis=0)
         return jnp.where(sel & own, t - mt[None, :], t)
 
-    t = lax.fori_loop(1, max(h, min(n, n_valid) - h), body, eye)
+    t = lax.fori_loop(1, h, body, eye)  # h >= n_valid - h: both halves done
     x = dot(dot(jnp.where(lower, t, 0.0), jnp.where(cross, m, 0.0)), jnp.where(lower, 0.0, t))
     return t - x
 
@@ -122,7 +122,7 @@ def _inverse_doubling(m: jax.Array, n_valid: int, dot) -> jax.Array:
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     t = (rows == cols).astype(jnp.float32)
     s = 1
-    while s < min(n, n_valid):
+    while s < n_valid:
         pair = (rows // (2 * s)) == (cols // (2 * s))
         r_low, c_low = (rows // s) % 2 == 1, (cols // s) % 2 == 1
         b_inv = jnp.where(pair & r_low & c_low, t, 0.0)
