@@ -92,6 +92,18 @@ def test_most_frequent_orders_by_count_then_id_and_the_cli_writes_it(tmp_path):
     assert len(ids) == 8 and len(set(ids)) == 8
 
 
+def test_the_cli_refuses_an_empty_set(tmp_path):
+    src, out = tmp_path / "t.txt", tmp_path / "v.json"
+    src.write_text("x = 1\n")
+    with pytest.raises(SystemExit):
+        draft_vocab.main(["--tokenizer", TINY_TARGET, "--text", str(src), "--size", "0", "--out", str(out)])
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(SystemExit, match="no tokens"):
+        draft_vocab.main(["--tokenizer", TINY_TARGET, "--text", str(tmp_path / "empty.txt"), "--size", "4",
+                          "--out", str(out)])
+    assert not out.exists()
+
+
 def _trees(ids):
     t, dcfg, dparams = setup("qwen36_tiny_a")
     if ids is not None:

@@ -112,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--size", type=int, required=True, help="tokens to keep")
     ap.add_argument("--out", required=True, help="output .json")
     args = ap.parse_args(argv)
+    if args.size < 1:
+        ap.error(f"--size {args.size}: a drafting vocabulary needs at least one token")
     tok = Tokenizer.from_dir(args.tokenizer)
     if tok is None:
         raise SystemExit(f"{args.tokenizer}: no tokenizer.json")
@@ -122,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 yield tok.encode(fh.read())
 
     ids = most_frequent(lists(), args.size)
+    if not ids:
+        raise SystemExit(f"{' '.join(args.text)}: no tokens counted; nothing to write")
     with open(args.out, "w") as fh:
         json.dump({"token_ids": ids, "size": len(ids), "files": len(args.text)}, fh)
     print(f"wrote {args.out}: {len(ids)} token ids")
