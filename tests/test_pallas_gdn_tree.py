@@ -233,7 +233,9 @@ def test_routed_kernel_runs_within_one_resident_wave(monkeypatch):
 
     calls = []
     monkeypatch.setattr(pg.registry, "current_backend", lambda: "cuda")
-    monkeypatch.setattr(pg, "gdn_tree", lambda *a, **kw: calls.append(a[0].shape[0]) or "kernel")
+    solves = []
+    monkeypatch.setattr(pg, "gdn_tree", lambda *a, **kw: calls.append(a[0].shape[0]) or solves.append(kw["solve"])
+                        or "kernel")
     monkeypatch.setattr(pg, "gdn_tree_reference", lambda *a: "reference")
     h, dv = 2, 32
     block_v = pg.tree_default_config(8, 16, dv, dtype=jnp.float32, backend="cuda")["block_v"]
@@ -249,6 +251,11 @@ def test_routed_kernel_runs_within_one_resident_wave(monkeypatch):
     assert call(1) == call(fits) == "kernel" and calls == [1, fits]
     assert call(fits + 1) == "reference"
     assert call(fits + 1, "pallas_triton_every_batch") == "kernel" and calls[-1] == fits + 1
+    default = pg.tree_default_config(8, 16, dv, dtype=jnp.float32, backend="cuda")["solve"]
+    assert set(solves) == {default}
+    for solve in pg.SOLVES:  # the opt-in solves route like the default, with their own solve
+        assert call(1, f"pallas_triton_{solve}") == "kernel" and solves[-1] == solve
+        assert call(fits + 1, f"pallas_triton_{solve}") == "reference"
     assert pg.tree_programs(1, 48, 128, 64) == 96  # the 27B at B1: one wave of an H100 / H200's 132 SMs
 
 

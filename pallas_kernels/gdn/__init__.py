@@ -21,6 +21,7 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 (sequence, head, value block), the ancestor-masked system solved in registers), **the GPU default, routed**: a
 launch of more than ``TREE_MAX_PROGRAMS`` programs (one resident wave) runs the reference (see
 :func:`gdn_tree_pallas`); ``"pallas_triton_every_batch"`` (opt-in) runs the kernel at every batch;
+``"pallas_triton_<solve>"`` (opt-in, one per :data:`tree.SOLVES`) routes as the default with that solve;
 ``DFLASH_KERNELS=gdn_tree=reference`` turns it off. Trees over 64 slots or tiles that do not fit run the
 reference, with a warning.
 
@@ -50,7 +51,7 @@ from pallas_kernels.gdn.reference import (gdn_chunked_reference, gdn_decode_refe
                                           gdn_tree_reference)
 from pallas_kernels.gdn.tree import block_plan as tree_block_plan
 from pallas_kernels.gdn.tree import default_config as tree_default_config
-from pallas_kernels.gdn.tree import gdn_tree
+from pallas_kernels.gdn.tree import SOLVES, gdn_tree
 from pallas_kernels.paged_decode.kernel import N_SM_TARGET
 
 
@@ -96,8 +97,9 @@ TREE_MAX_PROGRAMS = 2 * N_SM_TARGET  # one resident wave: the routed tree kernel
 
 
 def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
-                    ancestors: jax.Array, *, every_batch: bool = False):
-    """The registered tree kernel with :func:`tree.default_config`; shapes its tiles cannot take (over 64 slots,
+                    ancestors: jax.Array, *, every_batch: bool = False, solve: str | None = None):
+    """The registered tree kernel with :func:`tree.default_config` (``solve`` replaces its solve: the opt-in
+    ``pallas_triton_<solve>`` implementations, for timing them against each other in a whole step); shapes its tiles cannot take (over 64 slots,
     head dims that are not powers of two >= 16, over the shared-memory budget) run the reference, with a
     warning.
 
@@ -110,6 +112,8 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     backend = registry.current_backend()
     n, dk, dv = q.shape[1], q.shape[-1], v.shape[-1]
     cfg = tree_default_config(n, dk, dv, dtype=q.dtype, backend=backend)
+    if solve is not None:
+        cfg = {**cfg, "solve": solve}
     if not every_batch and tree_programs(q.shape[0], v.shape[2], dv, cfg["block_v"]) > TREE_MAX_PROGRAMS:
         return gdn_tree_reference(q, k, v, beta, g, state, ancestors)
     try:
@@ -154,6 +158,9 @@ registry.register("gdn_decode", "pallas_triton_one_kernel", functools.partial(gd
 registry.register("gdn_tree", "pallas_triton", gdn_tree_pallas, backends=("gpu",))  # the GPU default, routed
 registry.register("gdn_tree", "pallas_triton_every_batch", functools.partial(gdn_tree_pallas, every_batch=True),
                   backends=("gpu",), preferred=False)
+for _solve in SOLVES:
+    registry.register("gdn_tree", f"pallas_triton_{_solve}", functools.partial(gdn_tree_pallas, solve=_solve),
+                      backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
            "launch_precision",
