@@ -187,7 +187,7 @@ def test_block_plan_and_defaults():
         ("rocm", None, 16, jnp.float32), ("rocm", None, 23, jnp.bfloat16)]
     for backend, budget, n, dtype in fits:  # the 27B's GDN heads (dk = dv = 128)
         cfg = tree_default_config(n, 128, 128, dtype=dtype, backend=backend, smem_budget=budget)
-        assert cfg["solve"] == "blocked"
+        assert cfg["solve"] == "substitution"
         tree_block_plan(n=n, dk=128, dv=128, block_v=cfg["block_v"], itemsize=jnp.dtype(dtype).itemsize,
                         smem_budget=budget, backend=backend)
     with pytest.raises(ValueError, match="exceeds the budget"):  # MI300's 64 KiB: fp32 33-slot trees fall back

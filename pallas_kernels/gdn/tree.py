@@ -16,14 +16,15 @@ pad, slice or transpose around the kernel.
 
 The inverse ``T`` (``solve``):
 
-- ``"substitution"``: row-by-row forward substitution ``T_i = e_i - sum_{j<i} M_ij T_j``, each row picked by a
+- ``"substitution"`` (default): row-by-row forward substitution ``T_i = e_i - sum_{j<i} M_ij T_j``, each row picked by a
   mask (``where(rows == i)``, a reduction), n_valid - 1 sequential steps of ``[N, N]`` elementwise work (padding
   slots' rows are e_i), in fp32. As stable as the reference's triangular solve (equal to fp32 round-off whatever
   the tree). At batch 1 these dependent steps are most of a launch (a 27B verify tree, 23 slots: ~36 us a layer on
   an H100 before the bound, 48 layers a round).
-- ``"blocked"`` (default): the same substitution over the two halves of the slots side by side (ceil(n_valid / 2)
+- ``"blocked"``: the same substitution over the two halves of the slots side by side (ceil(n_valid / 2)
   - 1 steps), then ``T21 = -T22 M21 T11`` by two fp32 ``[N, N]`` products; within 1e-5 of the reference on every
-  test tree, the adversarial chain below included.
+  test tree, the adversarial chain below included. Opt-in: as the default for a commit, the 27B's B1 round on an
+  H100 went 26.2 -> 37.1 ms (+230 us a layer), unexplained until the GPU sweep times the solves one by one.
 - ``"doubling"``: no row steps at all: the inverses of neighbouring diagonal blocks merged pairwise, ceil(log2
   n_valid) levels of two fp32 ``[N, N]`` products each (the chunked path's ``gdn.unit_lower_inverse``); as exact.
   Whether its ~10 small IEEE-fp32 products beat the blocked solve's ~11 masked steps is for the GPU sweep.
@@ -243,10 +244,10 @@ def default_config(n: int, dk: int, dv: int, *, dtype=jnp.float32, backend: str 
     b = backend or current_backend()
     isz = jnp.dtype(operand_dtype(default_precision(dtype))).itemsize
     warps = 8 if padded_slots(n) * dk >= 4096 else 4
-    cands = [dict(block_v=bv, num_warps=warps, solve="blocked") for bv in (64, 32, 16) if bv <= dv]
+    cands = [dict(block_v=bv, num_warps=warps, solve="substitution") for bv in (64, 32, 16) if bv <= dv]
     return first_fitting(cands, lambda c: block_plan(n=n, dk=dk, dv=dv, block_v=c["block_v"], itemsize=isz,
                                                      smem_budget=smem_budget, backend=b)) or dict(
-        block_v=min(dv, 64), num_warps=warps, solve="blocked")
+        block_v=min(dv, 64), num_warps=warps, solve="substitution")
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "precision", "solve", "interpret"))
