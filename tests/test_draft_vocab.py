@@ -147,3 +147,30 @@ def test_engine_rounds_with_a_drafting_vocabulary_equal_ar_greedy():
     outs = eng.generate(prompts, SamplingParams(max_tokens=10))
     assert [o.token_ids for o in outs] == [t.greedy(p, 10) for p in prompts]
     assert all(o.stats["spec_mode"] == "ddtree" and o.stats["draft_steps"] >= 1 for o in outs)
+
+
+@pytest.mark.parametrize("starts", [(0, 3, 15), (16, 17, 40), (100, 127, 128)])
+def test_sliding_layers_drafting_from_their_window_only_equal_the_whole_context(starts):
+    """draft_context: a sliding layer gathers only the pages its window reaches (clipped at both ends of the
+    table, non-resident pages masked); the drafter's logits equal those over the whole context."""
+    from dflash_jax.engine.spec_steps import draft_context, window_pages
+    from dflash_jax.models import dflash
+
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    assert window_pages(dcfg.sliding_window, PAGE, WIDTH) == 3 and window_pages(None, PAGE, WIDTH) is None
+    assert window_pages(dcfg.sliding_window, PAGE, 3) is None  # a table no longer than the window: all of it
+    k = jax.random.key(5)
+    dkv = DraftKV.zeros(dcfg, ROWS * WIDTH + 1, PAGE, jnp.float32)
+    dkv = DraftKV(tuple(jax.random.normal(jax.random.fold_in(k, i), a.shape, a.dtype) for i, a in enumerate(dkv.k)),
+                  tuple(jax.random.normal(jax.random.fold_in(k, 9 + i), a.shape, a.dtype) for i, a in enumerate(dkv.v)))
+    table = np.arange(1, ROWS * WIDTH + 1, dtype=np.int32).reshape(ROWS, WIDTH)
+    table[1, 1] = table[2, 14] = -1  # non-resident pages inside a window
+    table, start = jnp.asarray(table), jnp.asarray(starts, jnp.int32)
+    blocks = dflash.make_blocks(dcfg, jnp.asarray([4, 7, 11], jnp.int32))
+    out = []
+    for windowed in (True, False):
+        ck, cv, cp, cm = draft_context(dcfg, dkv, table, start, windowed=windowed)
+        assert [a.shape[1] for a in ck] == ([3 * PAGE, WIDTH * PAGE] if windowed else [WIDTH * PAGE] * 2)
+        out.append(dflash.draft_forward(dparams, dcfg, t.params["embed"], t.params["lm_head"], blocks, start,
+                                        ck, cv, cp, cm))
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(out[1]), rtol=1e-5, atol=1e-5)

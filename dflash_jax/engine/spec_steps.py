@@ -140,15 +140,49 @@ def _check(cfg: TargetConfig, dcfg: DrafterConfig) -> tuple[int, ...]:
     return layers
 
 
+def window_pages(window: int | None, page_size: int, width: int) -> int | None:
+    """Pages that hold every context key a sliding layer of ``window`` can show a block (positions
+    ``start - window + 1 .. start - 1``), or None where that is the whole table (a full layer, a short table)."""
+    if window is None:
+        return None
+    n = -(-(window - 1) // page_size) + 1
+    return n if n < width else None
+
+
+def draft_context(dcfg: DrafterConfig, dkv: DraftKV, page_table: jax.Array, start: jax.Array,
+                  windowed: bool = True) -> tuple[tuple, tuple, tuple, tuple]:
+    """Each drafter layer's context for a draft step -> (k, v ``[B, C_i, Hkv, hd]``, positions, valid ``[B, C_i]``)
+    per layer. A full layer gathers the whole page table (``C = W * page_size``); a sliding layer only the
+    ``window_pages`` pages from the first one its window reaches (unless ``windowed=False``), so its gather and
+    attention do not grow with the context. Layers of one window share positions and validity."""
+    b, width = page_table.shape
+    ps = dkv.k[0].shape[1]
+    views: dict[int | None, tuple] = {}
+    out_k, out_v, out_pos, out_valid = [], [], [], []
+    for i, (kp, vp) in enumerate(zip(dkv.k, dkv.v)):
+        n = window_pages(dcfg.layer_window(i), ps, width) if windowed else None
+        if n not in views:
+            if n is None:
+                first, table = jnp.zeros((b,), jnp.int32), page_table
+            else:
+                lo = jnp.maximum(start - (dcfg.layer_window(i) - 1), 0) // ps
+                first = jnp.clip(lo, 0, width - n).astype(jnp.int32)
+                table = jnp.take_along_axis(page_table, first[:, None] + jnp.arange(n, dtype=jnp.int32)[None], axis=1)
+            pos = first[:, None] * ps + jnp.arange(table.shape[1] * ps, dtype=jnp.int32)[None]
+            views[n] = (table, pos, (pos < start[:, None]) & attention.resident_tokens(table, ps))
+        table, pos, valid = views[n]
+        out_k.append(attention.gather_pages(kp, table))
+        out_v.append(attention.gather_pages(vp, table))
+        out_pos.append(pos)
+        out_valid.append(valid)
+    return tuple(out_k), tuple(out_v), tuple(out_pos), tuple(out_valid)
+
+
 def draft_tree(cfg: TargetConfig, dcfg: DrafterConfig, spec: SpecConfig, params, dparams, dkv: DraftKV,
                inp: SpecInput) -> tuple[ddtree.Tree, jax.Array | None]:
     """One drafter forward per row from the cached context -> (a DDTree of at most ``spec.budget`` nodes, the
     anchor queries ``[B, F]`` if ``spec.draft_query`` else None)."""
-    ctx_k = tuple(attention.gather_pages(k, inp.page_table) for k in dkv.k)
-    ctx_v = tuple(attention.gather_pages(v, inp.page_table) for v in dkv.v)
-    c = ctx_k[0].shape[1]
-    ctx_pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (inp.root.shape[0], c))
-    ctx_valid = (ctx_pos < inp.start[:, None]) & attention.resident_tokens(inp.page_table, dkv.k[0].shape[1])
+    ctx_k, ctx_v, ctx_pos, ctx_valid = draft_context(dcfg, dkv, inp.page_table, inp.start)
     blocks = dflash.make_blocks(dcfg, inp.root)
     head = dparams.get(DRAFT_HEAD, params["lm_head"])  # [Vh, D] with a drafting vocabulary, else the target's
     out = dflash.draft_forward(dparams, dcfg, params["embed"], head, blocks, inp.start,

@@ -149,8 +149,11 @@ def _attend(q: jax.Array, kc: jax.Array, vc: jax.Array, cmask: jax.Array, kb: ja
     sb = jnp.einsum("bnqkgd,bnpkd->bnkgqp", qg, kb, preferred_element_type=a) * scale
     sc = jnp.where(cmask[:, :, None, None], sc, _NEG)
     sb = jnp.where(bmask[None, None, None, None], sb, _NEG)
-    p = jax.nn.softmax(jnp.concatenate([sc, sb], axis=-1), axis=-1)
-    pc, pb = p[..., :kc.shape[1]], p[..., kc.shape[1]:]
+    # one softmax over context and block keys, without concatenating the two score arrays
+    m = jnp.maximum(jnp.max(sc, axis=-1, keepdims=True), jnp.max(sb, axis=-1, keepdims=True))
+    ec, eb = jnp.exp(sc - m), jnp.exp(sb - m)
+    den = jnp.sum(ec, axis=-1, keepdims=True) + jnp.sum(eb, axis=-1, keepdims=True)
+    pc, pb = ec / den, eb / den
     o = (jnp.einsum("bnkgqs,bskd->bnqkgd", pc.astype(vc.dtype), vc, preferred_element_type=a)
          + jnp.einsum("bnkgqp,bnpkd->bnqkgd", pb.astype(vb.dtype), vb, preferred_element_type=a))
     return o.reshape(b, n, t, h, hd).astype(q.dtype)
@@ -172,20 +175,25 @@ def anchor_query(cfg: DrafterConfig, qs: list[jax.Array]) -> jax.Array:
 
 
 def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array, ctx_k, ctx_v,
-            ctx_positions: jax.Array, ctx_valid: jax.Array, with_query: bool = False):
+            ctx_positions, ctx_valid, with_query: bool = False):
     """Run N blocks per sequence through every layer. h [B,N,blk,D] (embedded block tokens); anchors [B,N];
-    ctx_k[i], ctx_v[i] [B,C,Hkv,hd]. Returns RMSNorm(h; norm) [B,N,blk,D]; with ``with_query`` also the first
-    block's ``anchor_query`` [B, n_full*Hkv*hd] (the layers' arithmetic is the same either way)."""
+    ctx_k[i], ctx_v[i] [B,C,Hkv,hd]; ctx_positions, ctx_valid [B,C], or tuples of them per layer (layer i's
+    context, ``[B, C_i]``: e.g. only a sliding layer's window). Returns RMSNorm(h; norm) [B,N,blk,D]; with
+    ``with_query`` also the first block's ``anchor_query`` [B, n_full*Hkv*hd] (the layers' arithmetic is the same
+    either way)."""
     b, n, blk, d = h.shape
     hq, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     full_qs: list[jax.Array] = []
     pos = (anchors[:, :, None] + jnp.arange(blk, dtype=anchors.dtype)).reshape(b, n * blk)
-    cmasks: dict[int | None, jax.Array] = {}
+    per_layer = isinstance(ctx_positions, (tuple, list))
+    cmasks: dict[tuple[int | None, int | None], jax.Array] = {}
     bmasks: dict[tuple[bool, int | None], jax.Array] = {}
     for i, p in enumerate(params["layers"]):
         w, causal = cfg.layer_window(i), cfg.layer_causal(i)
-        if w not in cmasks:
-            cmasks[w] = context_mask(ctx_positions, ctx_valid, anchors, blk, w)
+        ckey = (w, i if per_layer else None)
+        if ckey not in cmasks:
+            cmasks[ckey] = context_mask(ctx_positions[i] if per_layer else ctx_positions,
+                                        ctx_valid[i] if per_layer else ctx_valid, anchors, blk, w)
         if (causal, w) not in bmasks:
             bmasks[(causal, w)] = block_mask(blk, causal, w)
         a = p["attn"]
@@ -195,7 +203,7 @@ def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array
         if with_query and i in cfg.full_layers:
             full_qs.append(q)
         kb, vb = _project_kv(a, cfg, u, pos)
-        o = _attend(q.reshape(b, n, blk, hq, hd), ctx_k[i], ctx_v[i], cmasks[w],
+        o = _attend(q.reshape(b, n, blk, hq, hd), ctx_k[i], ctx_v[i], cmasks[ckey],
                     kb.reshape(b, n, blk, cfg.num_kv_heads, hd), vb.reshape(b, n, blk, cfg.num_kv_heads, hd),
                     bmasks[(causal, w)])
         h = h + linear(o.reshape(b, n, blk, hq * hd), a["o"])
@@ -218,24 +226,29 @@ def make_blocks(cfg: DrafterConfig, anchor_tokens: jax.Array) -> jax.Array:
 # inference: one draft step for B sequences
 # ---------------------------------------------------------------------------------------------
 def draft_hidden(params: Params, cfg: DrafterConfig, embed: jax.Array, block_tokens: jax.Array,
-                 block_start: jax.Array, ctx_k, ctx_v, ctx_positions: jax.Array, ctx_valid: jax.Array,
-                 with_query: bool = False):
+                 block_start: jax.Array, ctx_k, ctx_v, ctx_positions, ctx_valid, with_query: bool = False):
     """``draft_forward`` up to the final norm: ``[B, blk, D]`` (and the ``anchor_query`` with ``with_query``)."""
     h = jnp.asarray(embed)[block_tokens].astype(model_dtype(params))[:, None]  # [B, 1, blk, D]
-    out = _blocks(params, cfg, h, block_start[:, None].astype(jnp.int32), ctx_k, ctx_v,
-                  ctx_positions.astype(jnp.int32), ctx_valid.astype(bool), with_query)
+    if isinstance(ctx_positions, (tuple, list)):
+        ctx_positions = tuple(p.astype(jnp.int32) for p in ctx_positions)
+        ctx_valid = tuple(v.astype(bool) for v in ctx_valid)
+    else:
+        ctx_positions, ctx_valid = ctx_positions.astype(jnp.int32), ctx_valid.astype(bool)
+    out = _blocks(params, cfg, h, block_start[:, None].astype(jnp.int32), ctx_k, ctx_v, ctx_positions, ctx_valid,
+                  with_query)
     return (out[0][:, 0], out[1]) if with_query else out[:, 0]
 
 
 def draft_forward(params: Params, cfg: DrafterConfig, embed: jax.Array, lm_head: jax.Array,
-                  block_tokens: jax.Array, block_start: jax.Array, ctx_k, ctx_v, ctx_positions: jax.Array,
-                  ctx_valid: jax.Array, with_query: bool = False):
+                  block_tokens: jax.Array, block_start: jax.Array, ctx_k, ctx_v, ctx_positions, ctx_valid,
+                  with_query: bool = False):
     """One draft step of B sequences -> float32 logits ``[B, blk, V]``.
 
     embed, lm_head: the TARGET's ``[V, D]`` embedding and LM head. block_tokens ``[B, blk]`` (normally
     ``[anchor, mask...]``, see ``make_blocks``) at positions ``block_start[b] + 0..blk-1``; ``block_start [B]``.
     ctx_k[i], ctx_v[i] ``[B, C, Hkv, hd]`` (from ``context_kv``, padded to a static C); ctx_positions ``[B, C]``
-    and ctx_valid ``[B, C]`` (padding False). Only valid context keys with position < block_start are seen.
+    and ctx_valid ``[B, C]`` (padding False), or tuples of them per layer (each layer's own ``C_i``, e.g. a
+    sliding layer's window only). Only valid context keys with position < block_start are seen.
     Drafts are the argmax/samples at offsets 1..blk-1. ``with_query``: returns ``(logits, anchor_query [B, F])``
     (the anchor's full-layer queries per KV group, for KVFlash's drafter scoring), the logits unchanged.
     """
