@@ -161,7 +161,8 @@ def draft_context(dcfg: DrafterConfig, dkv: DraftKV, page_table: jax.Array, star
     out_k, out_v, out_pos, out_valid = [], [], [], []
     for i, (kp, vp) in enumerate(zip(dkv.k, dkv.v)):
         n = window_pages(dcfg.layer_window(i), ps, width) if windowed else None
-        if n not in views:
+        key = None if n is None else dcfg.layer_window(i)
+        if key not in views:
             if n is None:
                 first, table = jnp.zeros((b,), jnp.int32), page_table
             else:
@@ -169,8 +170,8 @@ def draft_context(dcfg: DrafterConfig, dkv: DraftKV, page_table: jax.Array, star
                 first = jnp.clip(lo, 0, width - n).astype(jnp.int32)
                 table = jnp.take_along_axis(page_table, first[:, None] + jnp.arange(n, dtype=jnp.int32)[None], axis=1)
             pos = first[:, None] * ps + jnp.arange(table.shape[1] * ps, dtype=jnp.int32)[None]
-            views[n] = (table, pos, (pos < start[:, None]) & attention.resident_tokens(table, ps))
-        table, pos, valid = views[n]
+            views[key] = (table, pos, (pos < start[:, None]) & attention.resident_tokens(table, ps))
+        table, pos, valid = views[key]
         out_k.append(attention.gather_pages(kp, table))
         out_v.append(attention.gather_pages(vp, table))
         out_pos.append(pos)

@@ -99,9 +99,9 @@ TREE_MAX_PROGRAMS = 2 * N_SM_TARGET  # one resident wave: the routed tree kernel
 def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
                     ancestors: jax.Array, *, every_batch: bool = False, solve: str | None = None):
     """The registered tree kernel with :func:`tree.default_config` (``solve`` replaces its solve: the opt-in
-    ``pallas_triton_<solve>`` implementations, for timing them against each other in a whole step); shapes its tiles cannot take (over 64 slots,
-    head dims that are not powers of two >= 16, over the shared-memory budget) run the reference, with a
-    warning.
+    ``pallas_triton_<solve>`` implementations, for timing them against each other in a whole step); shapes its
+    tiles cannot take (over 64 slots, head dims that are not powers of two >= 16, over the shared-memory budget)
+    run the reference, with a warning.
 
     Unless ``every_batch``, a launch of more than :data:`TREE_MAX_PROGRAMS` programs (B x value heads x value
     blocks) runs the reference, by design: each program solves its tree serially (N - 1 substitution steps), so
