@@ -155,7 +155,8 @@ def test_gdn_tree_lowers(platform, dtype, n, solve):
                                   smem_budget=H200_BUDGET if platform == "cuda" else None)
     x = sd((b, n, h, dk), dtype)
     gates = sd((b, n, h), jnp.float32)
-    fn = lambda *a: gdn.gdn_tree(*a, block_v=cfg["block_v"], num_warps=cfg["num_warps"], solve=solve)  # noqa: E731
+    fn = lambda *a: gdn.gdn_tree(*a, block_v=cfg["block_v"], num_warps=cfg["num_warps"], solve=solve,  # noqa: E731
+                                 precision=gdn.launch_precision(dtype, platform))  # the model's: tf32x3 fp32 on cuda
     text = lower(platform, fn, x, x, sd((b, n, h, dv), dtype), gates, gates, sd((b, h, dk, dv), jnp.float32),
                  sd((b, n, n), jnp.bool_))
     assert "__gpu$xla.gpu.triton" in text and f"gdn_tree_n{gdn.tree.padded_slots(n)}" in text
