@@ -24,9 +24,9 @@ The inverse ``T`` (``solve``):
 - ``"blocked"``: the same substitution over the two halves of the slots side by side (ceil(n_valid / 2)
   - 1 steps), then ``T21 = -T22 M21 T11`` by two fp32 ``[N, N]`` products; within 1e-5 of the reference on every
   test tree, the adversarial chain below included. Opt-in: as the default for a commit, the 27B's B1 round on an
-  H100 went 26.2 -> 37.1 ms (+230 us a layer) when its two products were IEEE fp32 dots inside a tf32x3 launch
-  (at IEEE fp32 throughout, the kernel sweep had it faster than substitution: 89.5 vs 101.4 us). Its products (and
-  doubling's) now follow a tf32x3 launch; untimed so.
+  H100 went 26.8 -> 37.8 ms (+230 us a layer) with its two products IEEE fp32 dots inside a tf32x3 launch, while
+  at IEEE fp32 throughout the kernel sweep timed it faster than substitution (89.5 vs 101.4 us); the mix is the
+  likely cost, not isolated. Its products (and doubling's) now follow a tf32x3 launch; untimed so.
 - ``"doubling"``: no row steps at all: the inverses of neighbouring diagonal blocks merged pairwise, ceil(log2
   n_valid) levels of two fp32 ``[N, N]`` products each (the chunked path's ``gdn.unit_lower_inverse``); as exact.
   Whether its ~10 small IEEE-fp32 products beat the blocked solve's ~11 masked steps is for the GPU sweep.
@@ -186,7 +186,8 @@ def _tree_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, s_ref, o_ref, vp
     kk = dot(k, k, trans_b=True)
     m = jnp.where(anc & (rows > cols), beta[:, None] * kk * decay, 0.0)  # strictly lower: what the solve reads
     # The solves' products need fp32 accuracy: tf32x3 on tensor cores where the launch is tf32x3 (NVIDIA), else
-    # IEEE fp32 (Triton's IEEE dots, mixed into a tf32x3 launch, made the blocked solve's 27B round +11 ms on an H100).
+    # IEEE fp32 (with IEEE products in a tf32x3 launch the blocked solve cost the 27B round +11 ms on an H100, though
+    # at IEEE fp32 throughout it timed faster than substitution).
     exact_dot = functools.partial(plt.dot, precision=prec if precision == "tf32x3" else lax.Precision.HIGHEST)
     if solve == "product":
         t = _inverse_product(m, exact_dot)
