@@ -260,7 +260,8 @@ def test_routed_kernel_runs_within_one_resident_wave(monkeypatch):
 
 
 def test_model_verify_with_kernel_equals_reference(monkeypatch):
-    """The tiny target's verify pass (GDN dk = dv = 32) and the commit from its scratch, kernel vs reference."""
+    """The tiny target's verify pass (GDN dk = dv = 32) and the commit from its scratch (the tree and commit
+    kernels), vs the references."""
     from test_tree_verify import _state_after_prompt, _tree_input, target
 
     from dflash_jax.models import qwen36
@@ -286,7 +287,7 @@ def test_model_verify_with_kernel_equals_reference(monkeypatch):
 
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     h_ref, ssm_ref = run()
-    monkeypatch.setenv(registry.ENV_VAR, "gdn_tree=pallas_triton")
+    monkeypatch.setenv(registry.ENV_VAR, "gdn_tree=pallas_triton,gdn_tree_commit=pallas_triton")
     h, ssm = run()
     np.testing.assert_allclose(h, h_ref, atol=1e-4)
     for a, b in zip(ssm, ssm_ref):

@@ -163,6 +163,17 @@ def test_gdn_tree_lowers(platform, dtype, n, solve):
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("b,n", [(1, 23), (16, 33)])
+def test_gdn_tree_commit_lowers(platform, b, n):
+    h, dk, dv, f32 = CFG.lin_num_v_heads, CFG.lin_k_dim, CFG.lin_v_dim, jnp.float32
+    fn = lambda *a: gdn.commit.gdn_tree_commit(*a, **gdn.commit.default_config(dv),  # noqa: E731
+                                               precision=gdn.launch_precision(f32, platform))
+    text = lower(platform, fn, sd((33, h, dk, dv), f32), sd((b,), jnp.int32), sd((b, h, n, dk), f32),
+                 sd((b, h, n, dv), f32), sd((b, h, n), f32), sd((b, h, n, n), f32), sd((b,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in text and "gdn_tree_commit_n" in text
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("b", [1, 16])
 def test_gdn_decode_lowers(platform, dtype, b):

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dflash_jax.kv.scatter import set_rows_where
+
 HI = lax.Precision.HIGHEST
 
 
@@ -251,3 +253,24 @@ def tree_node_state(cache: TreeGDNCache, state0, node):
     s = (state0 * jnp.exp(gi)[..., None, None]
          + jnp.einsum("bhnk,bhnv->bhkv", cache.k * row[..., None], cache.vp, precision=HI))
     return jnp.where((node >= 0)[:, None, None, None], s.astype(state0.dtype), state0)
+
+
+def tree_commit(ssm_all, slots, cache: TreeGDNCache, node):
+    """:func:`tree_commit_reference`'s contract through the kernel registry's ``"gdn_tree_commit"`` op (on a GPU the
+    Pallas kernel ``pallas_kernels.gdn.commit``, the slots' state updated in place)."""
+    from pallas_kernels import registry
+
+    return registry.get("gdn_tree_commit")(ssm_all, slots, cache, node)
+
+
+def tree_commit_reference(ssm_all, slots, cache: TreeGDNCache, node):
+    """The accepted path committed into every slot's state: row b's slot ``slots[b]`` becomes
+    :func:`tree_node_state` of its tree at ``node[b]``, from the state the slot holds (the S0 its tree was verified
+    from).
+
+    ssm_all [S,H,dk,dv] every slot's state; slots [B] (0 = null: not written); cache from `gdn_tree` over the B
+    trees; node [B] (< 0: the slot is left as it is). Returns ssm_all with those rows updated.
+    """
+    s0 = ssm_all[slots]
+    s1 = tree_node_state(cache, s0.astype(cache.vp.dtype), node)
+    return set_rows_where(ssm_all, (slots,), s1, slots > 0)

@@ -595,7 +595,8 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
     conv and SSM state become those after the deepest accepted slot.
 
     Replay (default): the deepest accepted slot's SSM state is materialised from the verify scratch alone
-    (``gdn.tree_node_state``, the accepted path's delta-rule recurrence in closed form). ``fast_rollback`` (one
+    (``gdn.tree_commit``: ``gdn.tree_node_state``, the accepted path's delta-rule recurrence in closed form, written
+    into the slot; on a GPU one kernel that updates the slot's state in place). ``fast_rollback`` (one
     sequence): every slot's state is formed (``gdn.tree_node_states``, ``[B, N, H, dk, dv]`` per layer) and the
     accepted one selected; the two are equal.
     """
@@ -612,16 +613,15 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
     last = jnp.where(n_accepted > 0, jnp.take_along_axis(accepted, jnp.maximum(n_accepted - 1, 0)[:, None], 1)[:, 0], -1)
     convs, ssms = list(rec.conv), list(rec.ssm)
     for gi, (x, cache) in enumerate(zip(scratch.x, scratch.gdn)):
-        s0 = ssms[gi][tree.slots]
-        c0 = convs[gi][tree.slots]
         if fast_rollback:
+            s0 = ssms[gi][tree.slots]
             every = gdn.tree_node_states(cache, s0.astype(cache.vp.dtype))  # [B, N, H, dk, dv]
             sel = jnp.take_along_axis(every, jnp.clip(last, 0, None)[:, None, None, None, None], axis=1)[:, 0]
             s1 = jnp.where((last >= 0)[:, None, None, None], sel.astype(s0.dtype), s0)
+            ssms[gi] = set_rows_where(ssms[gi], (tree.slots,), s1, tree.slots > 0)
         else:
-            s1 = gdn.tree_node_state(cache, s0.astype(cache.vp.dtype), last).astype(s0.dtype)
-        c1 = tree_ops.tree_conv_state(x, c0, tree.parents, last)
-        ssms[gi] = set_rows_where(ssms[gi], (tree.slots,), s1, tree.slots > 0)
+            ssms[gi] = gdn.tree_commit(ssms[gi], tree.slots, cache, last)
+        c1 = tree_ops.tree_conv_state(x, convs[gi][tree.slots], tree.parents, last)
         convs[gi] = set_rows_where(convs[gi], (tree.slots,), c1, tree.slots > 0)
     return KVPages(tuple(ks), tuple(vs)), RecurrentSlots(tuple(convs), tuple(ssms))
 

@@ -25,6 +25,12 @@ launch of more than ``TREE_MAX_PROGRAMS`` programs (one resident wave) runs the 
 ``DFLASH_KERNELS=gdn_tree=reference`` turns it off. Trees over 64 slots or tiles that do not fit run the
 reference, with a warning.
 
+``"gdn_tree_commit"`` (signature ``(ssm_all [S,Hv,dk,dv], slots [B], cache: TreeGDNCache, node [B]) -> ssm_all``, as
+``qwen36.commit_tree`` calls ``gdn.tree_commit``: the accepted path's state written into each row's slot):
+``"reference"`` = ``gdn.tree_commit_reference`` (gather, ``tree_node_state``, scatter); ``"pallas_triton"`` =
+:func:`commit.gdn_tree_commit` (each state tile read, updated and written once, in place), **the GPU default**;
+``DFLASH_KERNELS=gdn_tree_commit=reference`` turns it off.
+
 ``"gdn_decode"`` (signature ``(parts (the in-projection outputs, together [B, C+Hv*dv+2*Hv] = [x | z | b | a]), conv_w [C,K], a_log, dt_bias [Hv], norm_w
 [dv], conv_all [S,K-1,C], ssm_all [S,Hv,dk,dv], slots, fresh, valid [B], *, n_k_heads, groups, eps) -> (y [B,Hv,dv],
 conv_all, ssm_all)``, as ``qwen36.gdn_decode_layer`` calls ``qwen36.gdn_decode``: a GDN layer's whole decode token between its
@@ -44,11 +50,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import registry
+from pallas_kernels.gdn import commit as _commit
 from pallas_kernels.gdn import decode as _decode
 from pallas_kernels.gdn.kernel import (block_plan, chunk_local, default_config, default_precision, gdn_chunked,
                                       gdn_step, launch_precision, operand_dtype, step_block_plan)
 from pallas_kernels.gdn.reference import (gdn_chunked_reference, gdn_decode_reference, gdn_step_reference,
-                                          gdn_tree_reference)
+                                          gdn_tree_commit_reference, gdn_tree_reference)
 from pallas_kernels.gdn.tree import block_plan as tree_block_plan
 from pallas_kernels.gdn.tree import default_config as tree_default_config
 from pallas_kernels.gdn.tree import SOLVES, gdn_tree
@@ -126,6 +133,22 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
                     interpret=backend not in registry.GPU_BACKENDS)
 
 
+def gdn_tree_commit_pallas(ssm_all: jax.Array, slots: jax.Array, cache, node: jax.Array) -> jax.Array:
+    """The registered commit kernel (:func:`commit.gdn_tree_commit`, :func:`commit.default_config`, the update dot at
+    :func:`launch_precision`); trees its tiles cannot take run the reference, with a warning."""
+    backend = registry.current_backend()
+    n, dk, dv = cache.k.shape[2], cache.k.shape[3], cache.vp.shape[3]
+    cfg = _commit.default_config(dv)
+    try:
+        _commit.block_plan(n=n, dk=dk, dv=dv, block_v=cfg["block_v"])
+    except ValueError as e:
+        registry.warn_fallback("gdn_tree_commit", e)
+        return gdn_tree_commit_reference(ssm_all, slots, cache, node)
+    return _commit.gdn_tree_commit(ssm_all, slots, cache.k, cache.vp, cache.gam, cache.decay, node, **cfg,
+                                   precision=launch_precision(cache.vp.dtype, backend),
+                                   interpret=backend not in registry.GPU_BACKENDS)
+
+
 def gdn_decode_pallas(parts, conv_w, a_log, dt_bias, norm_w, conv_all, ssm_all, slots, fresh, valid, *,
                       n_k_heads: int, groups: int = 1, eps: float, split: bool | None = None):
     """The registered fused decode kernel (``split``: :func:`decode.gdn_decode`'s; None = by the batch); channel
@@ -152,6 +175,8 @@ registry.register("gdn_step", "reference", gdn_step_reference, backends=("any",)
 registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",), preferred=False)
 registry.register("gdn_tree", "reference", gdn_tree_reference, backends=("any",))
 registry.register("gdn_decode", "reference", gdn_decode_reference, backends=("any",))
+registry.register("gdn_tree_commit", "reference", gdn_tree_commit_reference, backends=("any",))
+registry.register("gdn_tree_commit", "pallas_triton", gdn_tree_commit_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_decode", "pallas_triton_one_kernel", functools.partial(gdn_decode_pallas, split=False),
                   backends=("gpu",), preferred=False)
@@ -165,5 +190,5 @@ for _solve in SOLVES:
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
            "launch_precision",
            "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
-           "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "tree_programs", "TREE_MAX_PROGRAMS", "step_block_plan", "tree_block_plan",
+           "gdn_tree_commit_pallas", "gdn_tree_commit_reference", "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "tree_programs", "TREE_MAX_PROGRAMS", "step_block_plan", "tree_block_plan",
            "tree_default_config"]
