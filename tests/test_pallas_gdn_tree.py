@@ -93,6 +93,27 @@ def test_random_trees(seed, n, pad, g_mode):
     assert_matches(args, anc, run_kernel((*args, anc), block_v=16))
 
 
+@pytest.mark.parametrize("solve", ["substitution", "doubling"])
+def test_state_read_from_the_slot_pool_in_place(solve):
+    """With ``slots``, row b starts from ``pool[slots[b]]`` (the null slot 0 included) read where it is: the same
+    output and cache as the state gathered first, kernel and reference alike."""
+    b, n, h, dk, dv = 3, 11, 2, 16, 32
+    par = random_parents(np.random.default_rng(4), b, n, 0.2)
+    q, k, v, beta, g, _ = make_inputs(4, b, n, h, dk, dv, "mixed", 1.0, jnp.float32)
+    pool = jnp.asarray(np.random.default_rng(5).standard_normal((6, h, dk, dv)), jnp.float32)
+    slots = jnp.asarray([4, 0, 2], jnp.int32)
+    anc = jnp.asarray(np_ancestors(par))
+    gathered = run_kernel((q, k, v, beta, g, pool[slots], anc), block_v=16, solve=solve)
+    pooled = run_kernel((q, k, v, beta, g, pool, anc, slots), block_v=16, solve=solve)
+    for a, r in zip(jax.tree.leaves(pooled), jax.tree.leaves(gathered)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+    ref = reference(q, k, v, beta, g, pool, anc, slots)
+    for a, r in zip(jax.tree.leaves(ref), jax.tree.leaves(reference(q, k, v, beta, g, pool[slots], anc))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+    with pytest.raises(ValueError, match="disagree"):
+        run_kernel((q, k, v, beta, g, pool, anc, slots[:2]), block_v=16)
+
+
 def test_padding_slot_sees_only_itself():
     """A padding slot (beta = g = 0, k = v = 0, only itself as ancestor) reads S0 alone, and its presence changes
     no other slot."""

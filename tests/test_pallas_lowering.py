@@ -160,6 +160,9 @@ def test_gdn_tree_lowers(platform, dtype, n, solve):
     text = lower(platform, fn, x, x, sd((b, n, h, dv), dtype), gates, gates, sd((b, h, dk, dv), jnp.float32),
                  sd((b, n, n), jnp.bool_))
     assert "__gpu$xla.gpu.triton" in text and f"gdn_tree_n{gdn.tree.padded_slots(n)}" in text
+    pooled = lower(platform, fn, x, x, sd((b, n, h, dv), dtype), gates, gates, sd((33, h, dk, dv), jnp.float32),
+                   sd((b, n, n), jnp.bool_), sd((b,), jnp.int32))  # the state read from the slot pool in place
+    assert "__gpu$xla.gpu.triton" in pooled
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))

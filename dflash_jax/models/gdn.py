@@ -185,27 +185,31 @@ class TreeGDNCache:
     decay: jax.Array
 
 
-def gdn_tree(q, k, v, beta, g, state, ancestors):
+def gdn_tree(q, k, v, beta, g, state, ancestors, slots=None):
     """:func:`gdn_tree_reference`'s contract through the kernel registry's ``"gdn_tree"`` op (on a GPU the Pallas
     kernel for launches of one resident wave, e.g. the 27B at B1; see ``pallas_kernels.gdn.gdn_tree_pallas``)."""
     from pallas_kernels import registry
 
-    return registry.get("gdn_tree")(q, k, v, beta, g, state, ancestors)
+    return registry.get("gdn_tree")(q, k, v, beta, g, state, ancestors, slots)
 
 
-def gdn_tree_reference(q, k, v, beta, g, state, ancestors):
+def gdn_tree_reference(q, k, v, beta, g, state, ancestors, slots=None):
     """Gated delta rule over B token trees of N slots each, in one ancestor-masked chunk.
 
     q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H] (as for `gdn_recurrent`), state [B,H,dk,dv] = S0 (the state
     before the root), ancestors [B,N,N] bool: A_ij = j is i or an ancestor of i (reflexive-transitive closure of
     parent). Slots must be in an order where ancestors precede descendants (A lower triangular); a slot whose
-    path starts at S0 (a root, or a padding slot that sees only itself) is allowed anywhere.
+    path starts at S0 (a root, or a padding slot that sees only itself) is allowed anywhere. slots [B] (optional):
+    state is then every slot's state [S,H,dk,dv] and row b's S0 is state[slots[b]] (the Pallas kernel reads it in
+    place).
 
     Returns (o [B,N,H,dv], TreeGDNCache): o_i is exactly what `gdn_recurrent` gives for slot i when run from S0
     along the root->i path. Exponents are masked before exp (only ancestor pairs, where gam_i - gam_j <= 0 up to
     round-off), so no g <= 0 can overflow; large |gam| only costs ~eps*|gam_i| relative accuracy in Gam (as in
     `_chunk`).
     """
+    if slots is not None:
+        state = state[slots]
     n = q.shape[1]
     q, k, v = (jnp.moveaxis(a, 2, 1) for a in (q, k, v))  # [B,H,N,d]
     beta, g = (jnp.moveaxis(a, 2, 1) for a in (beta, g))  # [B,H,N]

@@ -15,8 +15,8 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 ``qwen36.gdn_layer`` calls ``gdn.gdn_step`` for decode): ``"reference"`` = ``gdn.gdn_step_reference``;
 ``"pallas_triton"`` = :func:`kernel.gdn_step` (the state read and written once), opt-in likewise.
 
-``"gdn_tree"`` (signature ``(q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H], state [B,H,dk,dv], ancestors [B,N,N])
--> (o [B,N,H,dv], TreeGDNCache)``, as ``qwen36.forward_tree`` calls ``gdn.gdn_tree`` for verification):
+``"gdn_tree"`` (signature ``(q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H], state [B,H,dk,dv], ancestors [B,N,N],
+slots=None) -> (o [B,N,H,dv], TreeGDNCache)``; with ``slots [B]`` state is the pool ``[S,H,dk,dv]``, read in place), as ``qwen36.forward_tree`` calls ``gdn.gdn_tree`` for verification):
 ``"reference"`` = ``gdn.gdn_tree_reference``; ``"pallas_triton"`` = :func:`tree.gdn_tree` (one program per
 (sequence, head, value block), the ancestor-masked system solved in registers), **the GPU default, routed**: a
 launch of more than ``TREE_MAX_PROGRAMS`` programs (one resident wave) runs the reference (see
@@ -104,7 +104,8 @@ TREE_MAX_PROGRAMS = 2 * N_SM_TARGET  # one resident wave: the routed tree kernel
 
 
 def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
-                    ancestors: jax.Array, *, every_batch: bool = False, solve: str | None = None):
+                    ancestors: jax.Array, slots: jax.Array | None = None, *, every_batch: bool = False,
+                    solve: str | None = None):
     """The registered tree kernel with :func:`tree.default_config` (``solve`` replaces its solve: the opt-in
     ``pallas_triton_<solve>`` implementations, for timing them against each other in a whole step); shapes its
     tiles cannot take (over 64 slots, head dims that are not powers of two >= 16, over the shared-memory budget)
@@ -122,14 +123,14 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     if solve is not None:
         cfg = {**cfg, "solve": solve}
     if not every_batch and tree_programs(q.shape[0], v.shape[2], dv, cfg["block_v"]) > TREE_MAX_PROGRAMS:
-        return gdn_tree_reference(q, k, v, beta, g, state, ancestors)
+        return gdn_tree_reference(q, k, v, beta, g, state, ancestors, slots)
     try:
         tree_block_plan(n=n, dk=dk, dv=dv, block_v=cfg["block_v"],
                         itemsize=jnp.dtype(operand_dtype(default_precision(q.dtype))).itemsize, backend=backend)
     except ValueError as e:
         registry.warn_fallback("gdn_tree", e)
-        return gdn_tree_reference(q, k, v, beta, g, state, ancestors)
-    return gdn_tree(q, k, v, beta, g, state, ancestors, **cfg, precision=launch_precision(q.dtype, backend),
+        return gdn_tree_reference(q, k, v, beta, g, state, ancestors, slots)
+    return gdn_tree(q, k, v, beta, g, state, ancestors, slots, **cfg, precision=launch_precision(q.dtype, backend),
                     interpret=backend not in registry.GPU_BACKENDS)
 
 

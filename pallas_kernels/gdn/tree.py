@@ -149,12 +149,18 @@ def _inverse_product(m: jax.Array, dot) -> jax.Array:
     return t
 
 
-def _tree_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, s_ref, o_ref, vp_ref, gam_ref, decay_ref, k_out_ref,
-                 *, n_valid: int, precision: str, solve: str):
-    # q_ref, k_ref [N, dk]; v_ref [N, BV]; beta_ref, g_ref [N]; anc_ref [N, N] int8; s_ref [dk, BV]
-    # o_ref [N, BV]; vp_ref [N, BV]; gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k)
+def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, block_v: int):
+    # refs: q_ref, k_ref [N, dk]; v_ref [N, BV]; beta_ref, g_ref [N]; anc_ref [N, N] int8; (pooled: slot_ref [B] and
+    # s_ref [S, H, dk, dv] whole, row b's S0 at its slot; else s_ref [dk, BV]); o_ref [N, BV]; vp_ref [N, BV];
+    # gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k).
     # N = the padded slot count: slots >= n_valid are past the arrays' ends, masked on load (zeros: beta = g = 0,
     # k = v = 0, a padding slot that sees only itself) and on store.
+    if pooled:
+        q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, slot_ref, s_pool, o_ref, vp_ref, gam_ref, decay_ref, k_out_ref \
+            = refs
+        s_ref = s_pool.at[slot_ref[pl.program_id(0)], pl.program_id(1), :, pl.ds(pl.program_id(2) * block_v, block_v)]
+    else:
+        q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, s_ref, o_ref, vp_ref, gam_ref, decay_ref, k_out_ref = refs
     f32 = jnp.float32
     opd, prec = _dot_dtype_and_precision(precision)
     dot = functools.partial(plt.dot, precision=prec)
@@ -258,12 +264,13 @@ def default_config(n: int, dk: int, dv: int, *, dtype=jnp.float32, backend: str 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "precision", "solve", "interpret"))
 def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
-             ancestors: jax.Array, *, block_v: int = 64, num_warps: int = 4, precision: str | None = None,
-             solve: str = "substitution", interpret: bool = False):
+             ancestors: jax.Array, slots: jax.Array | None = None, *, block_v: int = 64, num_warps: int = 4,
+             precision: str | None = None, solve: str = "substitution", interpret: bool = False):
     """Ancestor-masked gated delta rule over B token trees (``dflash_jax.models.gdn.gdn_tree``'s contract).
 
     q, k [B, N, H, dk]; v [B, N, H, dv]; beta, g [B, N, H]; state [B, H, dk, dv] (fp32); ancestors [B, N, N]
-    (bool or int, nonzero = j is i or an ancestor of i). Returns (o [B, N, H, dv] in v's dtype,
+    (bool or int, nonzero = j is i or an ancestor of i); slots [B] (optional): state is then every slot's state
+    ``[S, H, dk, dv]`` and row b starts from ``state[slots[b]]``, read where it is (no gather). Returns (o [B, N, H, dv] in v's dtype,
     ``TreeGDNCache(k [B,H,N,dk], vp [B,H,N,dv], gam [B,H,N], decay [B,H,N,N])`` with vp / gam / decay in
     state's dtype). ``precision`` / ``solve``: see the module docstring.
     """
@@ -271,10 +278,13 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
 
     b, n, h, dk = q.shape
     dv = v.shape[-1]
+    pooled = slots is not None
     if k.shape != q.shape or v.shape[:3] != (b, n, h) or beta.shape != (b, n, h) or g.shape != (b, n, h) \
-            or state.shape != (b, h, dk, dv) or ancestors.shape != (b, n, n):
+            or state.shape[1:] != (h, dk, dv) or (not pooled and state.shape[0] != b) \
+            or (pooled and slots.shape != (b,)) or ancestors.shape != (b, n, n):
         raise ValueError(f"gdn_tree: q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, g {g.shape}, "
-                         f"state {state.shape}, ancestors {ancestors.shape} disagree")
+                         f"state {state.shape}, ancestors {ancestors.shape}"
+                         f"{'' if slots is None else f', slots {slots.shape}'} disagree")
     if solve not in SOLVES:
         raise ValueError(f"gdn_tree: solve={solve!r}; expected one of {SOLVES}")
     precision = precision or default_precision(q.dtype)
@@ -284,7 +294,11 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
     plan = block_plan(n=n, dk=dk, dv=dv, block_v=block_v, itemsize=jnp.dtype(opd).itemsize)
     np_ = plan["n_pad"]
     sdt = state.dtype
-    kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve)
+    kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve, pooled=pooled,
+                               block_v=block_v)
+    state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else  # slots; the whole pool
+                   [pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c))])  # state columns
+    state_args = (slots.astype(jnp.int32), state) if pooled else (state,)
     o, vp, gam, decay, k_hf = pl.pallas_call(  # blocks of np_ >= n slots: the kernel masks the slots past n
         kernel,
         grid=(b, h, plan["n_v_blocks"]),
@@ -295,7 +309,7 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
             pl.BlockSpec((None, np_, None), lambda i, j, c: (i, 0, j)),                 # beta
             pl.BlockSpec((None, np_, None), lambda i, j, c: (i, 0, j)),                 # g
             pl.BlockSpec((None, np_, np_), lambda i, j, c: (i, 0, 0)),                  # ancestor mask
-            pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c)),      # state columns
+            *state_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, np_, None, block_v), lambda i, j, c: (i, 0, j, c)),     # o
@@ -312,5 +326,5 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"gdn_tree_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
-    )(q, k, v, beta, g, ancestors.astype(jnp.int8), state)
+    )(q, k, v, beta, g, ancestors.astype(jnp.int8), *state_args)
     return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
