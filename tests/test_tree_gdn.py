@@ -261,6 +261,12 @@ def test_tree_conv_matches_path_conv(b, n, c, kk, pad_frac, seed):
     pick = rng.integers(0, n, b)
     np.testing.assert_array_equal(np.asarray(tree_conv_state(x, s0, parj, jnp.asarray(pick, jnp.int32))),
                                   np.asarray(s_ref[np.arange(b), pick]))
+    # the same from every slot's conv state, each row's read at its slot (the pool the model passes)
+    slots = jnp.asarray(rng.permutation(b + 2)[:b], jnp.int32)
+    pool = jnp.asarray(rng.standard_normal((b + 2, kk - 1, c)), jnp.float32).at[slots].set(s0)
+    np.testing.assert_array_equal(np.asarray(tree_conv(x, w, pool, parj, slots)), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(tree_conv_state(x, pool, parj, jnp.asarray(pick, jnp.int32), slots)),
+                                  np.asarray(s_ref[np.arange(b), pick]))
 
 
 def test_tree_conv_padding_and_siblings():

@@ -568,7 +568,7 @@ def forward_tree(params: Params, cfg: TargetConfig, tree: TreeInput, kv: KVPages
         else:
             pg = p["gdn"]
             x, z, braw, araw = gdn_project(pg, cfg, u)
-            c = tree_ops.tree_conv(x, pg["conv"], rec.conv[gi][tree.slots], tree.parents)
+            c = tree_ops.tree_conv(x, pg["conv"], rec.conv[gi], tree.parents, tree.slots)
             q, k, v, beta, g = gdn_inputs(pg, cfg, c, braw, araw, tree.valid)
             o, cache = gdn.gdn_tree(q, k, v, beta, g, rec.ssm[gi].astype(braw.dtype), tree.ancestors, tree.slots)
             out = gdn_output(pg, cfg, o, z, u.dtype)
@@ -620,7 +620,7 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
             ssms[gi] = set_rows_where(ssms[gi], (tree.slots,), s1, tree.slots > 0)
         else:
             ssms[gi] = gdn.tree_commit(ssms[gi], tree.slots, cache, last)
-        c1 = tree_ops.tree_conv_state(x, convs[gi][tree.slots], tree.parents, last)
+        c1 = tree_ops.tree_conv_state(x, convs[gi], tree.parents, last, tree.slots)
         convs[gi] = set_rows_where(convs[gi], (tree.slots,), c1, tree.slots > 0)
     return KVPages(tuple(ks), tuple(vs)), RecurrentSlots(tuple(convs), tuple(ssms))
 

@@ -66,32 +66,45 @@ def _acc_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def tree_conv(x_tree: jax.Array, w: jax.Array, conv_state: jax.Array, parents: jax.Array) -> jax.Array:
+def _ext_rows(x_tree: jax.Array, conv_state: jax.Array, slots: jax.Array | None, idx: jax.Array) -> jax.Array:
+    """Rows ``idx [B, M]`` of each row's ``[conv_state (K-1) ; x_tree (N)]``, ``[B, M, C]`` in x_tree's dtype, read
+    from the two arrays where they are (no concatenation: one fusion with its consumer). conv_state [B, K-1, C], or
+    with ``slots [B]`` every slot's ``[S, K-1, C]`` (row b's at ``slots[b]``)."""
+    km1, n = conv_state.shape[1], x_tree.shape[1]
+    lead = slots[:, None] if slots is not None else jnp.arange(x_tree.shape[0])[:, None]
+    st = conv_state[lead, jnp.clip(idx, 0, km1 - 1)].astype(x_tree.dtype)
+    tr = jnp.take_along_axis(x_tree, jnp.clip(idx - km1, 0, n - 1)[..., None], axis=1)
+    return jnp.where((idx < km1)[..., None], st, tr)
+
+
+def tree_conv(x_tree: jax.Array, w: jax.Array, conv_state: jax.Array, parents: jax.Array,
+              slots: jax.Array | None = None) -> jax.Array:
     """Tree-aware depthwise causal conv + SiLU.
 
     x_tree [B,N,C] pre-conv rows of the tree slots; w [C,K] (w[:, K-1] multiplies the slot's own row, w[:, 0] the
-    row K-1 steps up its chain); conv_state [B,K-1,C] the last K-1 committed pre-conv rows; parents [B,N].
+    row K-1 steps up its chain); conv_state [B,K-1,C] the last K-1 committed pre-conv rows (or, with slots [B],
+    every slot's [S,K-1,C], row b's at slots[b]); parents [B,N].
     Returns silu(conv) [B,N,C] in x_tree's dtype (accumulated in float32, or float64 for float64 inputs): for every
     slot, what `qwen36.causal_conv` gives at the last token of its root->slot path started from conv_state.
     """
     kk = w.shape[1]
-    xx = jnp.concatenate([conv_state.astype(x_tree.dtype), x_tree], axis=1)  # [B, K-1+N, C]
     taps = tree_conv_taps(parents, kk)  # [B,N,K]
     a = _acc_dtype(x_tree.dtype)
-    acc = sum(jnp.take_along_axis(xx, taps[..., j, None], axis=1).astype(a) * w[:, j].astype(a) for j in range(kk))
+    acc = sum(_ext_rows(x_tree, conv_state, slots, taps[..., j]).astype(a) * w[:, j].astype(a) for j in range(kk))
     return jax.nn.silu(acc).astype(x_tree.dtype)
 
 
-def tree_conv_state(x_tree: jax.Array, conv_state: jax.Array, parents: jax.Array, node: jax.Array) -> jax.Array:
+def tree_conv_state(x_tree: jax.Array, conv_state: jax.Array, parents: jax.Array, node: jax.Array,
+                    slots: jax.Array | None = None) -> jax.Array:
     """New conv state after committing row b's root->node[b] path: its last K-1 pre-conv rows, oldest first
     (taking rows of the old conv_state when the path is shorter than K-1). node < 0 keeps conv_state.
 
-    x_tree [B,N,C], conv_state [B,K-1,C], parents [B,N], node [B] int -> [B,K-1,C] in conv_state's dtype.
+    x_tree [B,N,C], conv_state [B,K-1,C] (or with slots [B] every slot's [S,K-1,C]), parents [B,N], node [B] int
+    -> [B,K-1,C] in conv_state's dtype.
     """
     km1 = conv_state.shape[1]
     if km1 == 0:
-        return conv_state
-    xx = jnp.concatenate([conv_state.astype(x_tree.dtype), x_tree], axis=1)  # [B, K-1+N, C]
+        return conv_state if slots is None else conv_state[slots]
     prev = _ext_parents(parents, km1)
     n = x_tree.shape[1]
     cur = jnp.where(node >= 0, jnp.minimum(node, n - 1) + km1, km1 - 1).astype(jnp.int32)[:, None]  # [B,1]
@@ -100,4 +113,4 @@ def tree_conv_state(x_tree: jax.Array, conv_state: jax.Array, parents: jax.Array
         cur = jnp.take_along_axis(prev, cur, axis=1)
         rows.append(cur)
     idx = jnp.concatenate(rows[::-1], axis=1)  # [B,K-1]
-    return jnp.take_along_axis(xx, idx[..., None], axis=1).astype(conv_state.dtype)
+    return _ext_rows(x_tree, conv_state, slots, idx).astype(conv_state.dtype)
