@@ -158,6 +158,26 @@ def test_linear_routes_through_the_kernel(monkeypatch, weight):
     assert calls == []
 
 
+def test_multi_row_route_leaves_one_row_matmuls_to_xla(monkeypatch):
+    """``skinny_matmul=pallas_triton_multi_row``: a verify tree's or draft block's rows (2-64) go to the kernel, a
+    one-row decode matmul stays on XLA's dot."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((128, 256)), jnp.bfloat16)
+    calls: list = []
+    impl = registry.resolve("skinny_matmul", "pallas_triton_multi_row")
+    counting = lambda *a, **kw: calls.append(a[0].shape[0]) or impl.fn(*a, **kw)  # noqa: E731
+    monkeypatch.setitem(registry._REGISTRY["skinny_matmul"], "pallas_triton_multi_row",
+                        dataclasses.replace(impl, fn=counting))
+    monkeypatch.setenv(registry.ENV_VAR, "skinny_matmul=pallas_triton_multi_row")
+    x23 = jnp.asarray(rng.standard_normal((1, 23, 256)), jnp.bfloat16)
+    got = qwen36.linear(x23, w)
+    qwen36.linear(jnp.ones((1, 1, 256), jnp.bfloat16), w)
+    assert calls == [23]
+    monkeypatch.delenv(registry.ENV_VAR)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(qwen36.linear(x23, w), np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
 def test_model_with_the_kernel_equals_xla(monkeypatch):
     t = dj.load_target(f"{FIXTURES}/qwen36_tiny_a", dtype="float32")
     ids = [int(i) for i in np.random.default_rng(1).integers(0, 256, 12)]   # one 64-token bucket: M = 64

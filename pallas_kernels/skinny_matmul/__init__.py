@@ -266,15 +266,16 @@ def _unsharded_trace() -> bool:
 
 def route(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array | None:
     """``x [..., K] @ w [N, K]^T (* scale)`` as [..., N] float32 through the registry's ``skinny_matmul`` op when
-    it resolves to a kernel (``DFLASH_KERNELS=skinny_matmul=pallas_triton``; read at trace time), the
-    flattened M is <= 64, N >= 64 and the shape :func:`supports`, outside a tensor-parallel mesh context; None
+    it resolves to a kernel (``DFLASH_KERNELS=skinny_matmul=pallas_triton``, or ``=pallas_triton_multi_row`` for
+    M >= 2 only; read at trace time), the flattened M is <= 64, N >= 64 and the shape :func:`supports`, outside a tensor-parallel mesh context; None
     otherwise (the caller runs its XLA dot)."""
     impl = registry.resolve("skinny_matmul")
     if impl.name == "reference":
         return None
     n, k = w.shape
     m = math.prod(x.shape[:-1])
-    if n < MIN_ROUTE_N or not supports(m, n, k, x.dtype, w.dtype) or not _unsharded_trace():
+    if m < ROUTE_MIN_M.get(impl.name, 1) or n < MIN_ROUTE_N or not supports(m, n, k, x.dtype, w.dtype) \
+            or not _unsharded_trace():
         return None
     y = impl.fn(x.reshape(m, k), w, scale)
     return y.reshape(*x.shape[:-1], n)
@@ -282,6 +283,11 @@ def route(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Arr
 
 registry.register("skinny_matmul", "reference", skinny_matmul_reference, backends=("any",))
 registry.register("skinny_matmul", "pallas_triton", skinny_matmul_pallas, backends=("gpu",), preferred=False)
+# Opt-in: the kernel for matmuls of 2-64 rows only (a speculative round's verify tree and draft block), XLA's dot
+# for one-row decode (where XLA's GEMV was as fast or faster); ``ROUTE_MIN_M`` holds the smallest M each routes.
+registry.register("skinny_matmul", "pallas_triton_multi_row", skinny_matmul_pallas, backends=("gpu",),
+                  preferred=False)
+ROUTE_MIN_M = {"pallas_triton_multi_row": 2}
 
-__all__ = ["FORMS", "GEMV_MAX_M", "auto_split_k", "block_plan", "default_config", "default_form", "padded_m",
+__all__ = ["FORMS", "GEMV_MAX_M", "ROUTE_MIN_M", "auto_split_k", "block_plan", "default_config", "default_form", "padded_m",
            "route", "skinny_matmul_pallas", "skinny_matmul_reference", "supports"]
