@@ -197,6 +197,25 @@ def test_gdn_tree_checks_and_times(tmp_path):
     assert rec["extra"]["errors"] == {}
 
 
+def test_gdn_tree_commit_checks_times_and_sweeps(tmp_path):
+    """gdn_tree_commit: checked against the fp32 oracle, timed with its pool carried through the loop, swept."""
+    out = tmp_path / "k.json"
+    args = [a for a in TINY if a != "--no-sweep"]
+    rc = bench_main.main(["kernels", "--out", str(out), "--ops", "gdn_tree_commit", "--batches", "2", "--trees", "7",
+                          *args])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    f = rec["figures"]
+    assert f["gdn_tree_commit.ok"] == 1 and f["gdn_tree_commit.check.ok"] == 1
+    for name in ("kernel", "kernel_bv64", "reference"):
+        assert 0 <= f[f"gdn_tree_commit.check.c0.float32.{name}.rel_err"] <= 1e-5
+    for k in ("kernel_us", "reference_us", "speedup", "bytes_per_s", "bandwidth_fraction"):
+        assert f[f"gdn_tree_commit.b2.t7.{k}"] > 0
+    assert f["gdn_tree_commit.sweep.b2.t7.best_us"] > 0 and f["gdn_tree_commit.sweep.b2.t7.bv16.w4.kernel_us"] > 0
+    errors = rec["extra"]["errors"].get("gdn_tree_commit", [])  # only the sweep's tiles wider than the tiny dv = 16
+    assert set(rec["extra"]["errors"]) <= {"gdn_tree_commit"} and all("not a multiple" in e for e in errors)
+
+
 def test_gdn_tree_problem():
     import jax
     import numpy as np

@@ -1,6 +1,7 @@
 """``python -m dflash_jax.bench kernels --out FILE.json``: the Pallas kernels against their references on this device.
 
-For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gdn_step``, ``gdn_tree``):
+For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gdn_step``, ``gdn_tree``,
+``gdn_tree_commit``):
 
 1. **Check** (before any timing): the registered Pallas implementation (compiled for this device; interpret
    mode off GPU) and the XLA reference against an f32 oracle (the reference at HIGHEST matmul precision on
@@ -18,7 +19,10 @@ For every kernel op (``tree_attention``, ``paged_decode``, ``gdn_chunked``, ``gd
    measured in the same run (``device.copy_bytes_per_s``: ``y = x * 2`` over 1 GiB, read + write).
    ``gdn_tree`` (the tree-form delta rule of verification) is timed over batch x tree slots at the GDN head
    shapes (``gdn_tree.b{B}.t{N}.{kernel_us,reference_us,speedup,...}``; bytes: q, k, v, o, gates, the ancestor
-   mask, the state in, and the cache's V', gam and Gam out).
+   mask, the state in, and the cache's V', gam and Gam out). ``gdn_tree_commit`` (the accepted node's state
+   written into each row's slot, in place) likewise (``gdn_tree_commit.b{B}.t{N}.*``; bytes: the rows' states in
+   and out, the cache's keys, V' and the node's Gam row); its pool of slot states is carried through the timing
+   loop, so neither a copy of it nor a read of all of it is charged to the call.
    Each tree-attention case also times the paged decode kernel over the same prefix pages (one query token a
    sequence): ``tree_attention.b{B}.t{N}.p{P}.{paged_decode_us,vs_paged_decode}`` (the tree kernel's time over
    paged decode's for the same prefix bytes; the issue's bound is 1.5).
@@ -67,7 +71,7 @@ from dflash_jax.bench import results
 from dflash_jax.bench.timing import median_seconds
 from dflash_jax.kv import quant as kv_quant
 
-OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step", "gdn_tree")  # timing order: the first target first
+OPS = ("tree_attention", "paged_decode", "gdn_chunked", "gdn_step", "gdn_tree", "gdn_tree_commit")  # timing order: the first target first
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
@@ -113,6 +117,7 @@ class Problem:
     tables: jax.Array | None  # [n_sets, B, W] page tables over disjoint pages, or None
     perturb: int
     nbytes: int
+    carry: int | None = None  # an argument the op updates in place and returns (carried through the timing loop)
 
 
 def _pages(key, n_pages, ps, hkv, d, dtype):
@@ -220,6 +225,22 @@ def gdn_tree_problem(key, b, n, h, dk, dv, tree="best_first", n_pad=0, dtype=jnp
     return Problem((q, k, v, beta, g, s0, anc), None, 3, nbytes)
 
 
+def gdn_commit_problem(key, b, n, h, dk, dv, tree="best_first", n_pad=0) -> Problem:
+    """A commit after verification: ``gdn_tree_problem``'s trees verified by the reference from a pool of B + 1
+    slot states (row b in slot b + 1; slot 0 the null slot), each row committing its deepest slot. Args
+    ``(ssm_all, slots, k, vp, gam, decay, node)``; moves the B rows' states in and out and the cache's keys, V'
+    and the node's Gam row and gam in."""
+    from dflash_jax.models import gdn
+
+    q, k, v, beta, g, s0, anc = gdn_tree_problem(key, b, n, h, dk, dv, tree, n_pad).args
+    _, cache = jax.jit(gdn.gdn_tree_reference)(q, k, v, beta, g, s0, anc)
+    pool = jnp.concatenate([jnp.zeros((1, h, dk, dv), jnp.float32), s0])
+    slots = jnp.arange(1, b + 1, dtype=jnp.int32)
+    node = jnp.full((b,), n - n_pad - 1, jnp.int32)
+    nbytes = 4 * b * h * (2 * dk * dv + n * (dk + dv) + n + 1)
+    return Problem((pool, slots, cache.k, cache.vp, cache.gam, cache.decay, node), None, 4, nbytes, carry=0)
+
+
 def gdn_step_problem(key, b, h, dk, dv) -> Problem:
     """One decode token: ``gdn_problem`` with T = 1, squeezed; moves the state in and out once."""
     p = gdn_problem(key, b, 1, h, dk, dv)
@@ -257,6 +278,17 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
         kernel, pallas_fn, ref_fn = m.gdn_chunked, m.gdn_chunked_pallas, m.gdn_chunked_reference
         defaults = lambda args: m.default_config(args[0].shape[-1], args[2].shape[-1],  # noqa: E731
                                                  dtype=args[0].dtype)
+    elif op == "gdn_tree_commit":
+        from dflash_jax.models.gdn import TreeGDNCache
+        from pallas_kernels import gdn as m
+
+        def as_op(fn):  # the flat problem args -> the op's (ssm_all, slots, cache, node)
+            return lambda pool, slots, k, vp, gam, decay, node: fn(pool, slots, TreeGDNCache(k, vp, gam, decay), node)
+
+        kernel, pallas_fn, ref_fn = m.commit.gdn_tree_commit, as_op(m.gdn_tree_commit_pallas), as_op(
+            m.gdn_tree_commit_reference)
+        defaults = lambda args: dict(m.commit.default_config(args[3].shape[-1]),  # noqa: E731
+                                     precision=m.launch_precision(jnp.float32, current_backend()))
     elif op == "gdn_tree":
         from pallas_kernels import gdn as m
 
@@ -292,7 +324,7 @@ def check_cases(op: str, a: argparse.Namespace) -> list[dict]:
         cases = [dict(b=2, t=300, h=gh, dk=gd, dv=gd, n_pad=5), dict(b=1, t=33, h=4, dk=64, dv=32, n_pad=0)]
     elif op == "gdn_step":
         cases = [dict(b=8, h=a.gdn_heads, dk=a.gdn_dim, dv=a.gdn_dim), dict(b=3, h=5, dk=64, dv=32)]
-    elif op == "gdn_tree":  # a verify tree with padding slots, the deepest tree, a small odd one
+    elif op in ("gdn_tree", "gdn_tree_commit"):  # a verify tree with padding slots, the deepest tree, a small one
         gh, gd = a.gdn_heads, a.gdn_dim
         cases = [dict(b=2, n=23, h=gh, dk=gd, dv=gd, n_pad=3), dict(b=1, n=33, h=gh, dk=gd, dv=gd, tree="chain"),
                  dict(b=3, n=5, h=4, dk=64, dv=32)]
@@ -321,10 +353,10 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
             dtype = jnp.dtype(dt)
             key = jax.random.key(100 + ci)
             c = dict(case)
-            if op == "gdn_step":
+            if op in ("gdn_step", "gdn_tree_commit"):
                 if dt != "float32":
                     continue  # the model feeds the delta rule fp32
-                prob = gdn_step_problem(key, **c)
+                prob = (gdn_step_problem if op == "gdn_step" else gdn_commit_problem)(key, **c)
             elif op == "gdn_chunked":  # bfloat16: q, k, v in bf16 (bf16 dot operands), gates and state fp32
                 prob = gdn_problem(key, **c, dtype=dtype)
             elif op == "gdn_tree":  # likewise
@@ -348,6 +380,8 @@ def run_checks(op: str, a: argparse.Namespace, figures: dict, errors: dict) -> b
                 variants["kernel_bv64"] = lambda: explicit(*args, block_v=min(64, args[2].shape[-1]))
             elif op == "gdn_tree":
                 variants["kernel_bv16"] = lambda: explicit(*args, block_v=16)
+            elif op == "gdn_tree_commit":
+                variants["kernel_bv64"] = lambda: explicit(*args, block_v=min(64, args[3].shape[-1]), num_warps=8)
             else:
                 variants["kernel_s1"] = lambda: explicit(*args, num_partitions=1)
             for name, fn in variants.items():
@@ -394,7 +428,9 @@ TIMING_UNROLL = 8
 
 def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
     """Median seconds per call: ``steps`` calls in one jitted scan cycling over the page-table sets, with
-    ``args[perturb]`` shifted by ``0 * carry`` (not folded for floats) so no call is loop-invariant. The scan is
+    ``args[perturb]`` shifted by ``0 * carry`` (not folded for floats) so no call is loop-invariant; an op that
+    updates ``args[prob.carry]`` in place gets it carried through the loop (its output, of which only one element
+    is summed: no copy or whole read of it is charged to the call). The scan is
     unrolled ``TIMING_UNROLL`` times: a GPU while loop syncs with the host every iteration (~10+ us), which
     would otherwise be charged to every call of a microsecond-scale kernel (on CPU, where the kernels run in
     interpret mode, it is not unrolled: compile time)."""
@@ -403,23 +439,37 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
     arrays = [i for i, x in enumerate(prob.args) if isinstance(x, (jax.Array, kv_quant.QuantizedPages))]
     tables = prob.tables
 
-    @jax.jit
-    def loop(dyn, tables):
-        def body(acc, i):
+    carry = prob.carry
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def loop(carried, dyn, tables):
+        def body(state, i):
+            acc, carried = state
             a = list(prob.args)
             for j, x in zip(arrays, dyn):
                 a[j] = x
             if tables is not None:
                 a[3] = tables[i % tables.shape[0]]
+            if carry is not None:
+                a[carry] = carried
             a[prob.perturb] = a[prob.perturb] + (acc * 0.0).astype(a[prob.perturb].dtype)
             out = fn(*a)
-            return acc + sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(out)), None
+            if carry is not None:
+                return (acc + out.reshape(-1)[0].astype(jnp.float32), out), None
+            return (acc + sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(out)), carried), None
 
-        acc, _ = lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(steps), unroll=unroll)
+        (acc, carried), _ = lax.scan(body, (jnp.zeros((), jnp.float32), carried), jnp.arange(steps), unroll=unroll)
+        return acc, carried
+
+    dyn = tuple(prob.args[j] for j in arrays if j != carry)
+    arrays = [j for j in arrays if j != carry]
+    held = [jnp.copy(prob.args[carry]) if carry is not None else jnp.zeros(())]
+
+    def call():
+        acc, held[0] = loop(held[0], dyn, tables)
         return acc
 
-    dyn = tuple(prob.args[j] for j in arrays)
-    return median_seconds(lambda: loop(dyn, tables), repeats) / steps
+    return median_seconds(call, repeats) / steps
 
 
 GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' region first
@@ -428,6 +478,7 @@ GRIDS = {  # op -> (batches, prefixes, trees), full and --quick; the targets' re
     "gdn_chunked": (([1, 4, 16], [1024, 4096, 8192], [None]), ([1, 4], [2048], [None])),
     "gdn_step": (([1, 16, 64], [1], [None]), ([16, 64], [1], [None])),  # "prefix" 1 = one token
     "gdn_tree": (([16, 1], [None], [32, 16]), ([16], [None], [32])),  # no prefix: the tree alone
+    "gdn_tree_commit": (([1, 16], [None], [23, 32]), ([1], [None], [23])),
 }
 def _configs(base: dict, *variants: dict) -> list[dict]:
     """``base`` first, then ``base`` updated by each variant (duplicates dropped, order kept)."""
@@ -468,6 +519,9 @@ _GDN = ([dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4),
         + [dict(chunk=64, block_v=bv, num_warps=w) for bv, w in ((32, 8), (128, 4))]
         + [dict(chunk=32, block_v=bv, num_warps=w) for bv in (32, 64, 128) for w in (4, 8)]
         + [dict(chunk=32, block_v=bv, num_warps=4, num_stages=2) for bv in (32, 64)])  # most likely first: --budget-s
+# a commit moves state tiles: the programs a launch (block_v) and their warps
+_COMMIT = [dict(block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4), (64, 8), (16, 4), (16, 2), (128, 8), (32, 2),
+                                                    (128, 4))]
 SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, to tune default_config from
     "tree_attention": [((16, 16, 4096), _TREE),
                        ((16, 32, 4096), _TREE_T32),
@@ -488,6 +542,7 @@ SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, 
                  # 27B round 37.8 vs 26.8 ms with blocked at tf32x3)
                  ((1, 23, None), [dict(block_v=bv, num_warps=w, solve=sv, precision="tf32x3")
                                   for bv, w in ((64, 8), (32, 4)) for sv in ("substitution", "blocked", "doubling")])],
+    "gdn_tree_commit": [((1, 23, None), _COMMIT), ((16, 32, None), _COMMIT)],
 }
 SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
          "target_programs": "tp", "num_partitions": "s", "block_v": "bv", "chunk": "c", "precision": "p",
@@ -503,8 +558,8 @@ def grid(op: str, a: argparse.Namespace) -> list[tuple]:
     """(batch, tree slots or None, prefix) cases of ``op``, without those above ``--max-tokens``."""
     batches, prefixes, trees = GRIDS[op][1 if a.quick else 0]
     batches = a.batches or batches
-    prefixes = [1] if op == "gdn_step" else [None] if op == "gdn_tree" else (a.prefixes or prefixes)
-    trees = (a.trees or trees) if op in ("tree_attention", "gdn_tree") else [None]
+    prefixes = [1] if op == "gdn_step" else [None] if op in ("gdn_tree", "gdn_tree_commit") else (a.prefixes or prefixes)
+    trees = (a.trees or trees) if op in ("tree_attention", "gdn_tree", "gdn_tree_commit") else [None]
     return [(b, n, p) for b in batches for n in trees for p in prefixes if b * (p or 1) <= a.max_tokens]
 
 
@@ -516,6 +571,8 @@ def _problem(op, a, b, n, p, dtype, rng):
         return gdn_step_problem(key, b, a.gdn_heads, a.gdn_dim, a.gdn_dim)
     if op == "gdn_tree":
         return gdn_tree_problem(key, b, n, a.gdn_heads, a.gdn_dim, a.gdn_dim, dtype=jnp.dtype(a.gdn_dtype))
+    if op == "gdn_tree_commit":
+        return gdn_commit_problem(key, b, n, a.gdn_heads, a.gdn_dim, a.gdn_dim)
     set_bytes = b * p * a.kv_heads * a.head_dim * 2 * dtype.itemsize
     n_sets = int(np.clip(-(-(256 << 20) // max(set_bytes, 1)), 2, 16))  # >= 256 MiB of distinct pages: not in L2
     if op == "paged_decode":
@@ -535,7 +592,7 @@ def sweep_cases(op: str, a: argparse.Namespace) -> list[tuple]:
         return cases
     out = []
     (b0, n0, p0), _ = cases[0]
-    fixed_prefix = op in ("gdn_step", "gdn_tree")
+    fixed_prefix = op in ("gdn_step", "gdn_tree", "gdn_tree_commit")
     for b in a.batches or [b0]:
         for n in (a.trees or [n0]) if n0 else [None]:
             for p in [p0] if fixed_prefix else (a.prefixes or [p0]):
@@ -551,7 +608,7 @@ def run_sweep(op: str, a: argparse.Namespace, copy_bw: float, figures: dict, err
     printed): data to pick the per-device defaults from."""
     _, ref_fn, explicit = implementations(op)
     dtype = jnp.dtype(a.dtype)
-    tol = TOL[a.gdn_dtype if op in ("gdn_chunked", "gdn_tree") else a.dtype]
+    tol = TOL["float32" if op == "gdn_tree_commit" else a.gdn_dtype if op in ("gdn_chunked", "gdn_tree") else a.dtype]
     for (b, n, p), configs in sweep_cases(op, a):
         case = _tag(op, b, n, p)[len(op) + 1:]
         if time.perf_counter() > deadline:
