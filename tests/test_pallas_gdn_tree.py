@@ -6,6 +6,8 @@ verify pass with the kernel."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -112,6 +114,32 @@ def test_state_read_from_the_slot_pool_in_place(solve):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
     with pytest.raises(ValueError, match="disagree"):
         run_kernel((q, k, v, beta, g, pool, anc, slots[:2]), block_v=16)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_gated_kernel_forms_q_k_v_and_gates_as_the_model_does(pooled):
+    """``gdn_tree_gated``: from post-conv rows (two value heads a key head, bf16 like the conv's output), raw gates
+    and the valid mask, the same o and cache as ``gdn_qkv_gates`` then the tree reference."""
+    from dflash_jax.models import qwen36
+    from pallas_kernels.gdn import gdn_tree_gated
+
+    b, n, hk, hv, dk, dv = 2, 13, 2, 4, 16, 32
+    rng = np.random.default_rng(9)
+    c = jnp.asarray(rng.standard_normal((b, n, 2 * hk * dk + hv * dv)), jnp.bfloat16)
+    braw, araw = (jnp.asarray(rng.standard_normal((b, n, hv)), jnp.float32) for _ in range(2))
+    a_log, dt_bias = jnp.asarray(rng.uniform(-1, 1, hv), jnp.float32), jnp.asarray(rng.uniform(-1, 1, hv), jnp.float32)
+    valid = jnp.asarray(np.arange(n)[None] < np.array([[n], [n - 3]]))
+    anc = jnp.asarray(np_ancestors(random_parents(rng, b, n, 0.0)))
+    pool = jnp.asarray(rng.standard_normal((4, hv, dk, dv)), jnp.float32)
+    slots = jnp.asarray([3, 1], jnp.int32)
+    state, sl = (pool, slots) if pooled else (pool[slots], None)
+    args = (c, braw, araw, a_log, dt_bias, valid, state, anc, sl)
+    ref = jax.jit(functools.partial(qwen36.gdn_tree_gated_reference, n_k_heads=hk))(*args)
+    out = gdn_tree_gated.lower(*args, n_k_heads=hk, block_v=16, interpret=True).compile(
+        compiler_options=FAST_COMPILE)(*args)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        assert rel_err(a, r) <= 2e-6, rel_err(a, r)
 
 
 def test_padding_slot_sees_only_itself():
@@ -281,8 +309,8 @@ def test_routed_kernel_runs_within_one_resident_wave(monkeypatch):
 
 
 def test_model_verify_with_kernel_equals_reference(monkeypatch):
-    """The tiny target's verify pass (GDN dk = dv = 32) and the commit from its scratch (the tree and commit
-    kernels), vs the references."""
+    """The tiny target's verify pass (GDN dk = dv = 32) and the commit from its scratch (the tree, gated tree and
+    commit kernels), vs the references."""
     from test_tree_verify import _state_after_prompt, _tree_input, target
 
     from dflash_jax.models import qwen36
@@ -309,6 +337,11 @@ def test_model_verify_with_kernel_equals_reference(monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     h_ref, ssm_ref = run()
     monkeypatch.setenv(registry.ENV_VAR, "gdn_tree=pallas_triton,gdn_tree_commit=pallas_triton")
+    h, ssm = run()
+    np.testing.assert_allclose(h, h_ref, atol=1e-4)
+    for a, b in zip(ssm, ssm_ref):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    monkeypatch.setenv(registry.ENV_VAR, "gdn_tree_gated=pallas_triton,gdn_tree_commit=pallas_triton")
     h, ssm = run()
     np.testing.assert_allclose(h, h_ref, atol=1e-4)
     for a, b in zip(ssm, ssm_ref):

@@ -163,6 +163,14 @@ def test_gdn_tree_lowers(platform, dtype, n, solve):
     pooled = lower(platform, fn, x, x, sd((b, n, h, dv), dtype), gates, gates, sd((33, h, dk, dv), jnp.float32),
                    sd((b, n, n), jnp.bool_), sd((b,), jnp.int32))  # the state read from the slot pool in place
     assert "__gpu$xla.gpu.triton" in pooled
+    if dtype == jnp.float32 and solve == "substitution":  # the gated form: q, k, v, gates from the post-conv rows
+        gated = lambda *a: gdn.gdn_tree_gated(  # noqa: E731
+            *a, n_k_heads=CFG.lin_num_k_heads, block_v=cfg["block_v"], num_warps=cfg["num_warps"],
+            precision=gdn.launch_precision(dtype, platform))
+        text = lower(platform, gated, sd((b, n, CFG.conv_dim), jnp.bfloat16), gates, gates, sd((h,), jnp.float32),
+                     sd((h,), jnp.float32), sd((b, n), jnp.bool_), sd((33, h, dk, dv), jnp.float32),
+                     sd((b, n, n), jnp.bool_), sd((b,), jnp.int32))
+        assert "__gpu$xla.gpu.triton" in text and "gdn_tree_gated_n" in text
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))

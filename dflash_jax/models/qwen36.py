@@ -370,6 +370,27 @@ def gdn_qkv_gates(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Arr
     return jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2), v, beta, g
 
 
+def gdn_tree_gated(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots=None, *, n_k_heads: int,
+                   groups: int = 1):
+    """:func:`gdn_tree_gated_reference`'s contract through the kernel registry's ``"gdn_tree_gated"`` op (opt-in on a
+    GPU: ``DFLASH_KERNELS=gdn_tree_gated=pallas_triton``, the tree kernel forming q, k, v and the gates itself)."""
+    from pallas_kernels import registry
+
+    return registry.get("gdn_tree_gated")(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots,
+                                          n_k_heads=n_k_heads, groups=groups)
+
+
+def gdn_tree_gated_reference(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots=None, *,
+                             n_k_heads: int, groups: int = 1):
+    """A GDN layer's tree delta rule from its post-conv rows: :func:`gdn_qkv_gates` then ``gdn.gdn_tree``.
+
+    c [B,N,C] post-conv rows, braw / araw [B,N,Hv] raw gates, a_log / dt_bias [Hv], valid [B,N], state / ancestors /
+    slots as ``gdn.gdn_tree``. Returns (o [B,N,Hv,dv], TreeGDNCache)."""
+    q, k, v, beta, g = gdn_qkv_gates(c, braw, araw, a_log, dt_bias, valid, n_k_heads=n_k_heads,
+                                     v_dim=state.shape[-1], groups=groups)
+    return gdn.gdn_tree(q, k, v, beta, g, state, ancestors, slots)
+
+
 def gdn_output(p: Params, cfg: TargetConfig, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
     """Gated output norm and out_proj: o, z [B,T,Hv,dv] -> [B,T,D] in ``dtype``."""
     b, t = o.shape[:2]
@@ -569,8 +590,9 @@ def forward_tree(params: Params, cfg: TargetConfig, tree: TreeInput, kv: KVPages
             pg = p["gdn"]
             x, z, braw, araw = gdn_project(pg, cfg, u)
             c = tree_ops.tree_conv(x, pg["conv"], rec.conv[gi], tree.parents, tree.slots)
-            q, k, v, beta, g = gdn_inputs(pg, cfg, c, braw, araw, tree.valid)
-            o, cache = gdn.gdn_tree(q, k, v, beta, g, rec.ssm[gi].astype(braw.dtype), tree.ancestors, tree.slots)
+            o, cache = gdn_tree_gated(c, braw, araw, pg["A_log"], pg["dt_bias"], tree.valid,
+                                      rec.ssm[gi].astype(braw.dtype), tree.ancestors, tree.slots,
+                                      n_k_heads=cfg.lin_num_k_heads, groups=cfg.gdn_qkv_groups)
             out = gdn_output(pg, cfg, o, z, u.dtype)
             xs.append(x)
             caches.append(cache)

@@ -25,6 +25,14 @@ launch of more than ``TREE_MAX_PROGRAMS`` programs (one resident wave) runs the 
 ``DFLASH_KERNELS=gdn_tree=reference`` turns it off. Trees over 64 slots or tiles that do not fit run the
 reference, with a warning.
 
+``"gdn_tree_gated"`` (signature ``(c [B,N,C], braw, araw [B,N,Hv], a_log, dt_bias [Hv], valid [B,N], state, ancestors,
+slots=None, *, n_k_heads, groups) -> (o, TreeGDNCache)``, as ``qwen36.forward_tree`` calls ``qwen36.gdn_tree_gated``:
+a GDN layer's tree delta rule from its post-conv rows): ``"reference"`` = ``qwen36.gdn_tree_gated_reference``
+(``gdn_qkv_gates`` then the ``"gdn_tree"`` op, so on a GPU the tree kernel above); ``"pallas_triton"`` (opt-in until
+timed) = :func:`tree.gdn_tree_gated`, the tree kernel forming the L2-normalised q / k, the masked v and the gates
+from the post-conv rows in registers (no q / k / v / gate arrays between the conv and the kernel), routed as
+``gdn_tree``.
+
 ``"gdn_tree_commit"`` (signature ``(ssm_all [S,Hv,dk,dv], slots [B], cache: TreeGDNCache, node [B]) -> ssm_all``, as
 ``qwen36.commit_tree`` calls ``gdn.tree_commit``: the accepted path's state written into each row's slot):
 ``"reference"`` = ``gdn.tree_commit_reference`` (gather, ``tree_node_state``, scatter); ``"pallas_triton"`` =
@@ -58,7 +66,7 @@ from pallas_kernels.gdn.reference import (gdn_chunked_reference, gdn_decode_refe
                                           gdn_tree_commit_reference, gdn_tree_reference)
 from pallas_kernels.gdn.tree import block_plan as tree_block_plan
 from pallas_kernels.gdn.tree import default_config as tree_default_config
-from pallas_kernels.gdn.tree import SOLVES, gdn_tree
+from pallas_kernels.gdn.tree import SOLVES, gdn_tree, gdn_tree_gated
 from pallas_kernels.paged_decode.kernel import N_SM_TARGET
 
 
@@ -134,6 +142,40 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
                     interpret=backend not in registry.GPU_BACKENDS)
 
 
+def gdn_tree_gated_pallas(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots=None, *, n_k_heads: int,
+                          groups: int = 1):
+    """The registered gated tree kernel (:func:`tree.gdn_tree_gated` with :func:`tree.default_config`), routed as
+    :func:`gdn_tree_pallas` (past one resident wave the unfused path runs); channel layouts other than the
+    checkpoint's (``groups > 1``) and tiles that cannot be taken run the unfused path, with a warning."""
+    from dflash_jax.models.qwen36 import gdn_tree_gated_reference
+
+    args = (c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots)
+    backend = registry.current_backend()
+    n, hv = braw.shape[1], braw.shape[2]
+    dk, dv = state.shape[-2], state.shape[-1]
+    cfg = tree_default_config(n, dk, dv, dtype=braw.dtype, backend=backend)
+    if tree_programs(braw.shape[0], hv, dv, cfg["block_v"]) > TREE_MAX_PROGRAMS:
+        return gdn_tree_gated_reference(*args, n_k_heads=n_k_heads, groups=groups)
+    try:
+        if groups != 1:
+            raise ValueError(f"gdn_tree_gated: the kernel reads the checkpoint's [q | k | v] channels; groups={groups}")
+        if (2 * n_k_heads * dk) % cfg["block_v"]:
+            raise ValueError(f"gdn_tree_gated: value channels at {2 * n_k_heads * dk}, block_v {cfg['block_v']}")
+        tree_block_plan(n=n, dk=dk, dv=dv, block_v=cfg["block_v"],
+                        itemsize=jnp.dtype(operand_dtype(default_precision(braw.dtype))).itemsize, backend=backend)
+    except ValueError as e:
+        registry.warn_fallback("gdn_tree_gated", e)
+        return gdn_tree_gated_reference(*args, n_k_heads=n_k_heads, groups=groups)
+    return gdn_tree_gated(*args, n_k_heads=n_k_heads, **cfg, precision=launch_precision(braw.dtype, backend),
+                          interpret=backend not in registry.GPU_BACKENDS)
+
+
+def _gated_reference(*args, **kw):
+    from dflash_jax.models.qwen36 import gdn_tree_gated_reference
+
+    return gdn_tree_gated_reference(*args, **kw)
+
+
 def gdn_tree_commit_pallas(ssm_all: jax.Array, slots: jax.Array, cache, node: jax.Array) -> jax.Array:
     """The registered commit kernel (:func:`commit.gdn_tree_commit`, :func:`commit.default_config`, the update dot at
     :func:`launch_precision`); trees its tiles cannot take run the reference, with a warning."""
@@ -177,6 +219,8 @@ registry.register("gdn_step", "pallas_triton", gdn_step_pallas, backends=("gpu",
 registry.register("gdn_tree", "reference", gdn_tree_reference, backends=("any",))
 registry.register("gdn_decode", "reference", gdn_decode_reference, backends=("any",))
 registry.register("gdn_tree_commit", "reference", gdn_tree_commit_reference, backends=("any",))
+registry.register("gdn_tree_gated", "reference", lambda *a, **kw: _gated_reference(*a, **kw), backends=("any",))
+registry.register("gdn_tree_gated", "pallas_triton", gdn_tree_gated_pallas, backends=("gpu",), preferred=False)
 registry.register("gdn_tree_commit", "pallas_triton", gdn_tree_commit_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_decode", "pallas_triton_one_kernel", functools.partial(gdn_decode_pallas, split=False),
@@ -191,5 +235,5 @@ for _solve in SOLVES:
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
            "launch_precision",
            "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
-           "gdn_tree_commit_pallas", "gdn_tree_commit_reference", "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "tree_programs", "TREE_MAX_PROGRAMS", "step_block_plan", "tree_block_plan",
+           "gdn_tree_commit_pallas", "gdn_tree_commit_reference", "gdn_tree_gated", "gdn_tree_gated_pallas", "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "tree_programs", "TREE_MAX_PROGRAMS", "step_block_plan", "tree_block_plan",
            "tree_default_config"]

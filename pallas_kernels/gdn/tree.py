@@ -149,18 +149,28 @@ def _inverse_product(m: jax.Array, dot) -> jax.Array:
     return t
 
 
-def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, block_v: int):
-    # refs: q_ref, k_ref [N, dk]; v_ref [N, BV]; beta_ref, g_ref [N]; anc_ref [N, N] int8; (pooled: slot_ref [B] and
-    # s_ref [S, H, dk, dv] whole, row b's S0 at its slot; else s_ref [dk, BV]); o_ref [N, BV]; vp_ref [N, BV];
-    # gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k).
+def _softplus(x):
+    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+
+
+def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, gated: bool, block_v: int):
+    # refs: the delta rule's inputs: q_ref, k_ref [N, dk]; v_ref [N, BV]; beta_ref, g_ref [N]
+    #   (gated: the post-conv channels cq_ref, ck_ref [N, dk], cv_ref [N, BV] of this head, braw_ref, araw_ref [N],
+    #   valid_ref [N] int8, alog_ref, dtb_ref [Hv] whole: q, k, v, beta, g formed here as ``gdn_qkv_gates`` does);
+    # anc_ref [N, N] int8; (pooled: slot_ref [B] and s_ref [S, H, dk, dv] whole, row b's S0 at its slot; else s_ref
+    # [dk, BV]); o_ref [N, BV]; vp_ref [N, BV]; gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k).
     # N = the padded slot count: slots >= n_valid are past the arrays' ends, masked on load (zeros: beta = g = 0,
     # k = v = 0, a padding slot that sees only itself) and on store.
+    refs = list(refs)
+    n_in = 8 if gated else 5
+    inputs, refs = refs[:n_in], refs[n_in:]
+    anc_ref = refs.pop(0)
     if pooled:
-        q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, slot_ref, s_pool, o_ref, vp_ref, gam_ref, decay_ref, k_out_ref \
-            = refs
+        slot_ref, s_pool = refs.pop(0), refs.pop(0)
         s_ref = s_pool.at[slot_ref[pl.program_id(0)], pl.program_id(1), :, pl.ds(pl.program_id(2) * block_v, block_v)]
     else:
-        q_ref, k_ref, v_ref, beta_ref, g_ref, anc_ref, s_ref, o_ref, vp_ref, gam_ref, decay_ref, k_out_ref = refs
+        s_ref = refs.pop(0)
+    o_ref, vp_ref, gam_ref, decay_ref, k_out_ref = refs
     f32 = jnp.float32
     opd, prec = _dot_dtype_and_precision(precision)
     dot = functools.partial(plt.dot, precision=prec)
@@ -184,11 +194,28 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
     rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     anc = (load(anc_ref, m2) != 0) | (rows == cols)  # reflexive even if the caller's is not
-    beta = load(beta_ref, m0).astype(f32)
-    g = load(g_ref, m0).astype(f32)
+    if gated:
+        cq_ref, ck_ref, cv_ref, braw_ref, araw_ref, valid_ref, alog_ref, dtb_ref = inputs
+        h = pl.program_id(1)
+        mask = (load(valid_ref, m0) != 0).astype(f32)  # [N]: 0 on invalid and past-the-end slots
+        dk = ck_ref.shape[-1]
+        q = load(cq_ref, m1).astype(f32)
+        q = q * lax.rsqrt(jnp.sum(q * q, axis=1) + 1e-6)[:, None] * (dk ** -0.5)
+        k_in = load(ck_ref, m1).astype(f32)
+        k_in = k_in * (lax.rsqrt(jnp.sum(k_in * k_in, axis=1) + 1e-6) * mask)[:, None]
+        v_in = load(cv_ref, m1).astype(f32) * mask[:, None]
+        beta = mask / (1.0 + jnp.exp(-load(braw_ref, m0).astype(f32)))
+        g = (-jnp.exp(alog_ref[h].astype(f32)) * _softplus(load(araw_ref, m0).astype(f32) + dtb_ref[h].astype(f32))
+             * mask)
+    else:
+        q_ref, k_ref, v_ref, beta_ref, g_ref = inputs
+        beta = load(beta_ref, m0).astype(f32)
+        g = load(g_ref, m0).astype(f32)
+        k_in = load(k_ref, m1)
+        v_in = load(v_ref, m1)
+        q = load(q_ref, m1)
     gam = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # A g: log-decay along each root->i path
     decay = jnp.where(anc, jnp.exp(jnp.where(anc, gam[:, None] - gam[None, :], 0.0)), 0.0)  # masked before exp
-    k_in = load(k_ref, m1)
     k = k_in.astype(opd)
     kk = dot(k, k, trans_b=True)
     m = jnp.where(anc & (rows > cols), beta[:, None] * kk * decay, 0.0)  # strictly lower: what the solve reads
@@ -206,11 +233,10 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
         t = _inverse_substitution(m, n_valid)
     t_op = t.astype(opd)
     kb = (k.astype(f32) * (beta * jnp.exp(gam))[:, None]).astype(opd)
-    vb = (load(v_ref, m1).astype(f32) * beta[:, None]).astype(opd)
+    vb = (v_in.astype(f32) * beta[:, None]).astype(opd)
     s_op = s_ref[...].astype(f32).astype(opd)
     w = dot(t_op, kb)
     vp = dot(t_op, vb) - dot(w.astype(opd), s_op)  # V' [N, BV]
-    q = load(q_ref, m1)
     qg = (q.astype(f32) * jnp.exp(gam)[:, None]).astype(opd)
     p = (dot(q.astype(opd), k, trans_b=True) * decay).astype(opd)
     o = dot(qg, s_op) + dot(p, vp.astype(opd))
@@ -295,7 +321,7 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
     np_ = plan["n_pad"]
     sdt = state.dtype
     kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve, pooled=pooled,
-                               block_v=block_v)
+                               gated=False, block_v=block_v)
     state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else  # slots; the whole pool
                    [pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c))])  # state columns
     state_args = (slots.astype(jnp.int32), state) if pooled else (state,)
@@ -327,4 +353,87 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"gdn_tree_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
     )(q, k, v, beta, g, ancestors.astype(jnp.int8), *state_args)
+    return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
+
+
+@functools.partial(jax.jit, static_argnames=("n_k_heads", "block_v", "num_warps", "precision", "solve", "interpret"))
+def gdn_tree_gated(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Array, dt_bias: jax.Array,
+                   valid: jax.Array, state: jax.Array, ancestors: jax.Array, slots: jax.Array | None = None, *,
+                   n_k_heads: int, block_v: int = 64, num_warps: int = 4, precision: str | None = None,
+                   solve: str = "substitution", interpret: bool = False):
+    """:func:`gdn_tree` from a GDN layer's post-conv rows: ``dflash_jax.models.qwen36.gdn_tree_gated``'s contract
+    (``gdn_qkv_gates`` then the tree delta rule) in one kernel. Each program reads its head's q / k channels (key
+    head ``h // (Hv / n_k_heads)``) and its value columns straight from ``c`` and forms the L2-normalised q, k, the
+    masked v and ``beta = sigmoid(b)``, ``g = -exp(A_log) softplus(a + dt_bias)`` in registers, so none of them
+    is materialised between the conv and the kernel.
+
+    c [B, N, C] (``[q | k | v]`` channels, the checkpoint's layout), braw, araw [B, N, Hv] (fp32), a_log, dt_bias
+    [Hv], valid [B, N]; state, ancestors, slots as :func:`gdn_tree`. Returns (o [B, N, Hv, dv], TreeGDNCache) in
+    braw's dtype.
+    """
+    from dflash_jax.models.gdn import TreeGDNCache
+
+    b, n, ch = c.shape
+    hv = braw.shape[-1]
+    dv = state.shape[-1]
+    dk = state.shape[-2]
+    hk = n_k_heads
+    key_dim = hk * dk
+    pooled = slots is not None
+    if 2 * key_dim + hv * dv != ch or hv % hk or braw.shape != (b, n, hv) or araw.shape != (b, n, hv) \
+            or a_log.shape != (hv,) or dt_bias.shape != (hv,) or valid.shape != (b, n) \
+            or state.shape[1] != hv or (not pooled and state.shape[0] != b) \
+            or (pooled and slots.shape != (b,)) or ancestors.shape != (b, n, n):
+        raise ValueError(f"gdn_tree_gated: c {c.shape}, braw {braw.shape}, araw {araw.shape}, a_log {a_log.shape}, "
+                         f"valid {valid.shape}, state {state.shape}, ancestors {ancestors.shape} disagree for "
+                         f"{hk} key heads")
+    if solve not in SOLVES:
+        raise ValueError(f"gdn_tree_gated: solve={solve!r}; expected one of {SOLVES}")
+    if (2 * key_dim) % block_v:
+        raise ValueError(f"gdn_tree_gated: the value channels start at {2 * key_dim}, not a multiple of "
+                         f"block_v={block_v}")
+    f = braw.dtype
+    precision = precision or default_precision(f)
+    opd = operand_dtype(precision)
+    if precision == "tf32x3" and interpret:
+        raise ValueError("gdn_tree_gated: precision='tf32x3' needs a GPU (XLA:CPU has no TF32 dot); use 'fp32'")
+    plan = block_plan(n=n, dk=dk, dv=dv, block_v=block_v, itemsize=jnp.dtype(opd).itemsize)
+    np_ = plan["n_pad"]
+    r = hv // hk
+    v0, vb = 2 * key_dim // block_v, dv // block_v  # the value channels' first block, blocks per head
+    kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve, pooled=pooled,
+                               gated=True, block_v=block_v)
+    state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else
+                   [pl.BlockSpec((None, None, dk, block_v), lambda i, j, cc: (i, j, 0, cc))])
+    state_args = (slots.astype(jnp.int32), state) if pooled else (state,)
+    o, vp, gam, decay, k_hf = pl.pallas_call(
+        kernel,
+        grid=(b, hv, plan["n_v_blocks"]),
+        in_specs=[
+            pl.BlockSpec((None, np_, dk), lambda i, j, cc: (i, 0, j // r)),                 # q channels
+            pl.BlockSpec((None, np_, dk), lambda i, j, cc: (i, 0, hk + j // r)),            # k channels
+            pl.BlockSpec((None, np_, block_v), lambda i, j, cc: (i, 0, v0 + j * vb + cc)),  # v columns
+            pl.BlockSpec((None, np_, None), lambda i, j, cc: (i, 0, j)),                    # raw beta gate
+            pl.BlockSpec((None, np_, None), lambda i, j, cc: (i, 0, j)),                    # raw decay gate
+            pl.BlockSpec((None, np_), lambda i, j, cc: (i, 0)),                             # valid
+            pl.no_block_spec, pl.no_block_spec,                                             # A_log, dt_bias
+            pl.BlockSpec((None, np_, np_), lambda i, j, cc: (i, 0, 0)),                     # ancestor mask
+            *state_specs,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, np_, None, block_v), lambda i, j, cc: (i, 0, j, cc)),
+            pl.BlockSpec((None, None, np_, block_v), lambda i, j, cc: (i, j, 0, cc)),
+            pl.BlockSpec((None, None, np_), lambda i, j, cc: (i, j, 0)),
+            pl.BlockSpec((None, None, np_, np_), lambda i, j, cc: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, np_, dk), lambda i, j, cc: (i, j, 0, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, n, hv, dv), f),
+                   jax.ShapeDtypeStruct((b, hv, n, dv), state.dtype),
+                   jax.ShapeDtypeStruct((b, hv, n), state.dtype),
+                   jax.ShapeDtypeStruct((b, hv, n, n), state.dtype),
+                   jax.ShapeDtypeStruct((b, hv, n, dk), f)],
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"gdn_tree_gated_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
+    )(c, c, c, braw, araw, valid.astype(jnp.int8), a_log, dt_bias, ancestors.astype(jnp.int8), *state_args)
     return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
