@@ -194,18 +194,21 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
     rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     anc = (load(anc_ref, m2) != 0) | (rows == cols)  # reflexive even if the caller's is not
-    # q and v are loaded after the solve (load_q / load_v): held across its loop they cost registers (the 27B B1
-    # round on an H100 went 25.7 -> 35.7 ms with both loaded up front)
+    # k is loaded after gam / Gam, q and v after the solve (load_k / load_q / load_v), as before the gated form
+    # existed: with q and v loaded up front the 27B B1 round on an H100 went 25.7 -> 35.7 ms (their registers held
+    # across the solve's loop, most likely)
     if gated:
         cq_ref, ck_ref, cv_ref, braw_ref, araw_ref, valid_ref, alog_ref, dtb_ref = inputs
         h = pl.program_id(1)
         mask = (load(valid_ref, m0) != 0).astype(f32)  # [N]: 0 on invalid and past-the-end slots
         dk = ck_ref.shape[-1]
-        k_in = load(ck_ref, m1).astype(f32)
-        k_in = k_in * (lax.rsqrt(jnp.sum(k_in * k_in, axis=1) + 1e-6) * mask)[:, None]
         beta = mask / (1.0 + jnp.exp(-load(braw_ref, m0).astype(f32)))
         g = (-jnp.exp(alog_ref[h].astype(f32)) * _softplus(load(araw_ref, m0).astype(f32) + dtb_ref[h].astype(f32))
              * mask)
+
+        def load_k():
+            k = load(ck_ref, m1).astype(f32)
+            return k * (lax.rsqrt(jnp.sum(k * k, axis=1) + 1e-6) * mask)[:, None]
 
         def load_v():
             return load(cv_ref, m1).astype(f32) * mask[:, None]
@@ -217,11 +220,12 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
         q_ref, k_ref, v_ref, beta_ref, g_ref = inputs
         beta = load(beta_ref, m0).astype(f32)
         g = load(g_ref, m0).astype(f32)
-        k_in = load(k_ref, m1)
+        load_k = functools.partial(load, k_ref, m1)
         load_v = functools.partial(load, v_ref, m1)
         load_q = functools.partial(load, q_ref, m1)
     gam = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # A g: log-decay along each root->i path
     decay = jnp.where(anc, jnp.exp(jnp.where(anc, gam[:, None] - gam[None, :], 0.0)), 0.0)  # masked before exp
+    k_in = load_k()
     k = k_in.astype(opd)
     kk = dot(k, k, trans_b=True)
     m = jnp.where(anc & (rows > cols), beta[:, None] * kk * decay, 0.0)  # strictly lower: what the solve reads
