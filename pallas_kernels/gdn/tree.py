@@ -311,8 +311,6 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
     ``TreeGDNCache(k [B,H,N,dk], vp [B,H,N,dv], gam [B,H,N], decay [B,H,N,N])`` with vp / gam / decay in
     state's dtype). ``precision`` / ``solve``: see the module docstring.
     """
-    from dflash_jax.models.gdn import TreeGDNCache
-
     b, n, h, dk = q.shape
     dv = v.shape[-1]
     pooled = slots is not None
@@ -322,49 +320,17 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
         raise ValueError(f"gdn_tree: q {q.shape}, k {k.shape}, v {v.shape}, beta {beta.shape}, g {g.shape}, "
                          f"state {state.shape}, ancestors {ancestors.shape}"
                          f"{'' if slots is None else f', slots {slots.shape}'} disagree")
-    if solve not in SOLVES:
-        raise ValueError(f"gdn_tree: solve={solve!r}; expected one of {SOLVES}")
-    precision = precision or default_precision(q.dtype)
-    opd = operand_dtype(precision)
-    if precision == "tf32x3" and interpret:
-        raise ValueError("gdn_tree: precision='tf32x3' needs a GPU (XLA:CPU has no TF32 dot); use 'fp32'")
-    plan = block_plan(n=n, dk=dk, dv=dv, block_v=block_v, itemsize=jnp.dtype(opd).itemsize)
-    np_ = plan["n_pad"]
-    sdt = state.dtype
-    kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve, pooled=pooled,
-                               gated=False, block_v=block_v)
-    state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else  # slots; the whole pool
-                   [pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c))])  # state columns
-    state_args = (slots.astype(jnp.int32), state) if pooled else (state,)
-    o, vp, gam, decay, k_hf = pl.pallas_call(  # blocks of np_ >= n slots: the kernel masks the slots past n
-        kernel,
-        grid=(b, h, plan["n_v_blocks"]),
-        in_specs=[
-            pl.BlockSpec((None, np_, None, dk), lambda i, j, c: (i, 0, j, 0)),          # q
-            pl.BlockSpec((None, np_, None, dk), lambda i, j, c: (i, 0, j, 0)),          # k
-            pl.BlockSpec((None, np_, None, block_v), lambda i, j, c: (i, 0, j, c)),     # v columns
-            pl.BlockSpec((None, np_, None), lambda i, j, c: (i, 0, j)),                 # beta
-            pl.BlockSpec((None, np_, None), lambda i, j, c: (i, 0, j)),                 # g
-            pl.BlockSpec((None, np_, np_), lambda i, j, c: (i, 0, 0)),                  # ancestor mask
-            *state_specs,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, np_, None, block_v), lambda i, j, c: (i, 0, j, c)),     # o
-            pl.BlockSpec((None, None, np_, block_v), lambda i, j, c: (i, j, 0, c)),     # V'
-            pl.BlockSpec((None, None, np_), lambda i, j, c: (i, j, 0)),                 # gam (value block 0)
-            pl.BlockSpec((None, None, np_, np_), lambda i, j, c: (i, j, 0, 0)),         # Gam (value block 0)
-            pl.BlockSpec((None, None, np_, dk), lambda i, j, c: (i, j, 0, 0)),          # k heads-first (block 0)
-        ],
-        out_shape=[jax.ShapeDtypeStruct((b, n, h, dv), v.dtype),
-                   jax.ShapeDtypeStruct((b, h, n, dv), sdt),
-                   jax.ShapeDtypeStruct((b, h, n), sdt),
-                   jax.ShapeDtypeStruct((b, h, n, n), sdt),
-                   jax.ShapeDtypeStruct((b, h, n, dk), k.dtype)],
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"gdn_tree_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
-    )(q, k, v, beta, g, ancestors.astype(jnp.int8), *state_args)
-    return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
+    n_pad = padded_slots(n)
+    specs = [
+        pl.BlockSpec((None, n_pad, None, dk), lambda i, j, c: (i, 0, j, 0)),          # q
+        pl.BlockSpec((None, n_pad, None, dk), lambda i, j, c: (i, 0, j, 0)),          # k
+        pl.BlockSpec((None, n_pad, None, block_v), lambda i, j, c: (i, 0, j, c)),     # v columns
+        pl.BlockSpec((None, n_pad, None), lambda i, j, c: (i, 0, j)),                 # beta
+        pl.BlockSpec((None, n_pad, None), lambda i, j, c: (i, 0, j)),                 # g
+    ]
+    return _launch("gdn_tree", (q, k, v, beta, g), specs, state, ancestors, slots, b=b, n=n, h=h, dk=dk, dv=dv,
+                   o_dtype=v.dtype, k_dtype=k.dtype, gated=False, block_v=block_v, num_warps=num_warps,
+                   precision=precision, solve=solve, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("n_k_heads", "block_v", "num_warps", "precision", "solve", "interpret"))
@@ -382,8 +348,6 @@ def gdn_tree_gated(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Ar
     [Hv], valid [B, N]; state, ancestors, slots as :func:`gdn_tree`. Returns (o [B, N, Hv, dv], TreeGDNCache) in
     braw's dtype.
     """
-    from dflash_jax.models.gdn import TreeGDNCache
-
     b, n, ch = c.shape
     hv = braw.shape[-1]
     dv = state.shape[-1]
@@ -398,53 +362,66 @@ def gdn_tree_gated(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Ar
         raise ValueError(f"gdn_tree_gated: c {c.shape}, braw {braw.shape}, araw {araw.shape}, a_log {a_log.shape}, "
                          f"valid {valid.shape}, state {state.shape}, ancestors {ancestors.shape} disagree for "
                          f"{hk} key heads")
-    if solve not in SOLVES:
-        raise ValueError(f"gdn_tree_gated: solve={solve!r}; expected one of {SOLVES}")
     if (2 * key_dim) % block_v:
         raise ValueError(f"gdn_tree_gated: the value channels start at {2 * key_dim}, not a multiple of "
                          f"block_v={block_v}")
-    f = braw.dtype
-    precision = precision or default_precision(f)
-    opd = operand_dtype(precision)
-    if precision == "tf32x3" and interpret:
-        raise ValueError("gdn_tree_gated: precision='tf32x3' needs a GPU (XLA:CPU has no TF32 dot); use 'fp32'")
-    plan = block_plan(n=n, dk=dk, dv=dv, block_v=block_v, itemsize=jnp.dtype(opd).itemsize)
-    np_ = plan["n_pad"]
-    r = hv // hk
+    n_pad, r = padded_slots(n), hv // hk
     v0, vb = 2 * key_dim // block_v, dv // block_v  # the value channels' first block, blocks per head
+    specs = [
+        pl.BlockSpec((None, n_pad, dk), lambda i, j, c: (i, 0, j // r)),                 # q channels
+        pl.BlockSpec((None, n_pad, dk), lambda i, j, c: (i, 0, hk + j // r)),            # k channels
+        pl.BlockSpec((None, n_pad, block_v), lambda i, j, c: (i, 0, v0 + j * vb + c)),   # v columns
+        pl.BlockSpec((None, n_pad, None), lambda i, j, c: (i, 0, j)),                    # raw beta gate
+        pl.BlockSpec((None, n_pad, None), lambda i, j, c: (i, 0, j)),                    # raw decay gate
+        pl.BlockSpec((None, n_pad), lambda i, j, c: (i, 0)),                             # valid
+        pl.no_block_spec, pl.no_block_spec,                                              # A_log, dt_bias
+    ]
+    return _launch("gdn_tree_gated", (c, c, c, braw, araw, valid.astype(jnp.int8), a_log, dt_bias), specs, state,
+                   ancestors, slots, b=b, n=n, h=hv, dk=dk, dv=dv, o_dtype=braw.dtype, k_dtype=braw.dtype,
+                   gated=True, block_v=block_v, num_warps=num_warps, precision=precision, solve=solve,
+                   interpret=interpret)
+
+
+def _launch(name: str, inputs: tuple, specs: list, state, ancestors, slots, *, b: int, n: int, h: int, dk: int,
+            dv: int, o_dtype, k_dtype, gated: bool, block_v: int, num_warps: int, precision: str | None, solve: str,
+            interpret: bool):
+    """The tree kernel over grid ``(B, H, dv / block_v)``: ``inputs`` with their block ``specs``, then the ancestor
+    mask and the state (its ``[dk, block_v]`` columns, or with ``slots`` the whole pool, each row's S0 read at its
+    slot). Returns (o, TreeGDNCache); blocks of the padded slot count, the slots past n masked in the kernel."""
+    from dflash_jax.models.gdn import TreeGDNCache
+
+    if solve not in SOLVES:
+        raise ValueError(f"{name}: solve={solve!r}; expected one of {SOLVES}")
+    precision = precision or default_precision(o_dtype if gated else inputs[0].dtype)
+    if precision == "tf32x3" and interpret:
+        raise ValueError(f"{name}: precision='tf32x3' needs a GPU (XLA:CPU has no TF32 dot); use 'fp32'")
+    plan = block_plan(n=n, dk=dk, dv=dv, block_v=block_v, itemsize=jnp.dtype(operand_dtype(precision)).itemsize)
+    np_ = plan["n_pad"]
+    pooled = slots is not None
     kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve, pooled=pooled,
-                               gated=True, block_v=block_v)
-    state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else
-                   [pl.BlockSpec((None, None, dk, block_v), lambda i, j, cc: (i, j, 0, cc))])
+                               gated=gated, block_v=block_v)
+    state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else  # slots; the whole pool
+                   [pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c))])  # state columns
     state_args = (slots.astype(jnp.int32), state) if pooled else (state,)
+    sdt = state.dtype
     o, vp, gam, decay, k_hf = pl.pallas_call(
         kernel,
-        grid=(b, hv, plan["n_v_blocks"]),
-        in_specs=[
-            pl.BlockSpec((None, np_, dk), lambda i, j, cc: (i, 0, j // r)),                 # q channels
-            pl.BlockSpec((None, np_, dk), lambda i, j, cc: (i, 0, hk + j // r)),            # k channels
-            pl.BlockSpec((None, np_, block_v), lambda i, j, cc: (i, 0, v0 + j * vb + cc)),  # v columns
-            pl.BlockSpec((None, np_, None), lambda i, j, cc: (i, 0, j)),                    # raw beta gate
-            pl.BlockSpec((None, np_, None), lambda i, j, cc: (i, 0, j)),                    # raw decay gate
-            pl.BlockSpec((None, np_), lambda i, j, cc: (i, 0)),                             # valid
-            pl.no_block_spec, pl.no_block_spec,                                             # A_log, dt_bias
-            pl.BlockSpec((None, np_, np_), lambda i, j, cc: (i, 0, 0)),                     # ancestor mask
-            *state_specs,
-        ],
+        grid=(b, h, plan["n_v_blocks"]),
+        in_specs=[*specs, pl.BlockSpec((None, np_, np_), lambda i, j, c: (i, 0, 0)), *state_specs],  # + mask
         out_specs=[
-            pl.BlockSpec((None, np_, None, block_v), lambda i, j, cc: (i, 0, j, cc)),
-            pl.BlockSpec((None, None, np_, block_v), lambda i, j, cc: (i, j, 0, cc)),
-            pl.BlockSpec((None, None, np_), lambda i, j, cc: (i, j, 0)),
-            pl.BlockSpec((None, None, np_, np_), lambda i, j, cc: (i, j, 0, 0)),
-            pl.BlockSpec((None, None, np_, dk), lambda i, j, cc: (i, j, 0, 0)),
+            pl.BlockSpec((None, np_, None, block_v), lambda i, j, c: (i, 0, j, c)),     # o
+            pl.BlockSpec((None, None, np_, block_v), lambda i, j, c: (i, j, 0, c)),     # V'
+            pl.BlockSpec((None, None, np_), lambda i, j, c: (i, j, 0)),                 # gam (value block 0)
+            pl.BlockSpec((None, None, np_, np_), lambda i, j, c: (i, j, 0, 0)),         # Gam (value block 0)
+            pl.BlockSpec((None, None, np_, dk), lambda i, j, c: (i, j, 0, 0)),          # k heads-first (block 0)
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, n, hv, dv), f),
-                   jax.ShapeDtypeStruct((b, hv, n, dv), state.dtype),
-                   jax.ShapeDtypeStruct((b, hv, n), state.dtype),
-                   jax.ShapeDtypeStruct((b, hv, n, n), state.dtype),
-                   jax.ShapeDtypeStruct((b, hv, n, dk), f)],
+        out_shape=[jax.ShapeDtypeStruct((b, n, h, dv), o_dtype),
+                   jax.ShapeDtypeStruct((b, h, n, dv), sdt),
+                   jax.ShapeDtypeStruct((b, h, n), sdt),
+                   jax.ShapeDtypeStruct((b, h, n, n), sdt),
+                   jax.ShapeDtypeStruct((b, h, n, dk), k_dtype)],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"gdn_tree_gated_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
-    )(c, c, c, braw, araw, valid.astype(jnp.int8), a_log, dt_bias, ancestors.astype(jnp.int8), *state_args)
+        name=f"{name}_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
+    )(*inputs, ancestors.astype(jnp.int8), *state_args)
     return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
