@@ -16,7 +16,8 @@ Implementations (signature ``(q, k [B,T,H,dk], v [B,T,H,dv], beta, g [B,T,H], st
 ``"pallas_triton"`` = :func:`kernel.gdn_step` (the state read and written once), opt-in likewise.
 
 ``"gdn_tree"`` (signature ``(q, k [B,N,H,dk], v [B,N,H,dv], beta, g [B,N,H], state [B,H,dk,dv], ancestors [B,N,N],
-slots=None) -> (o [B,N,H,dv], TreeGDNCache)``; with ``slots [B]`` state is the pool ``[S,H,dk,dv]``, read in place), as ``qwen36.forward_tree`` calls ``gdn.gdn_tree`` for verification):
+slots=None) -> (o [B,N,H,dv], TreeGDNCache)``; with ``slots [B]`` state is the pool ``[S,H,dk,dv]``, read in place),
+as ``qwen36.gdn_tree_gated_reference`` calls ``gdn.gdn_tree`` for verification):
 ``"reference"`` = ``gdn.gdn_tree_reference``; ``"pallas_triton"`` = :func:`tree.gdn_tree` (one program per
 (sequence, head, value block), the ancestor-masked system solved in registers), **the GPU default, routed**: a
 launch of more than ``TREE_MAX_PROGRAMS`` programs (one resident wave) runs the reference (see
