@@ -234,7 +234,7 @@ for _solve in SOLVES:
                       backends=("gpu",), preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
-           "launch_precision",
-           "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas", "gdn_step_reference", "gdn_tree",
-           "gdn_tree_commit_pallas", "gdn_tree_commit_reference", "gdn_tree_gated", "gdn_tree_gated_pallas", "gdn_tree_pallas", "gdn_tree_reference", "operand_dtype", "tree_programs", "TREE_MAX_PROGRAMS", "step_block_plan", "tree_block_plan",
-           "tree_default_config"]
+           "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas",
+           "gdn_step_reference", "gdn_tree", "gdn_tree_commit_pallas", "gdn_tree_commit_reference", "gdn_tree_gated",
+           "gdn_tree_gated_pallas", "gdn_tree_pallas", "gdn_tree_reference", "launch_precision", "operand_dtype",
+           "step_block_plan", "tree_block_plan", "tree_default_config", "tree_programs", "TREE_MAX_PROGRAMS"]

@@ -308,7 +308,8 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
     q, k [B, N, H, dk]; v [B, N, H, dv]; beta, g [B, N, H]; state [B, H, dk, dv] (fp32); ancestors [B, N, N]
     (bool or int, nonzero = j is i or an ancestor of i); slots [B] (optional): state is then every slot's state
     ``[S, H, dk, dv]`` and row b starts from ``state[slots[b]]``, read where it is (no gather). Returns
-    (o [B, N, H, dv] in v's dtype, ``TreeGDNCache(k [B,H,N,dk], vp [B,H,N,dv], gam [B,H,N], decay [B,H,N,N])`` with vp / gam / decay in
+    (o [B, N, H, dv] in v's dtype, ``TreeGDNCache(k [B,H,N,dk], vp [B,H,N,dv], gam [B,H,N], decay [B,H,N,N])``
+    with vp / gam / decay in
     state's dtype). ``precision`` / ``solve``: see the module docstring.
     """
     b, n, h, dk = q.shape
