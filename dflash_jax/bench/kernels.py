@@ -436,10 +436,10 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
     interpret mode, it is not unrolled: compile time)."""
     unroll = TIMING_UNROLL if jax.default_backend() != "cpu" else 1
     steps = TIMING_UNROLL * int(np.clip(2e9 // max(prob.nbytes, 1) // TIMING_UNROLL, 1, 128 // TIMING_UNROLL))
-    arrays = [i for i, x in enumerate(prob.args) if isinstance(x, (jax.Array, kv_quant.QuantizedPages))]
-    tables = prob.tables
-
     carry = prob.carry
+    arrays = [i for i, x in enumerate(prob.args)
+              if isinstance(x, (jax.Array, kv_quant.QuantizedPages)) and i != carry]
+    tables = prob.tables
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def loop(carried, dyn, tables):
@@ -461,8 +461,7 @@ def time_call(fn: Callable, prob: Problem, repeats: int) -> float:
         (acc, carried), _ = lax.scan(body, (jnp.zeros((), jnp.float32), carried), jnp.arange(steps), unroll=unroll)
         return acc, carried
 
-    dyn = tuple(prob.args[j] for j in arrays if j != carry)
-    arrays = [j for j in arrays if j != carry]
+    dyn = tuple(prob.args[j] for j in arrays)
     held = [jnp.copy(prob.args[carry]) if carry is not None else jnp.zeros(())]
 
     def call():

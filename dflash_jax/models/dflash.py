@@ -174,6 +174,19 @@ def anchor_query(cfg: DrafterConfig, qs: list[jax.Array]) -> jax.Array:
     return jnp.concatenate(out, axis=1) * hd ** -0.5
 
 
+def _per_layer(x, cfg: DrafterConfig, dtype=None) -> tuple:
+    """A context array given once (``[B, C]``, every layer's) or per layer (a tuple) -> one per layer, cast to
+    ``dtype``; a layer's entry is the same object as every other layer's it equals (the masks key on it)."""
+    if not isinstance(x, (tuple, list)):
+        x = x if dtype is None else x.astype(dtype)
+        return (x,) * cfg.num_layers
+    cast: dict[int, jax.Array] = {}
+    for a in x:
+        if id(a) not in cast:
+            cast[id(a)] = a if dtype is None else a.astype(dtype)
+    return tuple(cast[id(a)] for a in x)
+
+
 def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array, ctx_k, ctx_v,
             ctx_positions, ctx_valid, with_query: bool = False):
     """Run N blocks per sequence through every layer. h [B,N,blk,D] (embedded block tokens); anchors [B,N];
@@ -185,15 +198,14 @@ def _blocks(params: Params, cfg: DrafterConfig, h: jax.Array, anchors: jax.Array
     hq, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     full_qs: list[jax.Array] = []
     pos = (anchors[:, :, None] + jnp.arange(blk, dtype=anchors.dtype)).reshape(b, n * blk)
-    per_layer = isinstance(ctx_positions, (tuple, list))
-    cmasks: dict[tuple[int | None, int | None], jax.Array] = {}
+    ctx_positions, ctx_valid = _per_layer(ctx_positions, cfg), _per_layer(ctx_valid, cfg)
+    cmasks: dict[tuple[int | None, int, int], jax.Array] = {}  # layers of one window over one context share one
     bmasks: dict[tuple[bool, int | None], jax.Array] = {}
     for i, p in enumerate(params["layers"]):
         w, causal = cfg.layer_window(i), cfg.layer_causal(i)
-        ckey = (w, i if per_layer else None)
+        ckey = (w, id(ctx_positions[i]), id(ctx_valid[i]))
         if ckey not in cmasks:
-            cmasks[ckey] = context_mask(ctx_positions[i] if per_layer else ctx_positions,
-                                        ctx_valid[i] if per_layer else ctx_valid, anchors, blk, w)
+            cmasks[ckey] = context_mask(ctx_positions[i], ctx_valid[i], anchors, blk, w)
         if (causal, w) not in bmasks:
             bmasks[(causal, w)] = block_mask(blk, causal, w)
         a = p["attn"]
@@ -229,11 +241,8 @@ def draft_hidden(params: Params, cfg: DrafterConfig, embed: jax.Array, block_tok
                  block_start: jax.Array, ctx_k, ctx_v, ctx_positions, ctx_valid, with_query: bool = False):
     """``draft_forward`` up to the final norm: ``[B, blk, D]`` (and the ``anchor_query`` with ``with_query``)."""
     h = jnp.asarray(embed)[block_tokens].astype(model_dtype(params))[:, None]  # [B, 1, blk, D]
-    if isinstance(ctx_positions, (tuple, list)):
-        ctx_positions = tuple(p.astype(jnp.int32) for p in ctx_positions)
-        ctx_valid = tuple(v.astype(bool) for v in ctx_valid)
-    else:
-        ctx_positions, ctx_valid = ctx_positions.astype(jnp.int32), ctx_valid.astype(bool)
+    ctx_positions = _per_layer(ctx_positions, cfg, jnp.int32)
+    ctx_valid = _per_layer(ctx_valid, cfg, bool)
     out = _blocks(params, cfg, h, block_start[:, None].astype(jnp.int32), ctx_k, ctx_v, ctx_positions, ctx_valid,
                   with_query)
     return (out[0][:, 0], out[1]) if with_query else out[:, 0]

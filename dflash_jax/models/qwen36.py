@@ -590,8 +590,8 @@ def forward_tree(params: Params, cfg: TargetConfig, tree: TreeInput, kv: KVPages
             pg = p["gdn"]
             x, z, braw, araw = gdn_project(pg, cfg, u)
             c = tree_ops.tree_conv(x, pg["conv"], rec.conv[gi], tree.parents, tree.slots)
-            o, cache = gdn_tree_gated(c, braw, araw, pg["A_log"], pg["dt_bias"], tree.valid,
-                                      rec.ssm[gi].astype(braw.dtype), tree.ancestors, tree.slots,
+            o, cache = gdn_tree_gated(c, braw, araw, pg["A_log"], pg["dt_bias"], tree.valid, rec.ssm[gi],
+                                      tree.ancestors, tree.slots,
                                       n_k_heads=cfg.lin_num_k_heads, groups=cfg.gdn_qkv_groups)
             out = gdn_output(pg, cfg, o, z, u.dtype)
             xs.append(x)

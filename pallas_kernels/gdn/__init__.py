@@ -126,49 +126,56 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
     27.5 ms and the oracle 242 -> 256 tok/s on an H100, ``spec_nvidia-h100-80gb-hbm3_20261206-1443/1444.json``)
     and loses past it (B16 x 32 nodes, 1536 programs: 0.22x the reference on the H200), where the reference's
     batched matmuls fill the GPU and its ~30 launches a layer no longer dominate."""
-    backend = registry.current_backend()
-    n, dk, dv = q.shape[1], q.shape[-1], v.shape[-1]
-    cfg = tree_default_config(n, dk, dv, dtype=q.dtype, backend=backend)
-    if solve is not None:
-        cfg = {**cfg, "solve": solve}
-    if not every_batch and tree_programs(q.shape[0], v.shape[2], dv, cfg["block_v"]) > TREE_MAX_PROGRAMS:
-        return gdn_tree_reference(q, k, v, beta, g, state, ancestors, slots)
-    try:
-        tree_block_plan(n=n, dk=dk, dv=dv, block_v=cfg["block_v"],
-                        itemsize=jnp.dtype(operand_dtype(default_precision(q.dtype))).itemsize, backend=backend)
-    except ValueError as e:
-        registry.warn_fallback("gdn_tree", e)
-        return gdn_tree_reference(q, k, v, beta, g, state, ancestors, slots)
-    return gdn_tree(q, k, v, beta, g, state, ancestors, slots, **cfg, precision=launch_precision(q.dtype, backend),
-                    interpret=backend not in registry.GPU_BACKENDS)
+    reference = functools.partial(gdn_tree_reference, q, k, v, beta, g, state, ancestors, slots)
+    cfg = _tree_launch("gdn_tree", q.shape[0], q.shape[1], v.shape[2], q.shape[-1], v.shape[-1], q.dtype,
+                       every_batch=every_batch, solve=solve)
+    if cfg is None:
+        return reference()
+    return gdn_tree(q, k, v, beta, g, state, ancestors, slots, **cfg)
 
 
 def gdn_tree_gated_pallas(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots=None, *, n_k_heads: int,
                           groups: int = 1):
-    """The registered gated tree kernel (:func:`tree.gdn_tree_gated` with :func:`tree.default_config`), routed as
-    :func:`gdn_tree_pallas` (past one resident wave the unfused path runs); channel layouts other than the
-    checkpoint's (``groups > 1``) and tiles that cannot be taken run the unfused path, with a warning."""
-    from dflash_jax.models.qwen36 import gdn_tree_gated_reference
-
+    """The registered gated tree kernel (:func:`tree.gdn_tree_gated`), routed as :func:`gdn_tree_pallas` (past one
+    resident wave the unfused path runs); channel layouts other than the checkpoint's (``groups > 1``) and tiles
+    that cannot be taken run the unfused path, with a warning."""
     args = (c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots)
-    backend = registry.current_backend()
-    n, hv = braw.shape[1], braw.shape[2]
     dk, dv = state.shape[-2], state.shape[-1]
-    cfg = tree_default_config(n, dk, dv, dtype=braw.dtype, backend=backend)
-    if tree_programs(braw.shape[0], hv, dv, cfg["block_v"]) > TREE_MAX_PROGRAMS:
-        return gdn_tree_gated_reference(*args, n_k_heads=n_k_heads, groups=groups)
-    try:
+
+    def layout(cfg):
         if groups != 1:
             raise ValueError(f"gdn_tree_gated: the kernel reads the checkpoint's [q | k | v] channels; groups={groups}")
         if (2 * n_k_heads * dk) % cfg["block_v"]:
             raise ValueError(f"gdn_tree_gated: value channels at {2 * n_k_heads * dk}, block_v {cfg['block_v']}")
+
+    cfg = _tree_launch("gdn_tree_gated", braw.shape[0], braw.shape[1], braw.shape[2], dk, dv, braw.dtype,
+                       check=layout)
+    if cfg is None:
+        return _gated_reference(*args, n_k_heads=n_k_heads, groups=groups)
+    return gdn_tree_gated(*args, n_k_heads=n_k_heads, **cfg)
+
+
+def _tree_launch(op: str, b: int, n: int, h: int, dk: int, dv: int, dtype, *, every_batch: bool = False,
+                 solve: str | None = None, check=None) -> dict | None:
+    """The launch arguments of a routed tree kernel (:func:`tree.default_config`, ``solve`` replacing its solve,
+    the launch precision, interpret mode off GPU), or None where the reference runs: past one resident wave
+    unless ``every_batch`` (silently, by design), or a shape the tiles cannot take or ``check(cfg)`` refuses
+    (with a warning)."""
+    backend = registry.current_backend()
+    cfg = tree_default_config(n, dk, dv, dtype=dtype, backend=backend)
+    if solve is not None:
+        cfg = {**cfg, "solve": solve}
+    if not every_batch and tree_programs(b, h, dv, cfg["block_v"]) > TREE_MAX_PROGRAMS:
+        return None
+    try:
+        if check is not None:
+            check(cfg)
         tree_block_plan(n=n, dk=dk, dv=dv, block_v=cfg["block_v"],
-                        itemsize=jnp.dtype(operand_dtype(default_precision(braw.dtype))).itemsize, backend=backend)
+                        itemsize=jnp.dtype(operand_dtype(default_precision(dtype))).itemsize, backend=backend)
     except ValueError as e:
-        registry.warn_fallback("gdn_tree_gated", e)
-        return gdn_tree_gated_reference(*args, n_k_heads=n_k_heads, groups=groups)
-    return gdn_tree_gated(*args, n_k_heads=n_k_heads, **cfg, precision=launch_precision(braw.dtype, backend),
-                          interpret=backend not in registry.GPU_BACKENDS)
+        registry.warn_fallback(op, e)
+        return None
+    return dict(cfg, precision=launch_precision(dtype, backend), interpret=backend not in registry.GPU_BACKENDS)
 
 
 def _gated_reference(*args, **kw):
