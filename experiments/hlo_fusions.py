@@ -107,7 +107,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     prof = json.load(open(args.profile_json))
     per_step = prof["figures"].get(f"{args.mode}.decode_steps") or prof["figures"].get(f"{args.mode}.spec_steps") or 1
-    ops = prof["extra"][f"{args.mode}.top_device_ops"][:args.top]
+    key = f"{args.mode}.top_device_ops"
+    if key not in prof.get("extra", {}):
+        raise SystemExit(f"{args.profile_json} has no {key!r}: run profile_steps.py with --modes {args.mode}, "
+                         "on a GPU (a CPU trace holds no device ops)")
+    ops = prof["extra"][key][:args.top]
     names = {norm(o["op"]) for o in ops}
     files = sorted(glob.glob(os.path.join(args.dump_dir, "*after_optimizations.txt")), key=os.path.getsize,
                    reverse=True)[:12]
