@@ -1,0 +1,84 @@
+"""The Mosaic GPU tree-attention kernel against the Triton kernel, the reference and paged decode on this GPU.
+
+Checks ``pallas_kernels.tree_attention.mosaic.tree_attention_mgpu`` against the reference (ragged prefixes, a
+non-resident page, one and several partitions), then times both kernels and paged decode over the same prefix
+at the 27B head shapes (24 q / 4 KV heads x 256, 16-token pages) for each ``--cases`` entry ``B:N:P``.
+Writes ``tree_attention_mgpu_<device>_<stamp>.json`` with figures ``<case>.{mgpu_us,triton_us,paged_decode_us,
+speedup_vs_triton,mgpu_vs_paged_decode,triton_vs_paged_decode}`` and ``check.max_rel_err``.
+
+    python experiments/tree_attention_mgpu.py --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.bench import kernels as kb
+from dflash_jax.bench.results import script_command, write_result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="*", default=["16:16:2048", "16:16:8192", "16:16:16384", "16:32:2048",
+                                                   "16:32:8192", "16:32:16384", "64:32:4096", "1:23:4096"])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out-dir", default="experiments/results")
+    a = ap.parse_args(argv)
+
+    from pallas_kernels import paged_decode as pd
+    from pallas_kernels import tree_attention as ta
+    from pallas_kernels.tree_attention.mosaic import tree_attention_mgpu
+
+    interpret = jax.default_backend() == "cpu"
+    h, hkv, d, ps = 24, 4, 256, 16
+    rng = np.random.default_rng(0)
+    figures: dict[str, float] = {}
+    errs = []
+    t0 = time.time()
+    for i, (b, n, starts, nr, parts) in enumerate([(3, 17, [0, 17, 1024], [(2, 3)], None),
+                                                   (2, 23, [4000, 333], [], 4), (1, 64, [96], [], 1)]):
+        prob = kb.tree_problem(rng, jax.random.key(i), b, n, h, hkv, d, ps, starts, jnp.bfloat16,
+                               non_resident=nr)
+        ref = ta.tree_attention_reference(*prob.args).astype(jnp.float32)
+        out = tree_attention_mgpu(*prob.args, num_partitions=parts, interpret=interpret).astype(jnp.float32)
+        err = float(jnp.abs(out - ref).max() / (jnp.abs(ref).max() + 1e-6))
+        errs.append(err)
+        print(f"check {i}: b={b} n={n} starts={starts} partitions={parts}: rel err {err:.2e}", flush=True)
+    figures["check.max_rel_err"] = max(errs)
+    figures["check.ok"] = int(max(errs) < 2e-2)
+    print(f"checks {time.time() - t0:.0f} s", flush=True)
+
+    for case in a.cases:
+        b, n, p = (int(x) for x in case.split(":"))
+        prob = kb.tree_problem(rng, jax.random.key(7), b, n, h, hkv, d, ps, [p] * b, jnp.bfloat16, n_sets=2)
+        tag = f"b{b}.t{n}.p{p}"
+        tri = kb.time_call(ta.tree_attention_pallas, prob, a.repeats)
+        dec = kb.time_call(pd.paged_decode_pallas, kb.prefix_decode_problem(prob), a.repeats)
+        figures[f"{tag}.triton_us"] = tri * 1e6
+        figures[f"{tag}.paged_decode_us"] = dec * 1e6
+        figures[f"{tag}.triton_vs_paged_decode"] = tri / dec
+        for st in a.stages:
+            fn = functools.partial(tree_attention_mgpu, stages=st, interpret=interpret)
+            mg = kb.time_call(fn, prob, a.repeats)
+            sfx = "" if st == a.stages[0] else f".stages{st}"
+            figures[f"{tag}.mgpu_us{sfx}"] = mg * 1e6
+            figures[f"{tag}.speedup_vs_triton{sfx}"] = tri / mg
+            figures[f"{tag}.mgpu_vs_paged_decode{sfx}"] = mg / dec
+        print(f"{tag}: triton {tri * 1e6:.1f} us, mgpu {figures[f'{tag}.mgpu_us']:.1f} us, paged decode "
+              f"{dec * 1e6:.1f} us -> mgpu / paged {figures[f'{tag}.mgpu_vs_paged_decode']:.2f}, triton / paged "
+              f"{tri / dec:.2f}", flush=True)
+    write_result("tree_attention_mgpu", figures, script_command(__file__, argv),
+                 out_dir=a.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
