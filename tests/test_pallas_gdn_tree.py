@@ -300,8 +300,10 @@ def test_block_plan_and_defaults():
 def test_registration_dispatch_and_fallback(monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     assert registry.resolve("gdn_tree", backend="cpu").name == "reference"
-    for b in ("cuda", "rocm"):  # the GPU default (routed by batch)
+    for b in ("cuda", "rocm"):  # the GPU defaults (routed by batch), the gated form included
         assert registry.resolve("gdn_tree", backend=b).name == "pallas_triton"
+        assert registry.resolve("gdn_tree_gated", backend=b).name == "pallas_triton"
+    assert registry.resolve("gdn_tree_gated", backend="cpu").name == "reference"
     par = random_parents(np.random.default_rng(1), 2, 6, 0.2)
     anc = jnp.asarray(np_ancestors(par))
     args = make_inputs(1, 2, 6, 2, 16, 32, "mixed", 1.0, jnp.float32)

@@ -29,10 +29,11 @@ reference, with a warning.
 ``"gdn_tree_gated"`` (signature ``(c [B,N,C], braw, araw [B,N,Hv], a_log, dt_bias [Hv], valid [B,N], state, ancestors,
 slots=None, *, n_k_heads, groups) -> (o, TreeGDNCache)``, as ``qwen36.forward_tree`` calls ``qwen36.gdn_tree_gated``:
 a GDN layer's tree delta rule from its post-conv rows): ``"reference"`` = ``qwen36.gdn_tree_gated_reference``
-(``gdn_qkv_gates`` then the ``"gdn_tree"`` op, so on a GPU the tree kernel above); ``"pallas_triton"`` (opt-in until
-timed) = :func:`tree.gdn_tree_gated`, the tree kernel forming the L2-normalised q / k, the masked v and the gates
-from the post-conv rows in registers (no q / k / v / gate arrays between the conv and the kernel), routed as
-``gdn_tree``.
+(``gdn_qkv_gates`` then the ``"gdn_tree"`` op, so on a GPU the tree kernel above); ``"pallas_triton"`` =
+:func:`tree.gdn_tree_gated`, the tree kernel forming the L2-normalised q / k, the masked v and the gates from the
+post-conv rows in registers (no q / k / v / gate arrays between the conv and the kernel), routed as
+``gdn_tree``, **the GPU default** (the 27B's B1 round 25.13 vs 25.74 ms through the unfused path, one H100, one
+run: ``experiments/results/spec_nvidia-h100-80gb-hbm3_20261207-0638.json`` / ``-0637``).
 
 ``"gdn_tree_commit"`` (signature ``(ssm_all [S,Hv,dk,dv], slots [B], cache: TreeGDNCache, node [B]) -> ssm_all``, as
 ``qwen36.commit_tree`` calls ``gdn.tree_commit``: the accepted path's state written into each row's slot):
@@ -228,7 +229,7 @@ registry.register("gdn_tree", "reference", gdn_tree_reference, backends=("any",)
 registry.register("gdn_decode", "reference", gdn_decode_reference, backends=("any",))
 registry.register("gdn_tree_commit", "reference", gdn_tree_commit_reference, backends=("any",))
 registry.register("gdn_tree_gated", "reference", lambda *a, **kw: _gated_reference(*a, **kw), backends=("any",))
-registry.register("gdn_tree_gated", "pallas_triton", gdn_tree_gated_pallas, backends=("gpu",), preferred=False)
+registry.register("gdn_tree_gated", "pallas_triton", gdn_tree_gated_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_tree_commit", "pallas_triton", gdn_tree_commit_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_decode", "pallas_triton", gdn_decode_pallas, backends=("gpu",))  # the GPU default
 registry.register("gdn_decode", "pallas_triton_one_kernel", functools.partial(gdn_decode_pallas, split=False),

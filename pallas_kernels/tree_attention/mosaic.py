@@ -154,7 +154,6 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
         plgpu.copy_gmem_to_smem(q_ref.at[b, j, pl.ds(row0, WG_ROWS)], q_s, q_bars.at[wg])
         plgpu.copy_gmem_to_smem(onehot_ref.at[pl.ds(row0, WG_ROWS)], oh_s, q_bars.at[wg])
         plgpu.barrier_wait(q_bars.at[wg])
-        col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
 
         def scores(slot, tree: bool):
             plgpu.barrier_wait(k_bars.at[slot])
@@ -184,6 +183,8 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
         def prefix_step(i, carry):
             slot = lax.rem(i, stages)
             sc = scores(slot, tree=False)
+            # made each step, not held in registers across the loop next to the accumulator
+            col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
             sc = jnp.where(col < length - (first + i) * BLOCK_KV, sc, MASK_VALUE)  # keys past the prefix
             for p in range(ppb):  # a non-resident page's keys: columns [cut, end of page)
                 hi = (p + 1) * page_size
@@ -198,12 +199,13 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
         plgpu.barrier_wait(bias_bar.at[0])
         slot = lax.rem(n_prefix, stages)
         sc = scores(slot, tree=True)
-        acc, m, l = update(slot, jnp.where(is_last, sc, MASK_VALUE), carry)
+        acc, m, l = update(slot, sc + jnp.where(is_last, 0.0, MASK_VALUE), carry)  # (no select with a scalar
+        # predicate under warpgroup semantics)
 
         has = m > no_key  # the row saw a key: its max is a real score, not a masked one
         inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
         q_s[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_s.dtype)
-        lse_s[...] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), MASK_VALUE)
+        lse_s[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)) * LOG2E, MASK_VALUE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, split, j, pl.ds(row0, WG_ROWS)])
         plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, split, j, pl.ds(row0, WG_ROWS)])
