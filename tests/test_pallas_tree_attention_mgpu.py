@@ -66,6 +66,23 @@ def test_kernel_matches_reference(c):
     check(c[0], stages=c[1], num_partitions=c[2])
 
 
+def test_padding_warpgroup_keeps_step_with_the_ring_race_free():
+    """138 rows (23 nodes x 6 heads): the second CTA's second warpgroup holds padding only. Over more steps than
+    ring slots it must release each slot once filled, not run ahead (arriving early completed a phase before the
+    other warpgroup had read the slot: the memory warpgroup refilled it under the reader, then hung on the parity;
+    seen on an H100). The interpreter's race detector is on."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    case = dict(seed=3, b=1, hkv=1, g=6, d=64, page_size=16, width=9, n=23, starts=[140],
+                parents=[[-1] + list(range(22))], non_resident=[])
+    args = make_case(dtype=jnp.bfloat16, **case)
+    out = tree_attention_mgpu(*args, 0.125, num_partitions=1, interpret=InterpretGPUParams(detect_races=True))
+    ref = tree_attention_reference(*args, 0.125)
+    assert not interpret_pallas_call.get_races().races_found
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+
+
 def test_float16_pages():
     check(dict(EDGE[0], n=5, parents=[[-1, 0, 0, 1, 3]] * 2), dtype=jnp.float16)
 

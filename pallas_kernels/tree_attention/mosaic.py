@@ -143,10 +143,13 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
 
     @pl.when((wg < COMPUTE_WGS) & (row0 >= n_rows))
     def _idle():  # a warpgroup of padding rows only (e.g. rows 192-255 of a 32-node tree): it releases each slot
-        @pl.loop(0, n_steps)
+        @pl.loop(0, n_steps)  # once filled, as the other does: arriving ahead would complete a phase early
         def _release(i):
-            plgpu.barrier_arrive(k_consumed.at[lax.rem(i, stages)])
-            plgpu.barrier_arrive(v_consumed.at[lax.rem(i, stages)])
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(k_bars.at[slot])
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_wait(v_bars.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
 
     @pl.when((wg < COMPUTE_WGS) & (row0 < n_rows))
     def _compute():
@@ -244,14 +247,14 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
 def tree_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                         start: jax.Array, k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float, *,
                         stages: int = 2, num_partitions: int | None = None, target_ctas: int = N_SM_TARGET,
-                        interpret: bool = False) -> jax.Array:
+                        interpret=False) -> jax.Array:
     """Tree queries over each sequence's paged prefix plus its own tree (``tree_attention_reference``'s contract).
 
     q [B, N, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D] (bf16 / f16); page_table [B, W] int32 (entry
     < 0: non-resident page); start [B] prefix lengths (clipped to [0, W * page_size]); k_tree, v_tree
     [B, N, Hkv, D]; ancestors [B, N, N] bool. Returns [B, N, H, D] in q's dtype. stages: K / V ring slots;
     num_partitions: prefix partitions (None: about ``target_ctas`` CTAs). interpret: the Mosaic GPU interpreter
-    (CPU). Raises ValueError before lowering for shapes the kernel cannot take (see :func:`plan`)."""
+    (CPU): True, or its ``InterpretGPUParams`` (e.g. ``detect_races=True``). Raises ValueError before lowering for shapes the kernel cannot take (see :func:`plan`)."""
     b, n, h, d = q.shape
     n_pages, page_size, hkv, dk = k_pages.shape
     if k_pages.shape != v_pages.shape or dk != d or k_pages.dtype != v_pages.dtype:
@@ -305,7 +308,7 @@ def tree_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-        extra["interpret"] = InterpretGPUParams()
+        extra["interpret"] = interpret if isinstance(interpret, InterpretGPUParams) else InterpretGPUParams()
     o, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((b, s, hkv, rp, d), dt), jax.ShapeDtypeStruct((b, s, hkv, rp), jnp.float32)),
