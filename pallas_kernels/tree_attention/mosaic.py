@@ -254,7 +254,8 @@ def tree_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
     < 0: non-resident page); start [B] prefix lengths (clipped to [0, W * page_size]); k_tree, v_tree
     [B, N, Hkv, D]; ancestors [B, N, N] bool. Returns [B, N, H, D] in q's dtype. stages: K / V ring slots;
     num_partitions: prefix partitions (None: about ``target_ctas`` CTAs). interpret: the Mosaic GPU interpreter
-    (CPU): True, or its ``InterpretGPUParams`` (e.g. ``detect_races=True``). Raises ValueError before lowering for shapes the kernel cannot take (see :func:`plan`)."""
+    (CPU): True, or its ``InterpretGPUParams`` (e.g. ``detect_races=True``). Raises ValueError before lowering
+    for shapes the kernel cannot take (see :func:`plan`)."""
     b, n, h, d = q.shape
     n_pages, page_size, hkv, dk = k_pages.shape
     if k_pages.shape != v_pages.shape or dk != d or k_pages.dtype != v_pages.dtype:
