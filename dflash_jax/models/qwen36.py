@@ -372,8 +372,9 @@ def gdn_qkv_gates(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Arr
 
 def gdn_tree_gated(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots=None, *, n_k_heads: int,
                    groups: int = 1):
-    """:func:`gdn_tree_gated_reference`'s contract through the kernel registry's ``"gdn_tree_gated"`` op (opt-in on a
-    GPU: ``DFLASH_KERNELS=gdn_tree_gated=pallas_triton``, the tree kernel forming q, k, v and the gates itself)."""
+    """:func:`gdn_tree_gated_reference`'s contract through the kernel registry's ``"gdn_tree_gated"`` op (on a GPU by
+    default the tree kernel forming q, k, v and the gates itself; ``DFLASH_KERNELS=gdn_tree_gated=reference`` runs
+    the unfused path)."""
     from pallas_kernels import registry
 
     return registry.get("gdn_tree_gated")(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots,
