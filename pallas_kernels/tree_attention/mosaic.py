@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import registry
 from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, N_SM_TARGET, merge_partitions
 
 WG_ROWS = 64  # query rows of one compute warpgroup (one wgmma M)
@@ -44,7 +45,7 @@ def tree_bias(dtype) -> float:
     """The score added to an invisible tree key: exact in ``dtype`` and far below any real score (bf16: -2^24;
     f16, whose largest value is 65504: -2^15)."""
     return -float(2 ** 15) if jnp.dtype(dtype) == jnp.float16 else -float(2 ** 24)
-SMEM_BUDGET = 227 * 1024  # Hopper's shared memory per block
+SMEM_BUDGET = registry.SMEM_BUDGET_BYTES["sm_90"]  # the kernel runs on Hopper only
 
 
 def smem_bytes(head_dim: int, itemsize: int, stages: int) -> int:
