@@ -350,6 +350,8 @@ def test_routed_kernel_runs_within_one_resident_wave(monkeypatch):
     for solve in pg.SOLVES:  # the opt-in solves route like the default, with their own solve
         assert call(1, f"pallas_triton_{solve}") == "kernel" and solves[-1] == solve
         assert call(fits + 1, f"pallas_triton_{solve}") == "reference"
+        gated = registry.implementations("gdn_tree_gated")[f"pallas_triton_{solve}"]
+        assert not gated.preferred and gated.fn.keywords == {"solve": solve}
     assert pg.tree_programs(1, 48, 128, 64) == 96  # the 27B at B1: one wave of an H100 / H200's 132 SMs
 
 
@@ -386,8 +388,9 @@ def test_model_verify_with_kernel_equals_reference(monkeypatch):
     np.testing.assert_allclose(h, h_ref, atol=1e-4)
     for a, b in zip(ssm, ssm_ref):
         np.testing.assert_allclose(a, b, atol=1e-4)
-    monkeypatch.setenv(registry.ENV_VAR, "gdn_tree_gated=pallas_triton,gdn_tree_commit=pallas_triton")
-    h, ssm = run()
-    np.testing.assert_allclose(h, h_ref, atol=1e-4)
-    for a, b in zip(ssm, ssm_ref):
-        np.testing.assert_allclose(a, b, atol=1e-4)
+    for gated in ("pallas_triton", "pallas_triton_doubling"):  # the default solve, and an opt-in one
+        monkeypatch.setenv(registry.ENV_VAR, f"gdn_tree_gated={gated},gdn_tree_commit=pallas_triton")
+        h, ssm = run()
+        np.testing.assert_allclose(h, h_ref, atol=1e-4)
+        for a, b in zip(ssm, ssm_ref):
+            np.testing.assert_allclose(a, b, atol=1e-4)
