@@ -78,7 +78,7 @@ def test_bf16_state_pool():
 
 def test_block_plan_defaults_and_errors():
     assert commit.block_plan(n=23, dk=128, dv=128, block_v=32) == dict(n_pad=32, n_v_blocks=4)
-    assert commit.default_config(128)["block_v"] == 32
+    assert commit.default_config(128) == dict(block_v=64, num_warps=8)
     with pytest.raises(ValueError, match="> 64"):
         commit.block_plan(n=65, dk=16, dv=16, block_v=16)
     with pytest.raises(ValueError, match="not a multiple"):
