@@ -116,31 +116,10 @@ def test_state_read_from_the_slot_pool_in_place(solve):
         run_kernel((q, k, v, beta, g, pool, anc, slots[:2]), block_v=16)
 
 
-@pytest.mark.parametrize("name,solve_warps", [("random23", 1), ("chain33", 2), ("star33", 1)])
-def test_solve_in_its_own_launch_matches_reference(name, solve_warps):
-    """``solve_warps``: T solved by a first launch per (sequence, head) and read by the main one: the same results
-    as the reference, pooled state included."""
-    tree, b, n, h, dk, dv, block_v, g_mode, s_scale = CASES[name]
-    par = tree(b, n) if callable(tree) else random_parents(np.random.default_rng(n), b, n, tree)
-    args = make_inputs(n, b, n, h, dk, dv, g_mode, s_scale, jnp.float32)
-    anc = jnp.asarray(np_ancestors(par))
-    whole = run_kernel((*args, anc), block_v=block_v)
-    split = run_kernel((*args, anc), block_v=block_v, solve_warps=solve_warps)
-    assert_matches(args, anc, split)
-    for a, r in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)
-    pool, slots = jnp.concatenate([args[-1], args[-1][:1] * 0.5]), jnp.arange(b, dtype=jnp.int32)[::-1]
-    pooled = run_kernel((*args[:-1], pool, anc, slots), block_v=block_v, solve_warps=solve_warps)
-    gathered = run_kernel((*args[:-1], pool[slots], anc), block_v=block_v)
-    for a, r in zip(jax.tree.leaves(pooled), jax.tree.leaves(gathered)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("pooled,solve_warps", [(False, None), (True, None), (True, 1)])
-def test_gated_kernel_forms_q_k_v_and_gates_as_the_model_does(pooled, solve_warps):
+@pytest.mark.parametrize("pooled", [False, True])
+def test_gated_kernel_forms_q_k_v_and_gates_as_the_model_does(pooled):
     """``gdn_tree_gated``: from post-conv rows (two value heads a key head, bf16 like the conv's output), raw gates
-    and the valid mask, the same o and cache as ``gdn_qkv_gates`` then the tree reference (T solved in each
-    program, or in its own launch)."""
+    and the valid mask, the same o and cache as ``gdn_qkv_gates`` then the tree reference."""
     from dflash_jax.models import qwen36
     from pallas_kernels.gdn import gdn_tree_gated
 
@@ -156,7 +135,7 @@ def test_gated_kernel_forms_q_k_v_and_gates_as_the_model_does(pooled, solve_warp
     state, sl = (pool, slots) if pooled else (pool[slots], None)
     args = (c, braw, araw, a_log, dt_bias, valid, state, anc, sl)
     ref = jax.jit(functools.partial(qwen36.gdn_tree_gated_reference, n_k_heads=hk))(*args)
-    out = gdn_tree_gated.lower(*args, n_k_heads=hk, block_v=16, solve_warps=solve_warps, interpret=True).compile(
+    out = gdn_tree_gated.lower(*args, n_k_heads=hk, block_v=16, interpret=True).compile(
         compiler_options=FAST_COMPILE)(*args)
     for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         assert a.shape == r.shape and a.dtype == r.dtype

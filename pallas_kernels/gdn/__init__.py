@@ -32,9 +32,7 @@ a GDN layer's tree delta rule from its post-conv rows): ``"reference"`` = ``qwen
 (``gdn_qkv_gates`` then the ``"gdn_tree"`` op, so on a GPU the tree kernel above); ``"pallas_triton"`` =
 :func:`tree.gdn_tree_gated`, the tree kernel forming the L2-normalised q / k, the masked v and the gates from the
 post-conv rows in registers (no q / k / v / gate arrays between the conv and the kernel), routed as
-``gdn_tree`` (``"pallas_triton_<solve>"`` opt-in likewise; ``"pallas_triton_split"`` (opt-in) solves each
-head's ``T`` in a first launch of :data:`SPLIT_SOLVE_WARPS` warps, whose sequential steps then reduce across fewer
-warps), **the GPU default** (the 27B's B1 round 25.13 vs 25.74 ms through the unfused path, one H100, one
+``gdn_tree`` (``"pallas_triton_<solve>"`` opt-in likewise), **the GPU default** (the 27B's B1 round 25.13 vs 25.74 ms through the unfused path, one H100, one
 run: ``experiments/results/spec_nvidia-h100-80gb-hbm3_20261207-0638.json`` / ``-0637``).
 
 ``"gdn_tree_commit"`` (signature ``(ssm_all [S,Hv,dk,dv], slots [B], cache: TreeGDNCache, node [B]) -> ssm_all``, as
@@ -138,11 +136,10 @@ def gdn_tree_pallas(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g
 
 
 def gdn_tree_gated_pallas(c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots=None, *, n_k_heads: int,
-                          groups: int = 1, solve: str | None = None, solve_warps: int | None = None):
+                          groups: int = 1, solve: str | None = None):
     """The registered gated tree kernel (:func:`tree.gdn_tree_gated`), routed as :func:`gdn_tree_pallas` (past one
-    resident wave the unfused path runs; ``solve`` as there; ``solve_warps``: T solved in its own launch of that
-    many warps, the opt-in ``pallas_triton_split``); channel layouts other than the checkpoint's (``groups > 1``)
-    and tiles that cannot be taken run the unfused path, with a warning."""
+    resident wave the unfused path runs; ``solve`` as there); channel layouts other than the checkpoint's
+    (``groups > 1``) and tiles that cannot be taken run the unfused path, with a warning."""
     args = (c, braw, araw, a_log, dt_bias, valid, state, ancestors, slots)
     dk, dv = state.shape[-2], state.shape[-1]
 
@@ -156,7 +153,7 @@ def gdn_tree_gated_pallas(c, braw, araw, a_log, dt_bias, valid, state, ancestors
                        solve=solve, check=layout)
     if cfg is None:
         return _gated_reference(*args, n_k_heads=n_k_heads, groups=groups)
-    return gdn_tree_gated(*args, n_k_heads=n_k_heads, solve_warps=solve_warps, **cfg)
+    return gdn_tree_gated(*args, n_k_heads=n_k_heads, **cfg)
 
 
 def _tree_launch(op: str, b: int, n: int, h: int, dk: int, dv: int, dtype, *, every_batch: bool = False,
@@ -245,10 +242,6 @@ for _solve in SOLVES:
                       backends=("gpu",), preferred=False)
     registry.register("gdn_tree_gated", f"pallas_triton_{_solve}",
                       functools.partial(gdn_tree_gated_pallas, solve=_solve), backends=("gpu",), preferred=False)
-SPLIT_SOLVE_WARPS = 2  # the opt-in split solve's launch (experiments/gdn_tree_split_solve.py times 1 / 2 / 4)
-registry.register("gdn_tree_gated", "pallas_triton_split",
-                  functools.partial(gdn_tree_gated_pallas, solve_warps=SPLIT_SOLVE_WARPS), backends=("gpu",),
-                  preferred=False)
 
 __all__ = ["block_plan", "chunk_local", "default_config", "default_precision", "gdn_chunked", "gdn_chunked_pallas",
            "gdn_chunked_reference", "gdn_decode_pallas", "gdn_decode_reference", "gdn_step", "gdn_step_pallas",

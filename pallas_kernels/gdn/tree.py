@@ -153,8 +153,7 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, gated: bool, block_v: int,
-                 part: str = "whole"):
+def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, gated: bool, block_v: int):
     # refs: the delta rule's inputs: q_ref, k_ref [N, dk]; v_ref [N, BV]; beta_ref, g_ref [N]
     #   (gated: the post-conv channels cq_ref, ck_ref [N, dk], cv_ref [N, BV] of this head, braw_ref, araw_ref [N],
     #   valid_ref [N] int8, alog_ref, dtb_ref [Hv] whole: q, k, v, beta, g formed here as ``gdn_qkv_gates`` does);
@@ -162,8 +161,6 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
     # [dk, BV]); o_ref [N, BV]; vp_ref [N, BV]; gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k).
     # N = the padded slot count: slots >= n_valid are past the arrays' ends, masked on load (zeros: beta = g = 0,
     # k = v = 0, a padding slot that sees only itself) and on store.
-    # part: "whole" (the above); "solve" (only T = (I + M)^-1 out, t_ref [N, N]; no v, state or cache read or
-    # written); "apply" (T read from t_ref, an input after the state, instead of solved).
     refs = list(refs)
     n_in = 8 if gated else 5
     inputs, refs = refs[:n_in], refs[n_in:]
@@ -173,11 +170,7 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
         s_ref = s_pool.at[slot_ref[pl.program_id(0)], pl.program_id(1), :, pl.ds(pl.program_id(2) * block_v, block_v)]
     else:
         s_ref = refs.pop(0)
-    t_in_ref = refs.pop(0) if part == "apply" else None
-    if part == "solve":
-        (t_out_ref,) = refs
-    else:
-        o_ref, vp_ref, gam_ref, decay_ref, k_out_ref = refs
+    o_ref, vp_ref, gam_ref, decay_ref, k_out_ref = refs
     f32 = jnp.float32
     opd, prec = _dot_dtype_and_precision(precision)
     dot = functools.partial(plt.dot, precision=prec)
@@ -234,26 +227,20 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
     decay = jnp.where(anc, jnp.exp(jnp.where(anc, gam[:, None] - gam[None, :], 0.0)), 0.0)  # masked before exp
     k_in = load_k()
     k = k_in.astype(opd)
-    if part == "apply":
-        t = t_in_ref[...]
+    kk = dot(k, k, trans_b=True)
+    m = jnp.where(anc & (rows > cols), beta[:, None] * kk * decay, 0.0)  # strictly lower: what the solve reads
+    # The solves' products need fp32 accuracy: tf32x3 on tensor cores where the launch is tf32x3 (NVIDIA), else
+    # IEEE fp32 (with IEEE products in a tf32x3 launch the blocked solve cost the 27B round +11 ms on an H100, though
+    # at IEEE fp32 throughout it timed faster than substitution).
+    exact_dot = functools.partial(plt.dot, precision=prec if precision == "tf32x3" else lax.Precision.HIGHEST)
+    if solve == "product":
+        t = _inverse_product(m, exact_dot)
+    elif solve == "blocked":
+        t = _inverse_blocked(m, n_valid, exact_dot)
+    elif solve == "doubling":
+        t = _inverse_doubling(m, n_valid, exact_dot)
     else:
-        kk = dot(k, k, trans_b=True)
-        m = jnp.where(anc & (rows > cols), beta[:, None] * kk * decay, 0.0)  # strictly lower: what the solve reads
-        # The solves' products need fp32 accuracy: tf32x3 on tensor cores where the launch is tf32x3 (NVIDIA), else
-        # IEEE fp32 (with IEEE products in a tf32x3 launch the blocked solve cost the 27B round +11 ms on an H100,
-        # though at IEEE fp32 throughout it timed faster than substitution).
-        exact_dot = functools.partial(plt.dot, precision=prec if precision == "tf32x3" else lax.Precision.HIGHEST)
-        if solve == "product":
-            t = _inverse_product(m, exact_dot)
-        elif solve == "blocked":
-            t = _inverse_blocked(m, n_valid, exact_dot)
-        elif solve == "doubling":
-            t = _inverse_doubling(m, n_valid, exact_dot)
-        else:
-            t = _inverse_substitution(m, n_valid)
-    if part == "solve":
-        t_out_ref[...] = t
-        return
+        t = _inverse_substitution(m, n_valid)
     t_op = t.astype(opd)
     kb = (k.astype(f32) * (beta * jnp.exp(gam))[:, None]).astype(opd)
     vb = (load_v().astype(f32) * beta[:, None]).astype(opd)
@@ -312,12 +299,10 @@ def default_config(n: int, dk: int, dv: int, *, dtype=jnp.float32, backend: str 
         block_v=min(dv, 64), num_warps=warps, solve="substitution")
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "precision", "solve", "solve_warps",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "precision", "solve", "interpret"))
 def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.Array, state: jax.Array,
              ancestors: jax.Array, slots: jax.Array | None = None, *, block_v: int = 64, num_warps: int = 4,
-             precision: str | None = None, solve: str = "substitution", solve_warps: int | None = None,
-             interpret: bool = False):
+             precision: str | None = None, solve: str = "substitution", interpret: bool = False):
     """Ancestor-masked gated delta rule over B token trees (``dflash_jax.models.gdn.gdn_tree``'s contract).
 
     q, k [B, N, H, dk]; v [B, N, H, dv]; beta, g [B, N, H]; state [B, H, dk, dv] (fp32); ancestors [B, N, N]
@@ -325,9 +310,7 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
     ``[S, H, dk, dv]`` and row b starts from ``state[slots[b]]``, read where it is (no gather). Returns
     (o [B, N, H, dv] in v's dtype, ``TreeGDNCache(k [B,H,N,dk], vp [B,H,N,dv], gam [B,H,N], decay [B,H,N,N])``
     with vp / gam / decay in
-    state's dtype). ``precision`` / ``solve``: see the module docstring. ``solve_warps``: None solves ``T`` in
-    every program; else a first launch of ``solve_warps`` warps per (sequence, head) solves it and the programs read
-    it (the solve's sequential steps are cross-warp reductions: fewer warps, fewer barriers).
+    state's dtype). ``precision`` / ``solve``: see the module docstring.
     """
     b, n, h, dk = q.shape
     dv = v.shape[-1]
@@ -348,15 +331,14 @@ def gdn_tree(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, g: jax.A
     ]
     return _launch("gdn_tree", (q, k, v, beta, g), specs, state, ancestors, slots, b=b, n=n, h=h, dk=dk, dv=dv,
                    o_dtype=v.dtype, k_dtype=k.dtype, gated=False, block_v=block_v, num_warps=num_warps,
-                   precision=precision, solve=solve, solve_warps=solve_warps, interpret=interpret)
+                   precision=precision, solve=solve, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("n_k_heads", "block_v", "num_warps", "precision", "solve", "solve_warps",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("n_k_heads", "block_v", "num_warps", "precision", "solve", "interpret"))
 def gdn_tree_gated(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Array, dt_bias: jax.Array,
                    valid: jax.Array, state: jax.Array, ancestors: jax.Array, slots: jax.Array | None = None, *,
                    n_k_heads: int, block_v: int = 64, num_warps: int = 4, precision: str | None = None,
-                   solve: str = "substitution", solve_warps: int | None = None, interpret: bool = False):
+                   solve: str = "substitution", interpret: bool = False):
     """:func:`gdn_tree` from a GDN layer's post-conv rows: ``dflash_jax.models.qwen36.gdn_tree_gated``'s contract
     (``gdn_qkv_gates`` then the tree delta rule) in one kernel. Each program reads its head's q / k channels (key
     head ``h // (Hv / n_k_heads)``) and its value columns straight from ``c`` and forms the L2-normalised q, k, the
@@ -364,8 +346,8 @@ def gdn_tree_gated(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Ar
     is materialised between the conv and the kernel.
 
     c [B, N, C] (``[q | k | v]`` channels, the checkpoint's layout), braw, araw [B, N, Hv] (fp32), a_log, dt_bias
-    [Hv], valid [B, N]; state, ancestors, slots, ``solve_warps`` as :func:`gdn_tree`. Returns (o [B, N, Hv, dv],
-    TreeGDNCache) in braw's dtype.
+    [Hv], valid [B, N]; state, ancestors, slots as :func:`gdn_tree`. Returns (o [B, N, Hv, dv], TreeGDNCache) in
+    braw's dtype.
     """
     b, n, ch = c.shape
     hv = braw.shape[-1]
@@ -398,17 +380,15 @@ def gdn_tree_gated(c: jax.Array, braw: jax.Array, araw: jax.Array, a_log: jax.Ar
     return _launch("gdn_tree_gated", (c, c, c, braw, araw, valid.astype(jnp.int8), a_log, dt_bias), specs, state,
                    ancestors, slots, b=b, n=n, h=hv, dk=dk, dv=dv, o_dtype=braw.dtype, k_dtype=braw.dtype,
                    gated=True, block_v=block_v, num_warps=num_warps, precision=precision, solve=solve,
-                   solve_warps=solve_warps, interpret=interpret)
+                   interpret=interpret)
 
 
 def _launch(name: str, inputs: tuple, specs: list, state, ancestors, slots, *, b: int, n: int, h: int, dk: int,
             dv: int, o_dtype, k_dtype, gated: bool, block_v: int, num_warps: int, precision: str | None, solve: str,
-            solve_warps: int | None, interpret: bool):
+            interpret: bool):
     """The tree kernel over grid ``(B, H, dv / block_v)``: ``inputs`` with their block ``specs``, then the ancestor
     mask and the state (its ``[dk, block_v]`` columns, or with ``slots`` the whole pool, each row's S0 read at its
-    slot). Returns (o, TreeGDNCache); blocks of the padded slot count, the slots past n masked in the kernel.
-    With ``solve_warps``, a grid ``(B, H, 1)`` launch first writes each head's ``T [Np, Np]`` (the same specs; its
-    value and state blocks are never read), and the main launch reads it."""
+    slot). Returns (o, TreeGDNCache); blocks of the padded slot count, the slots past n masked in the kernel."""
     from dflash_jax.models.gdn import TreeGDNCache
 
     if solve not in SOLVES:
@@ -424,22 +404,11 @@ def _launch(name: str, inputs: tuple, specs: list, state, ancestors, slots, *, b
     state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else  # slots; the whole pool
                    [pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c))])  # state columns
     state_args = (slots.astype(jnp.int32), state) if pooled else (state,)
-    in_specs = [*specs, pl.BlockSpec((None, np_, np_), lambda i, j, c: (i, 0, 0)), *state_specs]  # + mask
-    args = (*inputs, ancestors.astype(jnp.int8), *state_args)
-    if solve_warps is not None:
-        t_spec = pl.BlockSpec((None, None, np_, np_), lambda i, j, c: (i, j, 0, 0))
-        t = pl.pallas_call(
-            functools.partial(kernel, part="solve"), grid=(b, h, 1), in_specs=in_specs, out_specs=t_spec,
-            out_shape=jax.ShapeDtypeStruct((b, h, np_, np_), jnp.float32), interpret=interpret,
-            compiler_params=plt.CompilerParams(num_warps=solve_warps, num_stages=1),
-            name=f"{name}_solve_n{np_}_dk{dk}_{precision}_{solve}",
-        )(*args)
-        kernel, in_specs, args = functools.partial(kernel, part="apply"), [*in_specs, t_spec], (*args, t)
     sdt = state.dtype
     o, vp, gam, decay, k_hf = pl.pallas_call(
         kernel,
         grid=(b, h, plan["n_v_blocks"]),
-        in_specs=in_specs,
+        in_specs=[*specs, pl.BlockSpec((None, np_, np_), lambda i, j, c: (i, 0, 0)), *state_specs],  # + mask
         out_specs=[
             pl.BlockSpec((None, np_, None, block_v), lambda i, j, c: (i, 0, j, c)),     # o
             pl.BlockSpec((None, None, np_, block_v), lambda i, j, c: (i, j, 0, c)),     # V'
@@ -454,6 +423,6 @@ def _launch(name: str, inputs: tuple, specs: list, state, ancestors, slots, *, b
                    jax.ShapeDtypeStruct((b, h, n, dk), k_dtype)],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"{name}_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve if solve_warps is None else 'given'}",
-    )(*args)
+        name=f"{name}_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
+    )(*inputs, ancestors.astype(jnp.int8), *state_args)
     return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
