@@ -174,3 +174,35 @@ def test_sliding_layers_drafting_from_their_window_only_equal_the_whole_context(
         out.append(dflash.draft_forward(dparams, dcfg, t.params["embed"], t.params["lm_head"], blocks, start,
                                         ck, cv, cp, cm))
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(out[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_drafters_own_weight_format_quantizes_its_matmuls_and_a_head_copy_and_stays_lossless():
+    """SpecConfig.draft_quantization: the drafter's matmul weights and a drafting head (a quantized copy of the
+    target's LM head, or of the drafting vocabulary's rows) in that format, the target's left alone; rounds stay
+    equal to AR greedy."""
+    from dflash_jax.engine.spec_steps import DRAFT_HEAD, with_draft_quantization
+
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    v = t.config.vocab_size
+    assert SpecConfig(draft_quantization="none").draft_quantization is None
+    with pytest.raises(ValueError, match="not supported"):
+        SpecConfig(draft_quantization="fp4")
+    assert draft_vocab.QUANTIZATIONS == quant.QUANTIZATIONS
+    q = with_draft_quantization(dparams, t.params["lm_head"], "fp8")
+    assert quant.is_quantized(q["fc"]) and quant.is_quantized(q[DRAFT_HEAD]) and DRAFT_IDS not in q
+    assert q[DRAFT_HEAD].shape == t.params["lm_head"].shape
+    np.testing.assert_allclose(np.asarray(quant.dequantize(q[DRAFT_HEAD])), np.asarray(t.params["lm_head"]),
+                               atol=0.07 * float(jnp.abs(t.params["lm_head"]).max()))
+    sub = with_draft_quantization(with_draft_vocab(dparams, t.params["lm_head"], np.arange(0, v, 2)),
+                                  t.params["lm_head"], "int8")
+    assert sub[DRAFT_HEAD].shape == (v // 2, t.params["lm_head"].shape[1]) and sub[DRAFT_HEAD].data.dtype == jnp.int8
+    for spec in (SpecConfig(budget=6, draft_quantization="fp8"),
+                 SpecConfig(budget=6, draft_quantization="int8", draft_vocab=v // 2)):
+        eng = Engine(t, None, EngineOptions(max_batch=4, prefill_batch=2, prefill_chunk=16, max_model_len=128,
+                                            page_size=8, spec=spec, cohort_yield_min=0.0), drafter=(dcfg, dparams))
+        assert quant.is_quantized(eng.dparams[DRAFT_HEAD]) and not quant.is_quantized(eng.target.params["lm_head"])
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(0, v - 1, n).tolist() for n in (6, 17)]
+        outs = eng.generate(prompts, SamplingParams(max_tokens=10))
+        assert [o.token_ids for o in outs] == [t.greedy(p, 10) for p in prompts]
+        assert all(o.stats["spec_mode"] == "ddtree" and o.stats["draft_steps"] >= 1 for o in outs)

@@ -96,6 +96,17 @@ def test_the_drafting_vocabulary_is_a_count_or_a_file(tmp_path):
     assert _resolve("--config", str(preset)).ddtree_draft_vocab == 4096
 
 
+def test_the_drafters_weight_format_is_a_quantization_and_needs_ddtree(tmp_path):
+    assert _resolve("--ddtree").ddtree_draft_quantization is None
+    assert _resolve("--ddtree", "--ddtree-draft-quantization", "fp8").ddtree_draft_quantization == "fp8"
+    with pytest.raises(StartupError, match="it needs --ddtree"):
+        _resolve("--ddtree-draft-quantization", "int8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ddtree: true\nddtree-draft-quantization: fp4\n")
+    with pytest.raises(StartupError, match="must be one of"):
+        _resolve("--config", str(bad))
+
+
 def test_presets_load_and_command_line_overrides_them(tmp_path):
     ns = _resolve("--model", MODEL, "--config", os.path.join(ROOT, "configs", "h200.yaml"), "--port", "9001")
     assert ns.max_concurrency == 32 and ns.dtype == "bfloat16" and ns.port == 9001

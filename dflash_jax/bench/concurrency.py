@@ -135,6 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--level-bonus", type=float, default=None, metavar="NATS",
                    help="nats added per DDTree level (SpecConfig.level_bonus); default: the drafter's calibrated one")
     draft_vocab.add_argument(p)
+    draft_vocab.add_quantization_argument(p)
     p.add_argument("--max-verify-tokens", type=int, default=None,
                    help="cap on tree tokens verified per round over a batch bucket (SpecConfig.max_verify_tokens)")
     p.add_argument("--cohort-yield-min", type=float, default=6.0,
@@ -208,7 +209,7 @@ PRESET_NOT_APPLIED = ("target_device", "draft_device", "host", "port", "api_key"
 # server preset flag -> the benchmark's dest, copied as is
 PRESET_COPIED = {"ddtree_budget": "budget", "ddtree_max_verify_tokens": "max_verify_tokens",
                  "ddtree_chain_seed": "chain_seed", "ddtree_level_bonus": "level_bonus",
-                 "ddtree_draft_vocab": "draft_vocab",
+                 "ddtree_draft_vocab": "draft_vocab", "ddtree_draft_quantization": "draft_quantization",
                  "prefill_keep_ratio": "pflash_keep_ratio",
                  "prefill_min_tokens": "pflash_min_tokens", "kvflash_scoring": "kvflash_scoring",
                  "kvflash_max_page_in": "kvflash_max_page_in", "kvflash_host_prewarm_gb": "kvflash_host_prewarm_gb",
@@ -605,7 +606,8 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
     """Fresh engine; compile; 8-token warm-up at concurrency C; ``repeats`` measured batches (each prompt through
     ``prep`` before it is submitted, if given)."""
     spec = (SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens, chain_seed=args.chain_seed,
-                       level_bonus=args.level_bonus, draft_vocab=args.draft_vocab) if mode == "ddtree" else None)
+                       level_bonus=args.level_bonus, draft_vocab=args.draft_vocab,
+                       draft_quantization=args.draft_quantization) if mode == "ddtree" else None)
     kvflash = args.kvflash if mode != "ar_unbounded" else None
     inv = bool(getattr(args, "batch_invariant", False))
     rows = max(args.concurrency) if inv else c  # batch-invariant: every case at the same shapes
@@ -1077,6 +1079,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             "dtype": args.dtype, "concurrency": conc,
             "output_len": args.output_len, "repeats": args.repeats, "seed": args.seed, "budget": args.budget, "max_verify_tokens": args.max_verify_tokens,
             "chain_seed": args.chain_seed, "level_bonus": args.level_bonus, "draft_vocab": args.draft_vocab,
+            "draft_quantization": args.draft_quantization,
             "cohort_yield_min": args.cohort_yield_min, "max_model_len": max_len, "page_size": args.page_size,
             "prefill_chunk": args.prefill_chunk, "prefill_batch": args.prefill_batch,
             "warmup_tokens": WARMUP_TOKENS, "temperature": 0.0, "ignore_eos": True,

@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--level-bonus", type=float, default=None, metavar="NATS",
                    help="nats added per DDTree level (SpecConfig.level_bonus); default: the drafter's calibrated one")
     draft_vocab.add_argument(p)
+    draft_vocab.add_quantization_argument(p)
     p.add_argument("--max-verify-tokens", type=int, default=None,
                    help="cap on tree tokens verified per round over a bucket (lowers the budget at large batch)")
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache when steps are timed")
@@ -317,7 +318,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     dcfg, dparams = load_drafter_source(args)
     jax.block_until_ready((target.params, dparams))
     spec = SpecConfig(budget=args.budget, max_verify_tokens=args.max_verify_tokens, chain_seed=args.chain_seed,
-                      level_bonus=args.level_bonus, draft_vocab=args.draft_vocab)
+                      level_bonus=args.level_bonus, draft_vocab=args.draft_vocab,
+                      draft_quantization=args.draft_quantization)
     max_len = args.context + args.oracle_tokens + 4 * dcfg.block_size + 8  # oracle_run: 3 blocks of slack
     eng = Engine(target, None, EngineOptions(max_batch=max(args.batch), page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk, prefill_batch=1, spec=spec,
@@ -355,6 +357,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                  "weights": "checkpoint" if args.model else "peaked random" if peaked else "random",
                  "peaked_random_weights": peaked, "peaked_random_weights_detail": describe() if peaked else None,
                  "dtype": args.dtype, "context": args.context, "draft_vocab": args.draft_vocab,
+                 "draft_quantization": args.draft_quantization,
                  "tree": "chain-seeded" if args.chain_seed else "best-first (the oracle's rounds: chain-seeded)",
                  "oracle": "forced acceptance: proposals are the target's own greedy continuation, right up to a "
                            "length drawn per round (golden-ratio inverse CDF) from the chain distribution of the "

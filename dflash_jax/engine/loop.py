@@ -28,7 +28,7 @@ from dflash_jax.engine.sampling import MAX_BANNED, TOP_LOGPROBS, RowSampling, Sa
 from dflash_jax.engine.hostpack import Packing
 from dflash_jax.config import DrafterConfig
 from dflash_jax.engine.spec_steps import (SpecConfig, SpecInput, draft_step, masked_verify_step, spec_step,
-                                         with_draft_vocab)
+                                         with_draft_quantization, with_draft_vocab)
 from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.engine.structured import Constraint, Matcher, Structured, StructuredError
 from dflash_jax.engine.turns import DeviceTurns
@@ -417,9 +417,14 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else
                                    dict.fromkeys(target.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
         self.dcfg, self.dparams = drafter if drafter is not None else (None, None)
-        if o.spec is not None and o.spec.draft_vocab is not None and self.dparams is not None:
-            ids = draft_vocab.resolve(o.spec.draft_vocab, self.cfg.vocab_size, self.eos_token_ids)
-            self.dparams = with_draft_vocab(self.dparams, self.target.params["lm_head"], ids)
+        if o.spec is not None and self.dparams is not None and (o.spec.draft_vocab is not None
+                                                                 or o.spec.draft_quantization is not None):
+            if o.spec.draft_vocab is not None:
+                ids = draft_vocab.resolve(o.spec.draft_vocab, self.cfg.vocab_size, self.eos_token_ids)
+                self.dparams = with_draft_vocab(self.dparams, self.target.params["lm_head"], ids)
+            if o.spec.draft_quantization is not None:
+                self.dparams = with_draft_quantization(self.dparams, self.target.params["lm_head"],
+                                                       o.spec.draft_quantization)
             if self.layout is not None:
                 self.dparams = jax.device_put(self.dparams, self.layout.replicated)
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit

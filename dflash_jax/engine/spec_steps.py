@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.engine import sampling
 from dflash_jax.engine.sampling import TOP_LOGPROBS, SamplingArrays
-from dflash_jax.models import attention, dflash, qwen36
+from dflash_jax.models import attention, dflash, quant, qwen36
 from dflash_jax.models.quant import QuantizedWeight
 from dflash_jax.spec import ddtree, draft_vocab, verify
 from dflash_jax.state import DraftKV, EngineState, TreeInput
@@ -48,10 +48,16 @@ class SpecConfig:
     # the drafter's LM head over a set of frequent tokens only (spec.draft_vocab: an int N = ids 0..N-1, a file of
     # ids, or the ids); None: the whole vocabulary. Lossless either way; only what is drafted changes
     draft_vocab: int | str | tuple[int, ...] | None = None
+    # the drafter's matmul weights and its drafting head (a quantized copy of the target's LM head rows it drafts
+    # over) in this weight format (quant.QUANTIZATIONS: "fp8", "fp8_dynamic", "int8", "int4"), whatever the target's;
+    # None: as the engine's ``quantization``. Lossless either way (the target verifies); only what is drafted
+    # changes. The seed system drafts with a Q8_0 drafter
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.draft_vocab is not None:
             object.__setattr__(self, "draft_vocab", draft_vocab.normalise(self.draft_vocab))
+        object.__setattr__(self, "draft_quantization", quant.check_quantization(self.draft_quantization))
         if self.budget < 1:
             raise ValueError(f"the DDTree budget must be >= 1, got {self.budget}")
         if self.max_verify_tokens is not None and self.max_verify_tokens < 2:
@@ -222,6 +228,18 @@ def with_draft_vocab(dparams: dict, lm_head, ids) -> dict:
     """The drafter's params plus a drafting vocabulary (``spec.draft_vocab``): the LM head's rows ``ids`` and the
     ids, which ``draft_tree`` drafts over instead of the whole head."""
     return {**dparams, DRAFT_HEAD: draft_head_rows(lm_head, ids), DRAFT_IDS: jnp.asarray(ids, jnp.int32)}
+
+
+def with_draft_quantization(dparams: dict, lm_head, quantization: str) -> dict:
+    """The drafter's params with its matmul weights in ``quantization`` (``SpecConfig.draft_quantization``; leaves
+    quantized already stay) and a drafting head in it: the drafting vocabulary's rows (``with_draft_vocab``) if
+    any, else a quantized copy of the target's whole LM head ``[V, D]``, which ``draft_tree`` then reads instead of
+    the target's (none is made where that head is quantized already)."""
+    dparams = quant.quantize_params(dparams, quantization)
+    head = dparams.get(DRAFT_HEAD, lm_head)
+    if not quant.is_quantized(head):
+        dparams = {**dparams, DRAFT_HEAD: quant.quantize_params({"lm_head": head}, quantization)["lm_head"]}
+    return dparams
 
 
 def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state: EngineState, dkv: DraftKV,

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(byte-level BPE ids run in merge order, roughly by frequency) or the ids in FILE (.json "
                          "list or .npy; `python -m dflash_jax.spec.draft_vocab` counts a corpus), plus the EOS ids. "
                          "Lossless; reads N / vocab of the drafter's head each round. Default: the whole vocabulary")
+    draft_vocab.add_quantization_argument(ap, "--ddtree-draft-quantization")
     ap.add_argument("--draft-residency", choices=("persistent",), default=None,
                     help="persistent (the only mode): the drafter and the PFlash scorer stay loaded on the device for "
                          "the server's life, next to the target")
@@ -149,7 +150,7 @@ DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_concurrency": 8, "max_model_
             "prefill_chunk": 256, "dtype": None, "quantization": "none", "enable_thinking": "true",
             "draft_residency": "persistent",
             "ddtree_budget": 22, "ddtree_max_verify_tokens": None, "ddtree_chain_seed": False,
-            "ddtree_draft_vocab": None,
+            "ddtree_draft_vocab": None, "ddtree_draft_quantization": None,
             "prefill_compression": "off", "kvflash": "off",
             "kvflash_scoring": "shadow", "kvflash_max_page_in": 64, "kvflash_host_prewarm_gb": 8.0,
             "cohort_yield_min": 6.0, "cohort_reprobe_tokens": 0, "tensor_parallel": 1, "data_parallel": 1,
@@ -238,6 +239,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             ns.ddtree_draft_vocab = draft_vocab.normalise(ns.ddtree_draft_vocab)
         except (ValueError, FileNotFoundError) as e:
             raise StartupError(f"--ddtree-draft-vocab: {e}") from None
+    if ns.ddtree_draft_quantization is not None:
+        if ns.ddtree_draft_quantization not in draft_vocab.QUANTIZATIONS:  # a preset bypasses argparse
+            raise StartupError(f"--ddtree-draft-quantization must be one of {list(draft_vocab.QUANTIZATIONS)}, got "
+                               f"{ns.ddtree_draft_quantization!r}")
+        if ns.ddtree_draft_quantization != "none" and not ns.ddtree:
+            raise StartupError("--ddtree-draft-quantization sets the drafter's weight format: it needs --ddtree")
     if ns.fast_rollback and not ns.ddtree:
         raise StartupError("--fast-rollback selects how DDTree rounds commit: it needs --ddtree")
     if ns.fast_rollback and int(ns.max_concurrency or 0) != 1:
@@ -391,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback),
                            chain_seed=bool(args.ddtree_chain_seed), level_bonus=args.ddtree_level_bonus,
                            max_verify_tokens=args.ddtree_max_verify_tokens,
-                           draft_vocab=args.ddtree_draft_vocab) if args.ddtree else None)
+                           draft_vocab=args.ddtree_draft_vocab,
+                           draft_quantization=args.ddtree_draft_quantization) if args.ddtree else None)
         target.fuse_projections()  # in place: the engine would otherwise hold a fused copy next to these matrices
         try:
             eng = Engine(target, Tokenizer.from_dir(args.model),

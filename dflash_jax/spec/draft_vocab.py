@@ -38,6 +38,17 @@ def parse_arg(text: str) -> int | str:
     return int(text) if text.strip().isdigit() else text
 
 
+QUANTIZATIONS = ("none", "fp8", "fp8_dynamic", "int8", "int4")  # models.quant.QUANTIZATIONS, without importing JAX
+
+
+def add_quantization_argument(p: argparse.ArgumentParser, flag: str = "--draft-quantization") -> None:
+    """The drafter's own weight format (``SpecConfig.draft_quantization``), next to its drafting vocabulary."""
+    p.add_argument(flag, default=None, choices=QUANTIZATIONS,
+                   help="the drafter's matmul weights and its drafting head (a quantized copy of the LM head rows it "
+                        "drafts over) in this format, whatever the target's (SpecConfig.draft_quantization); "
+                        "lossless: only what is drafted changes. Default: as --quantization")
+
+
 def add_argument(p: argparse.ArgumentParser, flag: str = "--draft-vocab") -> None:
     """The benchmarks' drafting-vocabulary flag (``SpecConfig.draft_vocab``)."""
     p.add_argument(flag, type=parse_arg, default=None, metavar="N|FILE",
