@@ -13,7 +13,8 @@ from dflash_jax.bench.__main__ import main
 def test_quality_compares_weight_and_page_formats_with_the_reference(tmp_path):
     rc = main(["quality", "--model", os.path.join(dj.SHIPPED_MODELS, "target"),
                "--drafter", os.path.join(dj.SHIPPED_MODELS, "drafter"), "--dtype", "float32",
-               "--quantization", "none", "fp8_dynamic", "--kv-dtypes", "int8", "--rows", "2", "--row-len", "96",
+               "--quantization", "none", "fp8_dynamic", "--kv-dtypes", "int8", "--draft-quantization", "fp8",
+               "--rows", "2", "--row-len", "96",
                "--agree-prefix", "64", "--agree-tokens", "8", "--anchors", "2", "--out-dir", str(tmp_path)])
     assert rc == 0
     [f] = list(tmp_path.iterdir())
@@ -37,6 +38,10 @@ def test_quality_compares_weight_and_page_formats_with_the_reference(tmp_path):
         assert 1 <= fig[f"{name}.chain.tau"] <= 16 and 1 <= fig[f"{name}.ddtree.tau"] <= 16
     assert fig["fp8_dynamic.ddtree.tau_ratio"] == pytest.approx(fig["fp8_dynamic.ddtree.tau"] / fig["f32.ddtree.tau"])
     assert "kv_int8.ddtree.tau" not in fig
+    # the drafter alone in fp8 (its head a quantized copy of the f32 target's), against the f32 target's labels
+    assert 1 <= fig["draft_fp8.chain.tau"] <= 16 and 1 <= fig["draft_fp8.ddtree.tau"] <= 16
+    assert fig["draft_fp8.ddtree.tau_ratio"] == pytest.approx(fig["draft_fp8.ddtree.tau"] / fig["f32.ddtree.tau"])
+    assert res["extra"]["draft_quantization"] == ["fp8"]
 
 
 @pytest.mark.parametrize("p,n,lo,hi", [(0.5, 100, 0.4038, 0.5962), (0.987, 1024, 0.9780, 0.9923), (0.0, 10, 0.0, 0.2775)])

@@ -187,11 +187,17 @@ def greedy_labels(engine: Engine, rows: np.ndarray, anchors: np.ndarray, blk: in
 
 
 def draft_logprobs(target, dcfg, dparams, rows: np.ndarray, anchors: np.ndarray) -> np.ndarray:
-    """``[R, N, blk, V]`` log-softmax of the drafter's block at every anchor, teacher-forced on the rows."""
+    """``[R, N, blk, V]`` log-softmax of the drafter's block at every anchor, teacher-forced on the rows (through
+    the drafter's own whole-vocabulary head where it has one, ``spec_steps.with_draft_quantization``)."""
+    from dflash_jax.engine.spec_steps import DRAFT_HEAD, DRAFT_IDS
+
+    if DRAFT_IDS in dparams:
+        raise ValueError("draft_logprobs scores the whole vocabulary: drop the drafting vocabulary first")
+    head = dparams.get(DRAFT_HEAD, target.params["lm_head"])
     layers = tuple(dcfg.target_layer_ids)
     out = []
     fwd = jax.jit(lambda dp, f, t, a: jax.nn.log_softmax(
-        dflash.train_forward(dp, dcfg, target.params["embed"], target.params["lm_head"], f, t, a), axis=-1))
+        dflash.train_forward(dp, dcfg, target.params["embed"], head, f, t, a), axis=-1))
     for r, a in zip(rows, anchors):
         feats = target.hidden_states(r, layers)[:, None]  # [L, 1, T, D]
         out.append(np.asarray(fwd(dparams, features(feats), jnp.asarray(r)[None], jnp.asarray(a)[None]))[0])

@@ -14,7 +14,10 @@ each KV page format of ``--kv-dtypes``:
   positions compared, ``{f}.greedy_agreement_ci95_lo`` / ``_hi`` the Wilson 95 % interval of the fraction (at ~1000
   positions and 0.99 it is about +-0.006: whether a format meets a 0.99 target needs that many);
 * weight formats also: ``{f}.chain.tau`` / ``{f}.ddtree.tau`` (``bench acceptance``'s teacher-forced acceptance:
-  the format's drafter against the format's own greedy labels, ``--budget`` nodes) and ``{f}.ddtree.tau_ratio``.
+  the format's drafter against the format's own greedy labels, ``--budget`` nodes) and ``{f}.ddtree.tau_ratio``;
+* with ``--draft-quantization``, each format of the drafter alone (``SpecConfig.draft_quantization``: its matmuls and
+  its drafting head) against the reference target's labels: ``draft_{f}.chain.tau`` / ``.ddtree.tau`` /
+  ``.ddtree.tau_ratio``.
 
 Format names: ``bf16`` / ``f32`` (the reference weights), ``fp8``, ``fp8_dynamic``, ``int8``, ``int4``;
 ``kv_fp8``, ``kv_int8`` for pages. Issue targets: fp8 weights perplexity within 1 % and DDTree tau within 5 %,
@@ -46,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtypes", nargs="*", choices=("fp8", "int8"), default=["fp8"],
                    help="KV page formats measured with the reference weights")
     add_held_out_arguments(p, anchors=8)
+    p.add_argument("--draft-quantization", nargs="*", choices=quant.QUANTIZATIONS[1:], default=[],
+                   help="drafter-only formats (SpecConfig.draft_quantization) scored against the reference target")
     p.add_argument("--agree-prefix", type=int, default=256, help="tokens of a row before its greedy continuation")
     p.add_argument("--agree-tokens", type=int, default=64, help="greedy tokens per row compared")
 
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     max_len = -(-(max(args.row_len, args.agree_prefix + args.agree_tokens) + 32) // 64) * 64
     figures: dict[str, float] = {"rows": int(len(rows)), "row_len": int(rows.shape[1])}
     seconds: dict[str, float] = {}
-    ref_name, ref_seqs, ref_target = None, None, None
+    ref_name, ref_seqs, ref_target, ref_draft = None, None, None, None
     for q in quants:
         t0 = time.perf_counter()
         name = variant_label(args.dtype, q)
@@ -131,6 +136,8 @@ def run(args: argparse.Namespace, command: str) -> int:
             lp = draft_logprobs(target, dcfg, dparams, rows, anchors)
             figures[f"{name}.chain.tau"] = float(chain_tau(lp, labels).mean())
             figures[f"{name}.ddtree.tau"] = float(tree_tau(lp, labels, args.budget).mean())
+            if ref_draft is None:
+                ref_draft = (dcfg, dparams, anchors, labels)
         seconds[name] = round(time.perf_counter() - t0, 1)
         print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
               f"{figures[f'{name}.greedy_agreement']:.4f}"
@@ -147,6 +154,20 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
               f"{figures[f'{name}.greedy_agreement']:.4f} ({seconds[name]} s)", flush=True)
         del eng
+    if args.draft_quantization and ref_draft is None:
+        raise SystemExit("--draft-quantization scores the drafter: give --drafter")
+    for dq in dict.fromkeys(args.draft_quantization):
+        from dflash_jax.engine.spec_steps import with_draft_quantization
+
+        dcfg, dparams, anchors, labels = ref_draft
+        name = f"draft_{dq}"
+        lp = draft_logprobs(ref_target, dcfg, with_draft_quantization(dparams, ref_target.params["lm_head"], dq),
+                            rows, anchors)
+        figures[f"{name}.chain.tau"] = float(chain_tau(lp, labels).mean())
+        figures[f"{name}.ddtree.tau"] = float(tree_tau(lp, labels, args.budget).mean())
+        figures[f"{name}.ddtree.tau_ratio"] = figures[f"{name}.ddtree.tau"] / figures[f"{ref_name}.ddtree.tau"]
+        print(f"[{name}] ddtree tau {figures[f'{name}.ddtree.tau']:.3f} "
+              f"({figures[f'{name}.ddtree.tau_ratio']:.4f} of {ref_name}'s)", flush=True)
     for name in [variant_label(args.dtype, q) for q in quants] + [f"kv_{dt}" for dt in args.kv_dtypes]:
         figures[f"{name}.ppl_ratio"] = figures[f"{name}.ppl"] / figures[f"{ref_name}.ppl"]
         if f"{name}.ddtree.tau" in figures:
@@ -154,7 +175,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     results.print_table(figures)
     if not args.no_write:
         extra = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "reference": ref_name,
-                 "quantization": quants, "kv_dtypes": list(args.kv_dtypes), "agree_prefix": args.agree_prefix,
+                 "quantization": quants, "kv_dtypes": list(args.kv_dtypes),
+                 "draft_quantization": list(args.draft_quantization), "agree_prefix": args.agree_prefix,
                  "agree_tokens": args.agree_tokens, "budget": args.budget, "anchors": args.anchors,
                  "files": [f.rsplit("/", 1)[-1] for f in files], "seconds": seconds}
         print("wrote", results.write_result("quality", figures, command, extra, out_dir=args.out_dir))
