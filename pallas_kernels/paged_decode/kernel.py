@@ -211,6 +211,16 @@ def default_config(head_dim: int, page_size: int, dtype, *, backend: str | None 
                 prefetch=False, target_programs=2 * N_SM_TARGET)
 
 
+def split_blocks(n_blocks: int, partitions: int, op: str) -> tuple[int, int]:
+    """``n_blocks`` key blocks over ``partitions`` (>= 1, else ValueError naming ``op``) -> (partitions, blocks per
+    partition): at most one partition a block, the blocks spread evenly, and partitions that would be empty for
+    every sequence dropped."""
+    if partitions < 1:
+        raise ValueError(f"{op}: num_partitions={partitions} must be >= 1")
+    per = -(-n_blocks // min(partitions, n_blocks))
+    return -(-n_blocks // per), per
+
+
 def block_plan(*, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, page_size: int, width: int,
                dtype, pages_per_block: int, num_partitions: int | None, num_stages: int,
                target_programs: int = 2 * N_SM_TARGET, prefetch: bool = False,
@@ -227,13 +237,9 @@ def block_plan(*, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, page
     isz = jnp.dtype(dtype).itemsize
     csz = jnp.dtype(compute_dtype or dtype).itemsize
     n_blocks = max(1, -(-width * page_size // block_k))
-    s = (auto_partitions(batch, n_kv_heads, n_blocks, target_programs=target_programs) if num_partitions is None
-         else int(num_partitions))
-    if s < 1:
-        raise ValueError(f"paged_decode: num_partitions={num_partitions} must be >= 1")
-    s = min(s, n_blocks)
-    blocks_per_part = -(-n_blocks // s)
-    s = -(-n_blocks // blocks_per_part)  # drop partitions that would be empty for every sequence
+    s, blocks_per_part = split_blocks(
+        n_blocks, auto_partitions(batch, n_kv_heads, n_blocks, target_programs=target_programs)
+        if num_partitions is None else int(num_partitions), "paged_decode")
     kv_tile = block_k * head_dim * isz
     # Quantized pages: the tile cast to the compute dtype is the dot's operand; the stored rows are staged in
     # shared memory only when the loop is pipelined (num_stages > 1).

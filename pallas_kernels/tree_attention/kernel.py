@@ -38,7 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, MIN_DOT, N_SM_TARGET, _next_pow2,
-                                                merge_partitions, online_update, page_arrays, paged_prefix_loop)
+                                                merge_partitions, online_update, page_arrays, paged_prefix_loop,
+                                                split_blocks)
 from pallas_kernels.registry import check_block_shapes, current_backend
 
 
@@ -146,14 +147,10 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
     kvsz = jnp.dtype(dtype).itemsize
     isz = jnp.dtype(compute_dtype or dtype).itemsize
     n_blocks = max(1, -(-width * page_size // block_k))
-    s = (auto_partitions(n_row_tiles * batch * n_kv_heads, n_blocks, target_programs=target_programs,
-                         n_row_tiles=n_row_tiles)
-         if num_partitions is None else int(num_partitions))
-    if s < 1:
-        raise ValueError(f"tree_attention: num_partitions={num_partitions} must be >= 1")
-    s = min(s, n_blocks)
-    blocks_per_part = -(-n_blocks // s)
-    s = -(-n_blocks // blocks_per_part)
+    s, blocks_per_part = split_blocks(
+        n_blocks, auto_partitions(n_row_tiles * batch * n_kv_heads, n_blocks, target_programs=target_programs,
+                                  n_row_tiles=n_row_tiles) if num_partitions is None else int(num_partitions),
+        "tree_attention")
     loop = num_stages * 2 * block_k * head_dim * kvsz + block_m * block_k * isz
     if kvsz != isz:  # quantized pages: the tiles cast to the compute dtype (the dots' operands) and the scales;
         # the stored rows are staged only when the loop is pipelined (as in paged_decode.kernel.block_plan)

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import registry
-from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, N_SM_TARGET, merge_partitions
+from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, N_SM_TARGET, merge_partitions, split_blocks
 
 WG_ROWS = 64  # query rows of one compute warpgroup (one wgmma M)
 COMPUTE_WGS = 2
@@ -83,12 +83,8 @@ def plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_dim: in
     n_tiles = -(-rows // cta_rows)
     n_blocks = max(1, -(-width * page_size // BLOCK_KV))
     ctas = n_tiles * batch * n_kv_heads
-    s = max(1, min(n_blocks, target_ctas // ctas)) if num_partitions is None else int(num_partitions)
-    if s < 1:
-        raise ValueError(f"tree_attention mosaic_gpu: num_partitions={num_partitions} must be >= 1")
-    s = min(s, n_blocks)
-    bpp = -(-n_blocks // s)
-    s = -(-n_blocks // bpp)
+    s, bpp = split_blocks(n_blocks, max(1, min(n_blocks, target_ctas // ctas)) if num_partitions is None
+                          else int(num_partitions), "tree_attention mosaic_gpu")
     return dict(g=g, rows=rows, rows_padded=n_tiles * cta_rows, n_tiles=n_tiles, n_partitions=s,
                 blocks_per_partition=bpp, pages_per_block=BLOCK_KV // page_size, smem_bytes=smem,
                 ctas=ctas * s)
