@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 import np_oracle
 from conftest import FIXTURES
 from dflash_jax.config import FULL, SLIDING, ConfigError, DrafterConfig, TargetConfig, build_target_layer_ids
-from dflash_jax.models import dflash
+from dflash_jax.models import dflash, quant
 from dflash_jax.models.dflash_loader import hf_name_map, load_drafter, save_drafter
 from dflash_jax.models.loader import CheckpointError
 
@@ -603,3 +603,23 @@ def test_anchors_labels_and_gradient():
     assert np.isfinite(float(loss))
     chex.assert_tree_all_finite(g)
     assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree_util.tree_leaves(g))
+
+
+def test_fused_context_kv_equals_the_per_layer_projections():
+    """fuse_context_kv: every layer's context K/V from one matmul over the joined k / v matrices equal the per-layer
+    projections (float32, and fp8 weights joined with their scales); mixed formats are left unjoined."""
+    cfg = nano()
+    params = _params(cfg)
+    ctx = jnp.asarray(np.random.default_rng(0).standard_normal((2, 7, cfg.hidden_size)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(3, 10, dtype=jnp.int32), (2, 7))
+    for p in (params, quant.quantize_params(params, "fp8")):
+        fused = dflash.fuse_context_kv(p)
+        n = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
+        assert fused[dflash.CONTEXT_KV].shape == (n, cfg.hidden_size) and dflash.fuse_context_kv(fused) is fused
+        for a, b in zip(jax.tree.leaves(dflash.context_kv(fused, cfg, ctx, pos)),
+                        jax.tree.leaves(dflash.context_kv(p, cfg, ctx, pos))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    layers = list(params["layers"])
+    layers[1] = {**layers[1], "attn": {**layers[1]["attn"], "k": quant.quantize_fp8(layers[1]["attn"]["k"])}}
+    mixed = {**params, "layers": tuple(layers)}
+    assert dflash.CONTEXT_KV not in dflash.fuse_context_kv(mixed)

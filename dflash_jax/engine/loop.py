@@ -36,7 +36,7 @@ from dflash_jax.kv.kvflash import DEVICE_SCORINGS, KVFlashOptions, Plan, Residen
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.kv.prefix_cache import PrefixCache
-from dflash_jax.models import quant, qwen36
+from dflash_jax.models import dflash, quant, qwen36
 from dflash_jax.models.tokenizer import Tokenizer
 from dflash_jax.state import DraftKV, EngineState, RecurrentSlots, SlotPenalties, StepInput
 from dflash_jax.sharding import Layout, to_host
@@ -330,7 +330,8 @@ class EngineOptions:
     prefix_cache: int = 0
     # one matmul for the input projections that read the same activations (qwen36.fuse_projections), for an unsharded
     # target: the engine fuses a copy (the caller's Target is untouched; Target.fuse_projections() fuses one in place,
-    # as the serve and bench entry points do, so the matrices are never held twice)
+    # as the serve and bench entry points do, so the matrices are never held twice); the drafter's context K/V
+    # projections likewise (dflash.fuse_context_kv: a joined copy next to its per-layer k / v)
     fuse_projections: bool = True
     # compile a prefill step that also returns prompt log-probabilities (one row per replica, bucket 1), for requests
     # with SamplingParams.prompt_logprobs (the API's echo + logprobs); off: such requests are refused
@@ -427,6 +428,8 @@ class Engine:
                                                        o.spec.draft_quantization)
             if self.layout is not None:
                 self.dparams = jax.device_put(self.dparams, self.layout.replicated)
+        if o.fuse_projections and self.dparams is not None:
+            self.dparams = dflash.fuse_context_kv(self.dparams)
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
         self.dtype = jnp.dtype(qwen36.param_dtype(self.target.params))
         self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)

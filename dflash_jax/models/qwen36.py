@@ -224,7 +224,16 @@ def fused_unquantized(params: Params) -> list[str]:
             and set(key.split("+")) & set(quant.MATMUL_NAMES)]
 
 
-def _joinable(a: Any, b: Any) -> bool:
+def concat_out(ws: list) -> Any:
+    """Matrices ``[out_i, in]`` (plain, or ``QuantizedWeight`` of one format, :func:`joinable` pairwise) concatenated
+    along ``out``: one matmul computes all their outputs."""
+    if quant.is_quantized(ws[0]):
+        return dataclasses.replace(ws[0], data=jnp.concatenate([w.data for w in ws]),
+                                   scale=jnp.concatenate([w.scale for w in ws]))
+    return jnp.concatenate(ws)
+
+
+def joinable(a: Any, b: Any) -> bool:
     if quant.is_quantized(a) or quant.is_quantized(b):
         if not (quant.is_quantized(a) and quant.is_quantized(b)):
             return False
@@ -238,7 +247,7 @@ def _fuse_block(p: Params, names: tuple[str, ...], consume: bool) -> Params:
     present = [n for n in names if n in p]
     runs: list[list[str]] = []
     for n in present:
-        if runs and _joinable(p[runs[-1][-1]], p[n]):
+        if runs and joinable(p[runs[-1][-1]], p[n]):
             runs[-1].append(n)
         else:
             runs.append([n])
@@ -248,11 +257,7 @@ def _fuse_block(p: Params, names: tuple[str, ...], consume: bool) -> Params:
             out[run[0]] = p[run[0]]
             continue
         ws = [p[n] for n in run]
-        if quant.is_quantized(ws[0]):
-            fused = dataclasses.replace(ws[0], data=jnp.concatenate([w.data for w in ws]),
-                                        scale=jnp.concatenate([w.scale for w in ws]))
-        else:
-            fused = jnp.concatenate(ws)
+        fused = concat_out(ws)
         if consume:
             for leaf in jax.tree.leaves(ws):
                 leaf.delete()
