@@ -206,3 +206,17 @@ def test_the_drafters_own_weight_format_quantizes_its_matmuls_and_a_head_copy_an
         outs = eng.generate(prompts, SamplingParams(max_tokens=10))
         assert [o.token_ids for o in outs] == [t.greedy(p, 10) for p in prompts]
         assert all(o.stats["spec_mode"] == "ddtree" and o.stats["draft_steps"] >= 1 for o in outs)
+
+
+def test_the_drafters_format_wins_over_the_targets():
+    """quantization="int8" with draft_quantization="fp8": the target's matmuls int8, the drafter's fp8 (not int8
+    first, which would leave them int8); the target's head, quantized already, is read as it is (no copy)."""
+    from dflash_jax.engine.spec_steps import DRAFT_HEAD
+
+    t, dcfg, dparams = setup("qwen36_tiny_a")
+    eng = Engine(t, None, EngineOptions(max_batch=2, prefill_batch=1, prefill_chunk=16, max_model_len=64, page_size=8,
+                                        quantization="int8", spec=SpecConfig(budget=4, draft_quantization="fp8"),
+                                        fuse_projections=False),
+                 drafter=(dcfg, dparams))
+    assert eng.target.params["layers"][0]["mlp"]["down"].data.dtype == jnp.int8
+    assert eng.dparams["fc"].data.dtype == quant.FP8 and DRAFT_HEAD not in eng.dparams

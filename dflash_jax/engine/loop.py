@@ -403,7 +403,7 @@ class Engine:
                 raise ValueError("this target is already sharded in full precision: load it with quantization=... "
                                  "and tensor_parallel / data_parallel together, or pass the unsharded target")
             target = dataclasses.replace(target, params=quant.quantize_params(target.params, o.quantization))
-            if drafter is not None:
+            if drafter is not None and (o.spec is None or o.spec.draft_quantization is None):
                 drafter = (drafter[0], quant.quantize_params(drafter[1], o.quantization))
         if o.tensor_parallel != 1 or o.data_parallel != 1 or target.layout is not None:
             target = shard_target(target, o.tensor_parallel, o.data_parallel)
@@ -806,7 +806,9 @@ class Engine:
         if drafter_path is not None:
             from dflash_jax.models.dflash_loader import load_drafter
 
-            drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype, quantization=q)
+            spec = options.get("spec")
+            dq = spec.draft_quantization if spec is not None and spec.draft_quantization is not None else q
+            drafter = load_drafter(drafter_path, dtype=target.params["embed"].dtype, quantization=dq)
         if options.get("fuse_projections", True):
             target.fuse_projections()
         eng = cls(target, Tokenizer.from_dir(target_path), EngineOptions(**options), drafter=drafter)

@@ -49,8 +49,8 @@ class SpecConfig:
     # ids, or the ids); None: the whole vocabulary. Lossless either way; only what is drafted changes
     draft_vocab: int | str | tuple[int, ...] | None = None
     # the drafter's matmul weights and its drafting head (a quantized copy of the target's LM head rows it drafts
-    # over) in this weight format (quant.QUANTIZATIONS: "fp8", "fp8_dynamic", "int8", "int4"), whatever the target's;
-    # None: as the engine's ``quantization``. Lossless either way (the target verifies); only what is drafted
+    # over, unless that head is quantized already) in this weight format (quant.QUANTIZATIONS: "fp8", "fp8_dynamic",
+    # "int8", "int4"), whatever the target's; None: as the engine's ``quantization``. Lossless either way (the target verifies); only what is drafted
     # changes. The seed system drafts with a Q8_0 drafter
     draft_quantization: str | None = None
 

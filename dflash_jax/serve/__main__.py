@@ -393,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             for note in target.layout.plan.notes:
                 print(f"sharding: {note}", flush=True)
-        drafter = (load_drafter(args.drafter, dtype=target.params["embed"].dtype, quantization=q)
+        dq = args.ddtree_draft_quantization
+        drafter = (load_drafter(args.drafter, dtype=target.params["embed"].dtype,
+                                quantization=q if dq in (None, "none") else dq)
                    if args.ddtree else None)
         spec = (SpecConfig(budget=int(args.ddtree_budget), fast_rollback=bool(args.fast_rollback),
                            chain_seed=bool(args.ddtree_chain_seed), level_bonus=args.ddtree_level_bonus,

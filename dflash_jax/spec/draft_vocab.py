@@ -43,7 +43,7 @@ QUANTIZATIONS = ("none", "fp8", "fp8_dynamic", "int8", "int4")  # models.quant.Q
 
 def add_quantization_argument(p: argparse.ArgumentParser, flag: str = "--draft-quantization") -> None:
     """The drafter's own weight format (``SpecConfig.draft_quantization``), next to its drafting vocabulary."""
-    p.add_argument(flag, default=None, choices=QUANTIZATIONS,
+    p.add_argument(flag, default=None, choices=QUANTIZATIONS[1:],
                    help="the drafter's matmul weights and its drafting head (a quantized copy of the LM head rows it "
                         "drafts over) in this format, whatever the target's (SpecConfig.draft_quantization); "
                         "lossless: only what is drafted changes. Default: as --quantization")
