@@ -54,6 +54,34 @@ def fixtures_dir() -> str:
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def _atomic_cache_writes() -> None:
+    """Write the shared compilation cache's entries whole: JAX's unlocked cache (no size limit, above) writes an
+    entry in place, so a worker could read it half-written, or two workers compiling the same executable could
+    interleave their writes into one file, and XLA:CPU then crashed deserializing it (twice in a row on one key in
+    a clean-clone run, failing the test on its rerun). Each entry is now written to a temporary name and renamed
+    into place; the size-limited (locked) cache of ``engine.compile.enable_compile_cache`` is unchanged."""
+    import threading
+
+    from jax._src import lru_cache
+
+    put = lru_cache.LRUCache.put
+
+    def atomic_put(self, key: str, value: bytes) -> None:
+        if self.eviction_enabled or not key:
+            return put(self, key, value)
+        path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+        if path.exists():
+            return
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(value)
+        os.replace(tmp, path)
+
+    lru_cache.LRUCache.put = atomic_put
+
+
+_atomic_cache_writes()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Make ``--dist loadgroup`` keep each ``xdist_group`` on one worker under pytest >= 9.

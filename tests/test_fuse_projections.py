@@ -77,7 +77,7 @@ def test_quantized_parts_join_only_their_own_kind():
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(qwen36.linear(x, layer[name])), atol=1e-5)
     a = quant.QuantizedWeight(jnp.zeros((48, 64), jnp.float8_e4m3fn), jnp.ones((1, 1)), block=(128, 128),
                               dtype=jnp.float32)
-    assert not qwen36._joinable(a, a)  # a 48-row block-scaled part would put the seam inside a scale block
+    assert not qwen36.joinable(a, a)  # a 48-row block-scaled part would put the seam inside a scale block
 
 
 def test_engine_fuses_a_copy_target_fuses_in_place_and_a_fused_target_cannot_be_sharded():
