@@ -32,8 +32,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # No size limit here (unlike engine.compile.enable_compile_cache): with one, JAX locks every read and write, but
 # each write also scans every entry of the directory for eviction, and this suite writes ~11500 (3000 writes took
-# 161 s on this machine, 0.1 s each at the end). So an entry is written in place, unlocked, and another process
-# can read it half-written: a suspect for the rare XLA:CPU aborts of the suite, which pytest reruns.
+# 161 s on this machine, 0.1 s each at the end). So entries are unlocked; _atomic_cache_writes (below) writes each
+# one whole, so that no process reads it half-written.
 
 import pytest  # noqa: E402
 
