@@ -49,3 +49,10 @@ def test_wilson_interval_matches_the_textbook_values(p, n, lo, hi):
     from dflash_jax.bench.quality import wilson_interval
 
     assert wilson_interval(p, n) == pytest.approx((lo, hi), abs=1e-4)
+
+
+def test_drafter_formats_without_a_drafter_are_refused_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match="give --drafter"):
+        main(["quality", "--model", os.path.join(dj.SHIPPED_MODELS, "target"), "--draft-quantization", "fp8",
+              "--out-dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

@@ -107,6 +107,8 @@ def run(args: argparse.Namespace, command: str) -> int:
 
     if not 0 < args.agree_prefix < args.row_len:
         raise SystemExit(f"--agree-prefix must be in (0, --row-len {args.row_len})")
+    if args.draft_quantization and not args.drafter:
+        raise SystemExit("--draft-quantization scores the drafter: give --drafter")
     quants = list(dict.fromkeys(args.quantization))
     tok = Tokenizer.from_dir(args.model)
     files = args.files or held_out_files(args.model, args.report)
@@ -154,8 +156,6 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
               f"{figures[f'{name}.greedy_agreement']:.4f} ({seconds[name]} s)", flush=True)
         del eng
-    if args.draft_quantization and ref_draft is None:
-        raise SystemExit("--draft-quantization scores the drafter: give --drafter")
     for dq in dict.fromkeys(args.draft_quantization):
         from dflash_jax.engine.spec_steps import with_draft_quantization
 

@@ -27,7 +27,7 @@ from dflash_jax import SHIPPED_MODELS as SHIPPED
 from dflash_jax.kv.kvflash import SCORINGS
 from dflash_jax.spec import draft_vocab
 
-QUANTIZATIONS = ("none", "fp8", "fp8_dynamic", "int8", "int4")  # = models.quant.QUANTIZATIONS (not imported: no jax at parse time)
+QUANTIZATIONS = draft_vocab.QUANTIZATIONS  # = models.quant.QUANTIZATIONS (not imported: no jax at parse time)
 DEVICE_PREFIXES = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "hip": "gpu"}
 
 
@@ -240,8 +240,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         except (ValueError, FileNotFoundError) as e:
             raise StartupError(f"--ddtree-draft-vocab: {e}") from None
     if ns.ddtree_draft_quantization is not None:
-        if ns.ddtree_draft_quantization not in draft_vocab.QUANTIZATIONS:  # a preset bypasses argparse
-            raise StartupError(f"--ddtree-draft-quantization must be one of {list(draft_vocab.QUANTIZATIONS)}, got "
+        if ns.ddtree_draft_quantization not in QUANTIZATIONS:  # a preset bypasses argparse
+            raise StartupError(f"--ddtree-draft-quantization must be one of {list(QUANTIZATIONS)}, got "
                                f"{ns.ddtree_draft_quantization!r}")
         if ns.ddtree_draft_quantization != "none" and not ns.ddtree:
             raise StartupError("--ddtree-draft-quantization sets the drafter's weight format: it needs --ddtree")
