@@ -36,6 +36,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # one whole, so that no process reads it half-written.
 
 import pytest  # noqa: E402
+from xdist_scheduling import share_reruns_file  # noqa: E402
+
+share_reruns_file()
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 TINY = ("qwen36_tiny_a", "qwen36_tiny_b")
@@ -103,12 +106,23 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with the crash-safe scheduler (tests/xdist_scheduling.py): a worker dying in XLA reruns
-    its test once on a fresh worker, and a second crash fails it; neither hangs the run."""
+    its test on a fresh worker, up to twice, and a third crash fails it; none of it hangs the run."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist_scheduling import CrashSafeLoadGroupScheduling
 
     return CrashSafeLoadGroupScheduling(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test rerun after its worker crashed runs without the persistent compilation cache (tests/xdist_scheduling.py)."""
+    from xdist_scheduling import is_rerun, rerun_without_compile_cache
+
+    if not is_rerun(item.nodeid):
+        return (yield)
+    with rerun_without_compile_cache():
+        return (yield)
 
 
 def pytest_handlecrashitem(crashitem, report, sched):

@@ -1,5 +1,5 @@
-"""The suite's ``--dist loadgroup`` scheduler: a test whose worker dies runs once more on a fresh worker; a second
-crash fails it; the run always goes on to the end."""
+"""The suite's ``--dist loadgroup`` scheduler: a test whose worker dies runs again on a fresh worker, without the
+persistent compilation cache, up to twice; a third crash fails it; the run always goes on to the end."""
 
 import collections
 import os
@@ -30,19 +30,25 @@ SUITE = textwrap.dedent("""
     def test_single(): pass
     @pytest.mark.xdist_group("flaky")
     def test_crashes_once(tmp_path_factory):
+        import jax
         mark = tmp_path_factory.getbasetemp().parent / "crashed_once"
         if not mark.exists():
+            assert os.environ["JAX_COMPILATION_CACHE_DIR"] and jax.config.jax_enable_compilation_cache
             mark.write_text("")
             os.abort()
+        # the rerun: no persistent cache here, nor in the processes it starts
+        assert "JAX_COMPILATION_CACHE_DIR" not in os.environ and not jax.config.jax_enable_compilation_cache
     @pytest.mark.xdist_group("flaky")
-    def test_after_the_flaky_one(): pass
+    def test_after_the_flaky_one():
+        import jax
+        assert os.environ["JAX_COMPILATION_CACHE_DIR"] and jax.config.jax_enable_compilation_cache
     def test_plain_1(): time.sleep(0.3)
     def test_plain_2(): pass
 """)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_crashed_test_runs_again_and_fails_only_on_a_second_crash(tmp_path, workers):
+def test_a_crashed_test_runs_again_uncached_and_fails_only_on_a_third_crash(tmp_path, workers):
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import importlib.util, sys
         sys.path.insert(0, {HERE!r})
@@ -52,17 +58,19 @@ def test_a_crashed_test_runs_again_and_fails_only_on_a_second_crash(tmp_path, wo
         pytest_xdist_make_scheduler = suite_conftest.pytest_xdist_make_scheduler
         pytest_handlecrashitem = suite_conftest.pytest_handlecrashitem
         pytest_report_teststatus = suite_conftest.pytest_report_teststatus
+        pytest_runtest_protocol = suite_conftest.pytest_runtest_protocol
     """))
     (tmp_path / "test_suite.py").write_text(SUITE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "DFLASH_TESTS_RERUNS"}
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "xla_cache")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", str(workers), "--dist", "loadgroup", "-q", "-p", "no:cacheprovider",
          "-o", "addopts=", "-o", "timeout=0", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     summary = run.stdout.strip().splitlines()[-1]
-    assert "1 failed, 9 passed, 2 rerun" in summary, run.stdout[-3000:]
+    assert "1 failed, 9 passed, 3 rerun" in summary, run.stdout[-3000:]
     assert "FAILED test_suite.py::test_crash" in run.stdout
-    assert run.stdout.count("node down") == 3  # test_crash twice, test_crashes_once once
+    assert run.stdout.count("node down") == 4  # test_crash three times, test_crashes_once once
 
 
 def test_a_worker_still_collecting_gets_no_work_until_it_has_collected():

@@ -8,17 +8,23 @@ failed test then hung until the job's time limit. This scheduler requeues only w
 first), never sends an empty batch, and never leaves a worker holding fewer than two pending items without telling
 it to shut down.
 
-A test whose worker died is run once more, on a fresh worker (``max_reruns``); after its second crash it counts as
-done and failed (stock xdist would requeue it until the worker restarts run out). Why one rerun: XLA:CPU's
-compiler has crashed the process a few times in CI (a segfault or abort inside ``backend_compile_and_load``, in
-tests that pass alone and on rerun), and a native crash in a dependency should not fail the run when the same test
-then passes. The first crash is reported as ``RERUN`` with the worker's message, so it stays visible in the log and
-the summary line.
+A test whose worker died is run again on a fresh worker, up to twice (``max_reruns``); after its third crash it
+counts as done and failed (stock xdist would requeue it until the worker restarts run out). Why reruns: XLA:CPU has
+crashed the process a few times a run in CI, in tests that pass alone and on rerun: a segfault or abort inside
+``backend_compile_and_load``, and more often in the persistent compilation cache's executable (de)serialisation
+(``get_executable_and_time`` / ``put_executable_and_time``), once in the same test twice in a row. So a rerun runs
+without the persistent cache (``rerun_without_compile_cache``): the controller names each crashed test in the file
+``RERUNS_ENV`` points to before it queues the test again, and the worker that takes it reads it there. A native crash in a dependency should
+not fail the run when the same test then passes; each crash is reported as ``RERUN`` with the worker's message, so
+it stays visible in the log and the summary line.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+from collections.abc import Iterator
 
 import pytest
 from xdist.scheduler.loadgroup import LoadGroupScheduling
@@ -26,7 +32,7 @@ from xdist.workermanage import WorkerController
 
 
 class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
-    max_reruns = 1
+    max_reruns = 2
 
     def __init__(self, config: pytest.Config, log=None) -> None:
         super().__init__(config, log)
@@ -45,6 +51,7 @@ class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
             self.rerunning.discard(crashitem)
         else:
             self.rerunning.add(crashitem)
+            mark_rerun(crashitem)
         # unfinished groups go first, so the replacement resumes where the dead worker stopped
         for scope, unit in reversed(list(workload.items())):
             if not all(unit.values()):
@@ -88,6 +95,51 @@ class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
                 node.shutdown()
             except OSError:  # dead already; its "node down" event follows
                 pass
+
+
+RERUNS_ENV = "DFLASH_TESTS_RERUNS"  # a file naming the tests rerun after a crash, one node id a line
+
+
+def share_reruns_file() -> None:
+    """In the controller, before any worker starts (they inherit its environment): where it names reruns."""
+    if RERUNS_ENV not in os.environ:
+        import tempfile
+
+        os.environ[RERUNS_ENV] = os.path.join(tempfile.mkdtemp(prefix="dflash-jax-tests-reruns-"), "reruns")
+
+
+def mark_rerun(nodeid: str) -> None:
+    """In the controller: name ``nodeid`` as a rerun, before it is queued again (any worker may take it)."""
+    with open(os.environ[RERUNS_ENV], "a") as f:
+        f.write(nodeid + "\n")
+
+
+def is_rerun(nodeid: str) -> bool:
+    """In a worker: whether ``nodeid`` runs again after its worker crashed."""
+    path = os.environ.get(RERUNS_ENV)
+    if not path or not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return nodeid in f.read().splitlines()
+
+
+@contextlib.contextmanager
+def rerun_without_compile_cache() -> Iterator[None]:
+    """Run a test (its fixtures included) with JAX's persistent compilation cache off in this process, and without
+    ``JAX_COMPILATION_CACHE_DIR`` for the processes it starts; both come back afterwards."""
+    import jax
+    from jax._src import compilation_cache
+
+    cache_dir = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        if cache_dir is not None:
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 def rerun_crashed(crashitem: str, report: pytest.TestReport, sched: object) -> None:
