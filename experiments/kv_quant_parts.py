@@ -1,5 +1,6 @@
 """Which part of a quantized KV page costs greedy agreement: keys or values, fp8 or int8, with attention-sink tokens
-kept exact, with the keys Hadamard-rotated before they are rounded, or with the keys centred.
+kept exact, with the keys Hadamard-rotated before they are rounded, with the keys centred, or with each key's
+rounding error steered away from where the queries look.
 
 Each variant round-trips the new keys and / or values through :func:`dflash_jax.kv.quant.quantize_rows` (the
 rounding quantized pages apply) just before they are written to ordinary pages, so every attention path reads
@@ -8,7 +9,10 @@ them as a quantized page would, and the engine is otherwise the reference one. `
 rounding rotated keys and rotating the queries alike. ``centred`` variants write ``round(k - mu)``: ``mu [Hkv, D]``
 a per-layer mean of the (rotated, normed) keys, calibrated on training-split text (``--calib-rows`` rows of this
 interpreter's standard-library files outside the model set's held-out ones); every score of a query then moves by
-the same ``q . mu``, which softmax ignores, so only the rounding changes (``none.centred`` checks that). The measure is ``bench quality``'s: the reference engine's
+the same ``q . mu``, which softmax ignores, so only the rounding changes (``none.centred`` checks that). ``gptq``
+variants round a key one channel at a time and push each channel's error into the channels not yet rounded, so
+as to minimise ``e^T M e`` (``M`` the mean ``q q^T`` of the queries that read that KV head, per layer, calibrated
+on the same training rows) instead of ``|e|^2``: GPTQ's error feedback, applied to one key vector as it is written. The measure is ``bench quality``'s: the reference engine's
 greedy continuations (``--agree-tokens`` after ``--agree-prefix``) teacher-forced through the variant, the fraction
 of positions whose most likely token is the reference's.
 
@@ -43,22 +47,27 @@ from dflash_jax.models import attention  # noqa: E402
 from dflash_jax.models.tokenizer import Tokenizer  # noqa: E402
 
 F8, I8 = jnp.float8_e4m3fn, jnp.int8
-# name -> (key format, value format, leading tokens kept exact, rotate keys, centre keys)
+# name -> (key format, value format, leading tokens kept exact, rotate keys, centre keys, query-weighted key rounding)
 VARIANTS = {
-    "none": (None, None, 0, False, False),
-    "k_fp8": (F8, None, 0, False, False),
-    "v_fp8": (None, F8, 0, False, False),
-    "kv_fp8": (F8, F8, 0, False, False),
-    "kv_fp8.sink4": (F8, F8, 4, False, False),
-    "kv_fp8.sink16": (F8, F8, 16, False, False),
-    "k_fp8.rot": (F8, None, 0, True, False),
-    "kv_fp8.rot": (F8, F8, 0, True, False),
-    "k_int8.v_fp8": (I8, F8, 0, False, False),
-    "kv_int8": (I8, I8, 0, False, False),
-    "none.centred": (None, None, 0, False, True),
-    "k_fp8.centred": (F8, None, 0, False, True),
-    "kv_fp8.centred": (F8, F8, 0, False, True),
-    "kv_fp8.centred.rot": (F8, F8, 0, True, True),
+    "none": (None, None, 0, False, False, False),
+    "k_fp8": (F8, None, 0, False, False, False),
+    "v_fp8": (None, F8, 0, False, False, False),
+    "kv_fp8": (F8, F8, 0, False, False, False),
+    "kv_fp8.sink4": (F8, F8, 4, False, False, False),
+    "kv_fp8.sink16": (F8, F8, 16, False, False, False),
+    "k_fp8.rot": (F8, None, 0, True, False, False),
+    "kv_fp8.rot": (F8, F8, 0, True, False, False),
+    "k_int8.v_fp8": (I8, F8, 0, False, False, False),
+    "kv_int8": (I8, I8, 0, False, False, False),
+    "none.centred": (None, None, 0, False, True, False),
+    "k_fp8.centred": (F8, None, 0, False, True, False),
+    "kv_fp8.centred": (F8, F8, 0, False, True, False),
+    "kv_fp8.centred.rot": (F8, F8, 0, True, True, False),
+    "k_fp8.gptq": (F8, None, 0, False, False, True),
+    "kv_fp8.gptq": (F8, F8, 0, False, False, True),
+    "kv_fp8.centred.gptq": (F8, F8, 0, False, True, True),
+    "k_int8.gptq": (I8, None, 0, False, False, True),
+    "kv_fp8.centred.rot.gptq": (F8, F8, 0, True, True, True),
 }
 
 
@@ -116,16 +125,93 @@ def key_means(n_layers: int, run) -> np.ndarray:
     return np.stack([sums[i] / max(1.0, counts[i]) for i in range(n_layers)]).astype(np.float32)
 
 
-def rounding_write_kv(variant: tuple, write_kv=attention.write_kv, mu: np.ndarray | None = None):
+def query_moments(n_layers: int, n_kv_heads: int, run) -> np.ndarray:
+    """``[n_layers, Hkv, D, D]``: per attention layer and KV head, the mean over the tokens served while ``run()``
+    runs of ``sum_g q_g q_g^T`` over the query heads ``g`` that read that KV head (rotated queries). A key's rounding
+    error ``e`` moves those queries' scores by ``q_g . e``, whose mean square is ``e^T M e``."""
+    plain_write, plain_attn = attention.write_kv, attention.paged_attention
+    calls, last_valid = itertools.count(), []
+    sums: dict[int, np.ndarray] = {}
+    counts = np.zeros(n_layers)
+
+    def write(k_pages, v_pages, k, v, page_table, positions, valid):
+        last_valid[:] = [valid]
+        return plain_write(k_pages, v_pages, k, v, page_table, positions, valid)
+
+    def attend(q, k_pages, v_pages, page_table, q_positions, scale):
+        layer = next(calls) % n_layers
+
+        def acc(qq, vv):
+            qq, vv = np.asarray(qq, np.float64)[np.asarray(vv, bool)], np.asarray(vv, bool)  # [n, H, D]
+            qq = qq.reshape(len(qq), n_kv_heads, -1, qq.shape[-1])  # [n, Hkv, G, D]
+            sums[layer] = sums.get(layer, 0.0) + np.einsum("njgd,njge->jde", qq, qq)
+            counts[layer] += vv.sum()
+
+        jax.debug.callback(acc, q.astype(jnp.float32).reshape((-1,) + q.shape[2:]), last_valid[0].reshape(-1))
+        return plain_attn(q, k_pages, v_pages, page_table, q_positions, scale)
+
+    attention.write_kv, attention.paged_attention = write, attend
+    try:
+        run()
+    finally:
+        attention.write_kv, attention.paged_attention = plain_write, plain_attn
+    return np.stack([sums[i] / max(1.0, counts[i]) for i in range(n_layers)]).astype(np.float32)
+
+
+def error_feedback_factors(moments: np.ndarray, damp: float = 0.01) -> np.ndarray:
+    """GPTQ's factors for a quadratic error ``e^T M e``: the upper Cholesky factor of ``(M + damp mean(diag) I)^-1``
+    per ``[..., D, D]`` matrix."""
+    d = moments.shape[-1]
+    m = moments.astype(np.float64) + damp * np.trace(moments, axis1=-2, axis2=-1)[..., None, None] / d * np.eye(d)
+    inv = np.linalg.inv(m)
+    return np.swapaxes(np.linalg.cholesky(inv), -1, -2).astype(np.float32)  # upper: U^T U = M^-1
+
+
+def query_weighted_round(k, dtype, u):
+    """``k [..., Hkv, D]`` rounded onto ``dtype``'s grid (one scale per row, as pages store it) one channel at a
+    time, each channel's rounding error pushed into the channels after it (GPTQ / OBQ with ``u [Hkv, D, D]`` from
+    :func:`error_feedback_factors`), so the error is small where the queries look rather than in every channel.
+    Returns the dequantized keys in float32."""
+    qmax = kv_quant._QMAX[jnp.dtype(dtype)]
+    kf = k.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(kf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    d = kf.shape[-1]
+    u = jnp.asarray(u)
+    idx = jnp.arange(d)
+
+    def step(i, carry):
+        w, out = carry
+        wi = w[..., i]
+        yi = jnp.clip(wi, -qmax, qmax)
+        yi = jnp.round(yi) if jnp.issubdtype(dtype, jnp.integer) else yi.astype(dtype).astype(jnp.float32)
+        err = (wi - yi) / u[:, i, i]
+        w = w - err[..., None] * jnp.where(idx > i, u[:, i, :], 0.0)
+        return w, out.at[..., i].set(yi)
+
+    _, y = jax.lax.fori_loop(0, d, step, (kf / scale, jnp.zeros_like(kf)))
+    return y * scale
+
+
+def rounding_write_kv(variant: tuple, write_kv=attention.write_kv, mu: np.ndarray | None = None,
+                      factors: np.ndarray | None = None):
     """``attention.write_kv`` that rounds new keys / values as ``variant`` says before writing them (``mu``
-    ``[n_layers, Hkv, D]``: the key means of the centred variants)."""
-    k_dtype, v_dtype, sink, rotate, centre = variant
+    ``[n_layers, Hkv, D]``: the key means of the centred variants; ``factors``: the query-weighted variants'
+    :func:`error_feedback_factors` ``[n_layers, Hkv, D, D]`` of the query moments ``M`` and of the rotated ``H M H^T``)."""
+    k_dtype, v_dtype, sink, rotate, centre, weighted = variant
     calls = itertools.count()
 
     def write(k_pages, v_pages, k, v, page_table, positions, valid):
+        layer = next(calls)
         if centre:
-            k = (k.astype(jnp.float32) - jnp.asarray(mu[next(calls) % len(mu)])).astype(k.dtype)
-        if rotate and k_dtype is not None:
+            k = (k.astype(jnp.float32) - jnp.asarray(mu[layer % len(mu)])).astype(k.dtype)
+        if weighted and rotate and k_dtype is not None:  # factors of the rotated moments H M H^T
+            h = hadamard(k.shape[-1])
+            kq = (query_weighted_round(k.astype(jnp.float32) @ h.T, k_dtype, factors[1][layer % len(factors[1])])
+                  @ h).astype(k.dtype)
+        elif weighted and k_dtype is not None:
+            kq = query_weighted_round(k, k_dtype, factors[0][layer % len(factors[0])]).astype(k.dtype)
+        elif rotate and k_dtype is not None:
             h = hadamard(k.shape[-1])
             kq = (round_trip(k.astype(jnp.float32) @ h.T, k_dtype) @ h).astype(k.dtype)
         else:
@@ -161,17 +247,26 @@ def main(argv: list[str] | None = None) -> int:
     reference = quality.continuations(quality._engine(target, tok, max_len, None), rows, a.agree_prefix,
                                       a.agree_tokens)
     figures: dict[str, float] = {"rows": int(len(rows))}
-    mu = None
-    if any(VARIANTS[n][4] for n in a.variants):
+    mu = factors = None
+    n_attn = len(target.config.attn_layers)
+    if any(VARIANTS[n][4] or VARIANTS[n][5] for n in a.variants):
         calib = training_rows(tok, a.model, a.calib_rows, a.row_len)
-        mu = key_means(len(target.config.attn_layers), lambda: quality.continuations(
-            quality._engine(target, tok, max_len, None), calib, a.row_len - 1, 1))
         figures["calib_rows"] = int(len(calib))
-        figures["key_mean_norm"] = float(np.linalg.norm(mu, axis=-1).mean())  # the keys' own norm: sqrt(D) (k_norm)
+
+        def calib_run():
+            quality.continuations(quality._engine(target, tok, max_len, None), calib, a.row_len - 1, 1)
+
+        if any(VARIANTS[n][4] for n in a.variants):
+            mu = key_means(n_attn, calib_run)
+            figures["key_mean_norm"] = float(np.linalg.norm(mu, axis=-1).mean())  # the keys' own norm: sqrt(D)
+        if any(VARIANTS[n][5] for n in a.variants):
+            moments = query_moments(n_attn, target.config.num_kv_heads, calib_run)
+            h = np.asarray(hadamard(moments.shape[-1]))
+            factors = (error_feedback_factors(moments), error_feedback_factors(h @ moments @ h.T))
     plain = attention.write_kv
     try:
         for name in a.variants:
-            attention.write_kv = rounding_write_kv(VARIANTS[name], plain, mu)
+            attention.write_kv = rounding_write_kv(VARIANTS[name], plain, mu, factors)
             frac, n = quality.agreement(quality._engine(target, tok, max_len, None), reference, a.agree_prefix)
             figures[f"{name}.greedy_agreement"], figures[f"{name}.greedy_agreement_positions"] = frac, n
             print(f"{name:14s} greedy agreement {frac:.4f} of {n}", flush=True)
