@@ -12,9 +12,10 @@ interpreter's standard-library files outside the model set's held-out ones); eve
 the same ``q . mu``, which softmax ignores, so only the rounding changes (``none.centred`` checks that). ``gptq``
 variants round a key one channel at a time and push each channel's error into the channels not yet rounded, so
 as to minimise ``e^T M e`` (``M`` the mean ``q q^T`` of the queries that read that KV head, per layer, calibrated
-on the same training rows) instead of ``|e|^2``: GPTQ's error feedback, applied to one key vector as it is written. The measure is ``bench quality``'s: the reference engine's
-greedy continuations (``--agree-tokens`` after ``--agree-prefix``) teacher-forced through the variant, the fraction
-of positions whose most likely token is the reference's.
+on the same training rows) instead of ``|e|^2``: GPTQ's error feedback, applied to one key vector as it is written
+(with ``rot``, in the rotated space, ``M`` becoming ``H M H^T``). The measure is ``bench quality``'s: the reference
+engine's greedy continuations (``--agree-tokens`` after ``--agree-prefix``) teacher-forced through the variant, the
+fraction of positions whose most likely token is the reference's.
 
 Figures ``<variant>.greedy_agreement`` (and ``.greedy_agreement_positions``), written as
 ``kv_quant_parts_<device>_<yyyymmdd-hhmm>.json`` under ``--out-dir``.
@@ -197,7 +198,8 @@ def rounding_write_kv(variant: tuple, write_kv=attention.write_kv, mu: np.ndarra
                       factors: np.ndarray | None = None):
     """``attention.write_kv`` that rounds new keys / values as ``variant`` says before writing them (``mu``
     ``[n_layers, Hkv, D]``: the key means of the centred variants; ``factors``: the query-weighted variants'
-    :func:`error_feedback_factors` ``[n_layers, Hkv, D, D]`` of the query moments ``M`` and of the rotated ``H M H^T``)."""
+    :func:`error_feedback_factors` ``[n_layers, Hkv, D, D]`` of the query moments ``M`` and of the rotated
+    ``H M H^T``)."""
     k_dtype, v_dtype, sink, rotate, centre, weighted = variant
     calls = itertools.count()
 

@@ -116,7 +116,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A test rerun after its worker crashed runs without the persistent compilation cache (tests/xdist_scheduling.py)."""
+    """A test rerun after its worker crashed runs without the persistent compilation cache
+    (tests/xdist_scheduling.py)."""
     from xdist_scheduling import is_rerun, rerun_without_compile_cache
 
     if not is_rerun(item.nodeid):
