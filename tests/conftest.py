@@ -85,6 +85,51 @@ def _atomic_cache_writes() -> None:
 _atomic_cache_writes()
 
 
+MAPS_BEFORE_RELEASE = 40000  # of Linux's default vm.max_map_count, 65530
+
+
+def mapped_regions() -> int:
+    """Memory maps of this process (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def release_compiled_code(test_dir: str) -> None:
+    """Drop what the ``functools`` caches of the modules in ``test_dir`` hold (engines, compiled steps) and JAX's
+    jit caches, and collect the garbage, so that this process unloads those executables."""
+    import gc
+
+    test_dir = os.path.abspath(test_dir)
+    for mod in list(sys.modules.values()):
+        if os.path.dirname(os.path.abspath(getattr(mod, "__file__", None) or "/")) != test_dir:
+            continue
+        for obj in list(vars(mod).values()):
+            if getattr(obj, "__module__", None) == mod.__name__ and callable(getattr(obj, "cache_clear", None)):
+                obj.cache_clear()
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Release compiled code when this process nears the kernel's limit on memory maps.
+
+    XLA:CPU maps three regions for each compiled kernel object it loads (code, read-only data, data): one engine of
+    a tiny fixture is ~6000 maps, and Linux allows 65530 a process by default. Workers that kept every module's
+    cached engines reached ~61000 maps a third of the way through a run, and then crashed in XLA:CPU: the segfaults
+    in ``executable.serialize()`` / deserialisation that CI reran, always near the same point of the run. Releasing
+    at each module's end instead rebuilt engines whenever a worker came back to a module (1.9x the time of three
+    engine-heavy files), so it is done only past ``MAPS_BEFORE_RELEASE``."""
+    result = yield
+    if mapped_regions() > MAPS_BEFORE_RELEASE:
+        release_compiled_code(os.path.dirname(str(item.path)))
+    return result
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Make ``--dist loadgroup`` keep each ``xdist_group`` on one worker under pytest >= 9.
