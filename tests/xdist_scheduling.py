@@ -12,11 +12,12 @@ A test whose worker died is run again on a fresh worker, up to twice (``max_reru
 counts as done and failed (stock xdist would requeue it until the worker restarts run out). Why reruns: XLA:CPU has
 crashed the process a few times a run in CI, in tests that pass alone and on rerun: a segfault or abort inside
 ``backend_compile_and_load``, and more often in the persistent compilation cache's executable (de)serialisation
-(``get_executable_and_time`` / ``put_executable_and_time``), once in the same test twice in a row. So a rerun runs
-without the persistent cache (``rerun_without_compile_cache``): before it queues a crashed test again, the
-controller names it in the file ``RERUNS_ENV`` points to, where the worker that takes it reads it. A native crash in
-a dependency should not fail the run when the same test then passes; each crash is reported as ``RERUN`` with the
-worker's message, so it stays visible in the log and the summary line.
+(``get_executable_and_time`` / ``put_executable_and_time``), once in the same test twice in a row; their cause was
+the process's memory maps reaching ``vm.max_map_count``, which ``conftest.pytest_runtest_teardown`` now keeps away
+from. A rerun runs without the persistent cache (``rerun_without_compile_cache``): before it queues a crashed test
+again, the controller names it in the file ``RERUNS_ENV`` points to, where the worker that takes it reads it. A
+native crash in a dependency should not fail the run when the same test then passes; each crash is reported as
+``RERUN`` with the worker's message, so it stays visible in the log and the summary line.
 """
 
 from __future__ import annotations
