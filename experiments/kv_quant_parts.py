@@ -33,6 +33,7 @@ import os
 import shlex
 import sys
 import sysconfig
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,18 @@ from dflash_jax.models import attention  # noqa: E402
 from dflash_jax.models.tokenizer import Tokenizer  # noqa: E402
 
 F8, I8 = jnp.float8_e4m3fn, jnp.int8
-# name -> (key format, value format, leading tokens kept exact, rotate keys, centre keys, query-weighted key rounding)
-VARIANTS = {
+
+
+class Variant(NamedTuple):
+    k_dtype: object  # key format (None: unrounded)
+    v_dtype: object  # value format
+    sink: int  # leading tokens kept exact
+    rotate: bool  # keys Hadamard-rotated before rounding
+    centre: bool  # keys centred
+    weighted: bool  # query-weighted key rounding
+
+
+VARIANTS = {name: Variant(*v) for name, v in {
     "none": (None, None, 0, False, False, False),
     "k_fp8": (F8, None, 0, False, False, False),
     "v_fp8": (None, F8, 0, False, False, False),
@@ -69,7 +80,7 @@ VARIANTS = {
     "kv_fp8.centred.gptq": (F8, F8, 0, False, True, True),
     "k_int8.gptq": (I8, None, 0, False, False, True),
     "kv_fp8.centred.rot.gptq": (F8, F8, 0, True, True, True),
-}
+}.items()}
 
 
 def hadamard(n: int) -> jnp.ndarray:
@@ -194,7 +205,7 @@ def query_weighted_round(k, dtype, u):
     return y * scale
 
 
-def rounding_write_kv(variant: tuple, write_kv=attention.write_kv, mu: np.ndarray | None = None,
+def rounding_write_kv(variant: Variant, write_kv=attention.write_kv, mu: np.ndarray | None = None,
                       factors: np.ndarray | None = None):
     """``attention.write_kv`` that rounds new keys / values as ``variant`` says before writing them (``mu``
     ``[n_layers, Hkv, D]``: the key means of the centred variants; ``factors``: the query-weighted variants'
@@ -251,17 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, float] = {"rows": int(len(rows))}
     mu = factors = None
     n_attn = len(target.config.attn_layers)
-    if any(VARIANTS[n][4] or VARIANTS[n][5] for n in a.variants):
+    if any(VARIANTS[n].centre or VARIANTS[n].weighted for n in a.variants):
         calib = training_rows(tok, a.model, a.calib_rows, a.row_len)
         figures["calib_rows"] = int(len(calib))
 
         def calib_run():
             quality.continuations(quality._engine(target, tok, max_len, None), calib, a.row_len - 1, 1)
 
-        if any(VARIANTS[n][4] for n in a.variants):
+        if any(VARIANTS[n].centre for n in a.variants):
             mu = key_means(n_attn, calib_run)
             figures["key_mean_norm"] = float(np.linalg.norm(mu, axis=-1).mean())  # the keys' own norm: sqrt(D)
-        if any(VARIANTS[n][5] for n in a.variants):
+        if any(VARIANTS[n].weighted for n in a.variants):
             moments = query_moments(n_attn, target.config.num_kv_heads, calib_run)
             h = np.asarray(hadamard(moments.shape[-1]))
             factors = (error_feedback_factors(moments), error_feedback_factors(h @ moments @ h.T))

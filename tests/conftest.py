@@ -36,9 +36,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # one whole, so that no process reads it half-written.
 
 import pytest  # noqa: E402
-from xdist_scheduling import share_reruns_file  # noqa: E402
+import xdist_scheduling  # noqa: E402
 
-share_reruns_file()
+xdist_scheduling.share_reruns_file()
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 TINY = ("qwen36_tiny_a", "qwen36_tiny_b")
@@ -91,8 +91,8 @@ MAPS_BEFORE_RELEASE = 40000  # of Linux's default vm.max_map_count, 65530
 def mapped_regions() -> int:
     """Memory maps of this process (Linux; 0 elsewhere)."""
     try:
-        with open(f"/proc/{os.getpid()}/maps") as f:
-            return sum(1 for _ in f)
+        with open(f"/proc/{os.getpid()}/maps", "rb") as f:
+            return f.read().count(b"\n")
     except OSError:
         return 0
 
@@ -154,33 +154,25 @@ def pytest_xdist_make_scheduler(config, log):
     its test on a fresh worker, up to twice, and a third crash fails it; none of it hangs the run."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist_scheduling import CrashSafeLoadGroupScheduling
-
-    return CrashSafeLoadGroupScheduling(config, log)
+    return xdist_scheduling.CrashSafeLoadGroupScheduling(config, log)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test rerun after its worker crashed runs without the persistent compilation cache
     (tests/xdist_scheduling.py)."""
-    from xdist_scheduling import is_rerun, rerun_without_compile_cache
-
-    if not is_rerun(item.nodeid):
+    if not xdist_scheduling.is_rerun(item.nodeid):
         return (yield)
-    with rerun_without_compile_cache():
+    with xdist_scheduling.rerun_without_compile_cache():
         return (yield)
 
 
 def pytest_handlecrashitem(crashitem, report, sched):
-    from xdist_scheduling import rerun_crashed
-
-    rerun_crashed(crashitem, report, sched)
+    xdist_scheduling.rerun_crashed(crashitem, report, sched)
 
 
 def pytest_report_teststatus(report, config):
-    from xdist_scheduling import rerun_status
-
-    return rerun_status(report)
+    return xdist_scheduling.rerun_status(report)
 
 
 def nano_drafter_config(tmp_path, block_size: int = 8) -> str:
