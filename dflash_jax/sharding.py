@@ -188,6 +188,8 @@ def param_spec(path: tuple, plan: ShardPlan) -> P:
         return P(None, MODEL)
     if on and group == "gdn" and name in ("A_log", "dt_bias"):
         return P(MODEL)
+    if plan.attn and group == "kv_calib":  # a KV calibration's key_mean / key_feedback: by KV head, as the pages
+        return P(MODEL)
     return P()
 
 

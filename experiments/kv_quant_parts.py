@@ -58,6 +58,7 @@ class Variant(NamedTuple):
     rotate: bool  # keys Hadamard-rotated before rounding
     centre: bool  # keys centred
     weighted: bool  # query-weighted key rounding
+    block: int = 1  # channels rounded together before their error is fed forward (1: channel by channel)
 
 
 VARIANTS = {name: Variant(*v) for name, v in {
@@ -80,6 +81,7 @@ VARIANTS = {name: Variant(*v) for name, v in {
     "kv_fp8.centred.gptq": (F8, F8, 0, False, True, True),
     "k_int8.gptq": (I8, None, 0, False, False, True),
     "kv_fp8.centred.rot.gptq": (F8, F8, 0, True, True, True),
+    **{f"kv_fp8.centred.rot.gptq{b}": (F8, F8, 0, True, True, True, b) for b in (8, 16, 32)},
 }.items()}
 
 
@@ -100,6 +102,38 @@ def round_trip(x, dtype):
     return kv_quant.dequantize(*kv_quant.quantize_rows(x, dtype), x.dtype)
 
 
+def blocked_feedback_matrix(u: np.ndarray, block: int) -> np.ndarray:
+    """``G [..., D, D]`` for rounding ``block`` channels at once: the rows of block ``[a, a + block)`` hold
+    ``U_bb^-1 U_b,rest`` after the block (GPTQ's block update), zero elsewhere; ``block`` 1 is
+    :func:`dflash_jax.kv.quant.feedback_matrix`."""
+    u = np.asarray(u, np.float64)
+    d = u.shape[-1]
+    g = np.zeros_like(u)
+    for a in range(0, d - block, block):
+        b = slice(a, a + block)
+        g[..., b, a + block:] = np.linalg.solve(u[..., b, b], u[..., b, a + block:])
+    return g.astype(np.float32)
+
+
+def round_trip_blocked(x, dtype, g, block):
+    """``x [..., Hkv, D]`` rounded ``block`` channels at a time (no feedback within a block; each block's error fed
+    to the channels after it through ``g`` of :func:`blocked_feedback_matrix`), read back in x's dtype: the form
+    a GPU could run in ``D / block`` matrix steps, measured against channel-by-channel feedback."""
+    qmax = kv_quant._QMAX[jnp.dtype(dtype)]
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    w, d, ys = xf / scale, x.shape[-1], []
+    for a in range(0, d, block):
+        wb = jnp.clip(w[..., a:a + block], -qmax, qmax)
+        yb = jnp.round(wb) if jnp.issubdtype(dtype, jnp.integer) else wb.astype(dtype).astype(jnp.float32)
+        ys.append(yb)
+        if a + block < d:
+            w = w + jnp.einsum("...hb,hbd->...hd", yb - w[..., a:a + block], jnp.asarray(g)[:, a:a + block],
+                               precision=jax.lax.Precision.HIGHEST)
+    return (jnp.concatenate(ys, axis=-1) * scale).astype(x.dtype)
+
+
 def training_rows(tok: Tokenizer, model_dir: str, rows: int, row_len: int) -> np.ndarray:
     """``[rows, row_len]`` tokens of this interpreter's standard-library ``.py`` files on the training side of the
     model set's split (not held out, not in the held-out hash class)."""
@@ -118,7 +152,7 @@ def key_means(n_layers: int, run) -> np.ndarray:
     sums: dict[int, np.ndarray] = {}
     counts = np.zeros(n_layers)
 
-    def write(k_pages, v_pages, k, v, page_table, positions, valid):
+    def write(k_pages, v_pages, k, v, page_table, positions, valid, *rest):
         layer = next(calls) % n_layers
 
         def acc(kk, vv):
@@ -127,7 +161,7 @@ def key_means(n_layers: int, run) -> np.ndarray:
             counts[layer] += vv.sum()
 
         jax.debug.callback(acc, k.astype(jnp.float32).reshape((-1,) + k.shape[2:]), valid.reshape(-1))
-        return plain(k_pages, v_pages, k, v, page_table, positions, valid)
+        return plain(k_pages, v_pages, k, v, page_table, positions, valid, *rest)
 
     attention.write_kv = write
     try:
@@ -146,9 +180,9 @@ def query_moments(n_layers: int, n_kv_heads: int, run) -> np.ndarray:
     sums: dict[int, np.ndarray] = {}
     counts = np.zeros(n_layers)
 
-    def write(k_pages, v_pages, k, v, page_table, positions, valid):
+    def write(k_pages, v_pages, k, v, page_table, positions, valid, *rest):
         last_valid[:] = [valid]
-        return plain_write(k_pages, v_pages, k, v, page_table, positions, valid)
+        return plain_write(k_pages, v_pages, k, v, page_table, positions, valid, *rest)
 
     def attend(q, k_pages, v_pages, page_table, q_positions, scale):
         layer = next(calls) % n_layers
@@ -211,17 +245,22 @@ def rounding_write_kv(variant: Variant, write_kv=attention.write_kv, mu: np.ndar
     ``[n_layers, Hkv, D]``: the key means of the centred variants; ``factors``: the query-weighted variants'
     :func:`error_feedback_factors` ``[n_layers, Hkv, D, D]`` of the query moments ``M`` and of the rotated
     ``H M H^T``)."""
-    k_dtype, v_dtype, sink, rotate, centre, weighted = variant
+    k_dtype, v_dtype, sink, rotate, centre, weighted, block = variant
     calls = itertools.count()
 
-    def write(k_pages, v_pages, k, v, page_table, positions, valid):
+    def write(k_pages, v_pages, k, v, page_table, positions, valid, *rest):
         layer = next(calls)
         if centre:
             k = (k.astype(jnp.float32) - jnp.asarray(mu[layer % len(mu)])).astype(k.dtype)
         if weighted and rotate and k_dtype is not None:  # factors of the rotated moments H M H^T
             h = hadamard(k.shape[-1])
-            kq = (query_weighted_round(k.astype(jnp.float32) @ h.T, k_dtype, factors[1][layer % len(factors[1])])
-                  @ h).astype(k.dtype)
+            u = factors[1][layer % len(factors[1])]
+            kr = k.astype(jnp.float32) @ h.T
+            if block > 1:  # blocks of channels rounded at once, each block's error fed forward
+                kr = round_trip_blocked(kr, k_dtype, blocked_feedback_matrix(u, block), block)
+            else:
+                kr = query_weighted_round(kr, k_dtype, u)
+            kq = (kr @ h).astype(k.dtype)
         elif weighted and k_dtype is not None:
             kq = query_weighted_round(k, k_dtype, factors[0][layer % len(factors[0])]).astype(k.dtype)
         elif rotate and k_dtype is not None:
@@ -233,7 +272,7 @@ def rounding_write_kv(variant: Variant, write_kv=attention.write_kv, mu: np.ndar
         if sink:
             exact = (positions < sink)[..., None, None]
             kq, vq = jnp.where(exact, k, kq), jnp.where(exact, v, vq)
-        return write_kv(k_pages, v_pages, kq, vq, page_table, positions, valid)
+        return write_kv(k_pages, v_pages, kq, vq, page_table, positions, valid, *rest)
 
     return write
 

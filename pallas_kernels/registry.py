@@ -46,6 +46,7 @@ _BUILTIN_MODULES = {
     "gdn_decode": "pallas_kernels.gdn",
     "skinny_matmul": "pallas_kernels.skinny_matmul",
     "ddtree_build": "pallas_kernels.ddtree",
+    "key_round": "pallas_kernels.key_round",
 }
 
 

@@ -40,7 +40,7 @@ def test_variants_write_what_they_name():
     mu = rng.normal(size=(3, 2, 64)).astype(np.float32)
     eye = kqp.error_feedback_factors(np.broadcast_to(np.eye(64), (3, 2, 64, 64)).copy())  # = plain rounding
     for name, variant in kqp.VARIANTS.items():
-        kd, vd, sink, rot, centre, weighted = variant
+        kd, vd, sink, rot, centre, weighted, _ = variant
         kqp.rounding_write_kv(variant, capture, mu, (eye, eye))(None, None, k, v, None, pos, None)
         want_k = np.asarray(k) - mu[0] if centre else np.asarray(k)  # the first call is the first layer's
         assert np.array_equal(seen["k"], want_k) == (kd is None), name

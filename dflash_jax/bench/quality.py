@@ -20,7 +20,8 @@ each KV page format of ``--kv-dtypes``:
   ``.ddtree.tau_ratio``.
 
 Format names: ``bf16`` / ``f32`` (the reference weights), ``fp8``, ``fp8_dynamic``, ``int8``, ``int4``;
-``kv_fp8``, ``kv_int8`` for pages. Issue targets: fp8 weights perplexity within 1 % and DDTree tau within 5 %,
+``kv_fp8``, ``kv_int8`` for pages (``.calibrated`` 1 when they round keys with a key calibration,
+``kv.calibration``; then also ``kv_fp8.plain`` etc. without it). Issue targets: fp8 weights perplexity within 1 % and DDTree tau within 5 %,
 fp8 pages greedy agreement >= 99 %.
 """
 
@@ -53,11 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter-only formats (SpecConfig.draft_quantization) scored against the reference target")
     p.add_argument("--agree-prefix", type=int, default=256, help="tokens of a row before its greedy continuation")
     p.add_argument("--agree-tokens", type=int, default=64, help="greedy tokens per row compared")
+    p.add_argument("--kv-calibration", default="auto",
+                   help="key calibration of the quantized pages (EngineOptions.kv_calibration: auto = the one beside "
+                        "the model, a path, or none); with one, the pages are also measured without it "
+                        "(kv_{f}.plain)")
 
 
-def _engine(target, tok, max_len: int, kv_dtype: str | None) -> Engine:
+def _engine(target, tok, max_len: int, kv_dtype: str | None, kv_calibration: str | None = "auto") -> Engine:
     return Engine(target, tok, EngineOptions(max_batch=8, max_model_len=max_len, prefill_chunk=128,
-                                             prompt_logprobs=True, kv_dtype=kv_dtype))
+                                             prompt_logprobs=True, kv_dtype=kv_dtype, kv_calibration=kv_calibration))
 
 
 def prompt_scores(eng: Engine, prompts: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -146,16 +151,24 @@ def run(args: argparse.Namespace, command: str) -> int:
               + (f", ddtree tau {figures[f'{name}.ddtree.tau']:.3f}" if args.drafter else "")
               + f" ({seconds[name]} s)", flush=True)
         del eng
+    kv_names = []
     for dt in dict.fromkeys(args.kv_dtypes):
-        t0 = time.perf_counter()
-        name = f"kv_{dt}"
-        eng = _engine(ref_target, tok, max_len, dt)
-        figures[f"{name}.ppl"] = perplexity(eng, rows)
-        figures.update(agreement_figures(name, eng, ref_seqs, args.agree_prefix))
-        seconds[name] = round(time.perf_counter() - t0, 1)
-        print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
-              f"{figures[f'{name}.greedy_agreement']:.4f} ({seconds[name]} s)", flush=True)
-        del eng
+        cases = [(f"kv_{dt}", args.kv_calibration)]
+        while cases:
+            name, calib = cases.pop(0)
+            t0 = time.perf_counter()
+            eng = _engine(ref_target, tok, max_len, dt, calib)
+            figures[f"{name}.calibrated"] = int(eng.kv_calibration is not None)
+            if eng.kv_calibration is not None:
+                cases.append((f"kv_{dt}.plain", "none"))
+            figures[f"{name}.ppl"] = perplexity(eng, rows)
+            figures.update(agreement_figures(name, eng, ref_seqs, args.agree_prefix))
+            seconds[name] = round(time.perf_counter() - t0, 1)
+            kv_names.append(name)
+            print(f"[{name}] ppl {figures[f'{name}.ppl']:.4f}, greedy agreement "
+                  f"{figures[f'{name}.greedy_agreement']:.4f}"
+                  + (" (key calibration)" if eng.kv_calibration else "") + f" ({seconds[name]} s)", flush=True)
+            del eng
     for dq in dict.fromkeys(args.draft_quantization):
         from dflash_jax.engine.spec_steps import with_draft_quantization
 
@@ -168,14 +181,14 @@ def run(args: argparse.Namespace, command: str) -> int:
         figures[f"{name}.ddtree.tau_ratio"] = figures[f"{name}.ddtree.tau"] / figures[f"{ref_name}.ddtree.tau"]
         print(f"[{name}] ddtree tau {figures[f'{name}.ddtree.tau']:.3f} "
               f"({figures[f'{name}.ddtree.tau_ratio']:.4f} of {ref_name}'s)", flush=True)
-    for name in [variant_label(args.dtype, q) for q in quants] + [f"kv_{dt}" for dt in args.kv_dtypes]:
+    for name in [variant_label(args.dtype, q) for q in quants] + kv_names:
         figures[f"{name}.ppl_ratio"] = figures[f"{name}.ppl"] / figures[f"{ref_name}.ppl"]
         if f"{name}.ddtree.tau" in figures:
             figures[f"{name}.ddtree.tau_ratio"] = figures[f"{name}.ddtree.tau"] / figures[f"{ref_name}.ddtree.tau"]
     results.print_table(figures)
     if not args.no_write:
         extra = {"model": args.model, "drafter": args.drafter, "dtype": args.dtype, "reference": ref_name,
-                 "quantization": quants, "kv_dtypes": list(args.kv_dtypes),
+                 "quantization": quants, "kv_dtypes": list(args.kv_dtypes), "kv_calibration": args.kv_calibration,
                  "draft_quantization": list(args.draft_quantization), "agree_prefix": args.agree_prefix,
                  "agree_tokens": args.agree_tokens, "budget": args.budget, "anchors": args.anchors,
                  "files": [f.rsplit("/", 1)[-1] for f in files], "seconds": seconds}

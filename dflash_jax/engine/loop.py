@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import os
 import threading
 import time
 import warnings
@@ -33,6 +34,7 @@ from dflash_jax.engine.steps import StepOutput, step
 from dflash_jax.engine.structured import Constraint, Matcher, Structured, StructuredError
 from dflash_jax.engine.turns import DeviceTurns
 from dflash_jax.kv.kvflash import DEVICE_SCORINGS, KVFlashOptions, Plan, Residency, resolve_pool_tokens
+from dflash_jax.kv import calibration as kv_calibration
 from dflash_jax.kv import quant as kv_quant
 from dflash_jax.kv.pages import PageAllocator, RequestTooLarge
 from dflash_jax.kv.prefix_cache import PrefixCache
@@ -283,6 +285,9 @@ class EngineOptions:
     prefill_chunk: int = 64
     prefill_batch: int = 2
     kv_dtype: str | None = None  # default: the params' dtype; "fp8" / "int8": quantized pages (per token-head scales)
+    # quantized pages' key calibration (kv/calibration.py): "auto" = the one shipped beside the target's checkpoint
+    # (kv_calibration.safetensors) when the pages are quantized; a path; None / "none" = plain rounding
+    kv_calibration: str | None = "auto"
     spec: SpecConfig | None = None  # DDTree speculative decoding (needs a drafter)
     cohort_yield_min: float = 6.0  # a cohort whose first round emits fewer tokens per request goes AR (0 = never)
     # adaptive cohort-yield: a yielded request probes DDTree again after this many AR tokens (0 = never); a probe
@@ -433,6 +438,11 @@ class Engine:
         self.spec_span = self.dcfg.block_size if o.spec is not None else 0  # positions a round may commit
         self.dtype = jnp.dtype(qwen36.param_dtype(self.target.params))
         self.kv_dtype = kv_dtype = kv_quant.resolve_kv_dtype(o.kv_dtype, self.dtype)
+        self.kv_calibration = self._kv_calibration(o.kv_calibration, kv_dtype)  # its path, or None
+        if self.kv_calibration is not None:
+            calib = kv_calibration.KVCalibration.load(self.kv_calibration)
+            self.target = dataclasses.replace(self.target, params=kv_calibration.attach(
+                self.target.params, self.cfg, calib, self.layout))
         self.kvflash_pool_tokens = self._kvflash_pool(kv_dtype)
         wanted = overlap_by_default(self.target.params) if o.overlap is None else o.overlap
         self.overlap = wanted and o.data_parallel == 1 and o.spec_oracle is None and self.kvflash_pool_tokens is None
@@ -536,6 +546,22 @@ class Engine:
         self.step_seconds: collections.Counter[str] = collections.Counter()
 
     # ---- KVFlash --------------------------------------------------------------------------------------------
+    def _kv_calibration(self, option: str | None, kv_dtype) -> str | None:
+        """The key calibration file the pages use (``EngineOptions.kv_calibration``), or None."""
+        if option in (None, "none"):
+            return None
+        if not kv_quant.is_quantized_dtype(kv_dtype):
+            if option == "auto":
+                return None
+            raise ValueError(f"kv_calibration={option!r} rounds keys into quantized pages, but the pages are "
+                             f"{jnp.dtype(kv_dtype).name}: pass kv_dtype='fp8' or 'int8' too, or drop it")
+        if option == "auto":
+            return kv_calibration.find(self.target.path)
+        if not os.path.isfile(option):
+            raise FileNotFoundError(f"kv_calibration {option!r}: no such file (measure one with python -m "
+                                    "dflash_jax.kv.calibrate --model PATH)")
+        return option
+
     def _kv_bytes_per_token(self, kv_dtype) -> int:
         """Device bytes of one token's K and V (target + drafter; quantized pages count their scales too)."""
         per = 2 * len(self.cfg.attn_layers) * self.cfg.num_kv_heads * kv_quant.row_bytes(self.cfg.head_dim, kv_dtype)

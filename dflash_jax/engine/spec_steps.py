@@ -263,7 +263,8 @@ def verify_commit(cfg: TargetConfig, dcfg: DrafterConfig, params, dparams, state
     y = verify.sample_per_slot(logits, samp.temperature, samp.top_k, samp.top_p, samp.seed, samp.step, samp.min_p)
     slots, n_acc, bonus = verify.accept_sampled(tree, y)
     n_acc = jnp.where(inp.active, n_acc, 0)
-    kv, rec = qwen36.commit_tree(cfg, state.kv, state.rec, tin, scratch, slots, n_acc, fast_rollback)
+    kv, rec = qwen36.commit_tree(cfg, state.kv, state.rec, tin, scratch, slots, n_acc, fast_rollback,
+                                 qwen36.all_key_feedbacks(params, cfg))
     idx = jnp.clip(slots, 0, None)
     acc_feats = jnp.take_along_axis(features(feats), idx[:, :, None], axis=1)  # [B, L+1, F]
     l1 = slots.shape[1]

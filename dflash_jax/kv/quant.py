@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.kv.scatter import set_rows_where
 
@@ -92,6 +93,32 @@ def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return y.astype(dtype), scale
 
 
+def feedback_matrix(u: np.ndarray) -> np.ndarray:
+    """The error-feedback matrix ``G [..., D, D]`` of :func:`quantize_rows_feedback`, from ``u [..., D, D]`` the upper
+    Cholesky factor of ``M^-1`` (``U^T U = M^-1``) for an error measure ``e^T M e``: ``G[i, j] = U[i, j] / U[i, i]``
+    for ``j > i``, zero elsewhere. Channel ``i``'s rounding error ``delta_i`` then moves the channels after it by
+    ``-delta_i G[i]``, the change that minimises ``e^T M e`` given it (GPTQ's update, applied to one vector)."""
+    u = np.asarray(u, np.float64)
+    g = np.triu(u / np.diagonal(u, axis1=-2, axis2=-1)[..., :, None], k=1)
+    return g.astype(np.float32)
+
+
+def quantize_rows_feedback(x: jax.Array, dtype, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [..., Hkv, D]`` -> (values, scales) as :func:`quantize_rows` stores them (the same per-row scale), but
+    rounded one channel at a time with each channel's rounding error fed into the channels after it through
+    ``g [Hkv, D, D]`` (:func:`feedback_matrix`), so the error lands where the quadratic ``g`` came from weighs it
+    least. The rounding runs as the registry's ``"key_round"`` op."""
+    from pallas_kernels import registry
+
+    qmax = _QMAX[jnp.dtype(dtype)]
+    xf = x.astype(F32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    hkv, d = x.shape[-2:]
+    y = registry.get("key_round")((xf / scale[..., None]).reshape(-1, hkv, d), g, jnp.dtype(dtype))
+    return y.reshape(x.shape).astype(dtype), scale
+
+
 def quantize_pages(pages: jax.Array, dtype, compute_dtype=None) -> QuantizedPages:
     """Whole pages ``[n_pages, page_size, Hkv, D]`` -> ``QuantizedPages`` in ``dtype`` (fp8 / int8), read back in
     ``compute_dtype`` (None: the pages' dtype); the same rounding as rows written by :func:`set_rows`."""
@@ -100,12 +127,16 @@ def quantize_pages(pages: jax.Array, dtype, compute_dtype=None) -> QuantizedPage
 
 
 def set_rows(pages: jax.Array | QuantizedPages, page: jax.Array, off: jax.Array, x: jax.Array,
-             keep: jax.Array) -> jax.Array | QuantizedPages:
+             keep: jax.Array, feedback: jax.Array | None = None) -> jax.Array | QuantizedPages:
     """``pages.at[page, off].set(x)`` for ``x [B, T, Hkv, D]`` at page / offset ``[B, T]``, only where ``keep [B, T]``
-    (quantizing if needed; see ``kv.scatter``)."""
+    (quantizing if needed; see ``kv.scatter``). ``feedback [Hkv, D, D]``: quantized rows round with it
+    (:func:`quantize_rows_feedback`); plain pages ignore it."""
     if not isinstance(pages, QuantizedPages):
         return set_rows_where(pages, (page, off), x, keep)
-    q, s = quantize_rows(x, pages.data.dtype)
+    if feedback is None:
+        q, s = quantize_rows(x, pages.data.dtype)
+    else:
+        q, s = quantize_rows_feedback(x, pages.data.dtype, feedback)
     return QuantizedPages(set_rows_where(pages.data, (page, off), q, keep),
                           set_rows_where(pages.scale, (page, off), s, keep), pages.compute_dtype)
 

@@ -22,17 +22,19 @@ _NEG = -1e30  # finite, so a fully masked (padding) row gives a finite mean inst
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array,
-             positions: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+             positions: jax.Array, valid: jax.Array, key_feedback: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V into pages.
 
     k, v: [B, T, Hkv, D]; page_table: [B, W]; positions, valid: [B, T]. Padding tokens, tokens whose logical page
     is not resident (table entry < 0) and tokens of the null page (entry 0) are not written (``kv.scatter``).
+    key_feedback [Hkv, D, D]: quantized key pages round with this error feedback (``kv.calibration``).
     """
     ps = k_pages.shape[1]
     page = jnp.take_along_axis(page_table, jnp.clip(positions // ps, 0, page_table.shape[1] - 1), axis=1)
     keep = valid & (page > 0)
     off = positions % ps
-    k_pages = kv_quant.set_rows(k_pages, page, off, k, keep)
+    k_pages = kv_quant.set_rows(k_pages, page, off, k, keep, key_feedback)
     v_pages = kv_quant.set_rows(v_pages, page, off, v, keep)
     return k_pages, v_pages
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.config import FULL, TargetConfig, YarnScaling
+from dflash_jax.kv import calibration as kv_calibration
 from dflash_jax.kv.scatter import set_rows_where
 from dflash_jax.models import attention, gdn, quant, tree_ops
 from dflash_jax.state import KVPages, RecurrentSlots, StepInput, TreeInput
@@ -277,7 +278,8 @@ def mlp(p: Params, x: jax.Array) -> jax.Array:
 
 
 def attn_project(p: Params, cfg: TargetConfig, u: jax.Array, positions: jax.Array):
-    """u [B,T,D] -> q [B,T,H,hd] (normed, rotated), gate [B,T,H,hd] | None, k, v [B,T,Hkv,hd]."""
+    """u [B,T,D] -> q [B,T,H,hd] (normed, rotated), gate [B,T,H,hd] | None, k, v [B,T,Hkv,hd]. With a KV calibration
+    in ``p`` (``kv.calibration``), q and k are the calibration's centred, Hadamard-rotated ones."""
     b, t, _ = u.shape
     h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     y = project(p, u, {"q": cfg.q_proj_dim, "k": hkv * hd, "v": hkv * hd})
@@ -289,7 +291,15 @@ def attn_project(p: Params, cfg: TargetConfig, u: jax.Array, positions: jax.Arra
              cfg.rope_scaling)
     k = rope(rms_norm_zc(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta,
              cfg.rope_scaling)
+    if kv_calibration.PARAMS_KEY in p:  # quantized pages with a key calibration: queries and keys rotated alike
+        q, k = kv_calibration.transform(q, k, p[kv_calibration.PARAMS_KEY])
     return q, gate, k, v
+
+
+def key_feedback(p: Params) -> jax.Array | None:
+    """An attention layer's key-rounding feedback ``[Hkv, hd, hd]`` (``kv.calibration``), or None without one."""
+    calib = p.get(kv_calibration.PARAMS_KEY)
+    return None if calib is None else calib["key_feedback"]
 
 
 def attn_output(p: Params, o: jax.Array, gate: jax.Array | None) -> jax.Array:
@@ -308,7 +318,8 @@ def attention_layer(p: Params, cfg: TargetConfig, u: jax.Array, inp: StepInput, 
     q, gate, k, v = attn_project(p, cfg, u, inp.positions)
     if queries is not None:
         queries.append(q)
-    k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inp.page_table, inp.positions, valid)
+    k_pages, v_pages = attention.write_kv(k_pages, v_pages, k, v, inp.page_table, inp.positions, valid,
+                                          key_feedback(p))
     o = attention.paged_attention(q, k_pages, v_pages, inp.page_table, inp.positions, cfg.head_dim ** -0.5)
     return attn_output(p, o, gate), k_pages, v_pages
 
@@ -613,8 +624,8 @@ def forward_tree(params: Params, cfg: TargetConfig, tree: TreeInput, kv: KVPages
 
 
 def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeInput, scratch: TreeScratch,
-                accepted: jax.Array, n_accepted: jax.Array, fast_rollback: bool = False
-                ) -> tuple[KVPages, RecurrentSlots]:
+                accepted: jax.Array, n_accepted: jax.Array, fast_rollback: bool = False,
+                key_feedbacks: tuple | None = None) -> tuple[KVPages, RecurrentSlots]:
     """Make the accepted path durable, without running the target again.
 
     accepted: [B, L] slots of each row's accepted path, root first (-1 padded); n_accepted: [B] (0 = commit
@@ -625,7 +636,8 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
     (``gdn.tree_commit``: ``gdn.tree_node_state``, the accepted path's delta-rule recurrence in closed form, written
     into the slot; on a GPU one kernel that updates the slot's state in place). ``fast_rollback`` (one
     sequence): every slot's state is formed (``gdn.tree_node_states``, ``[B, N, H, dk, dv]`` per layer) and the
-    accepted one selected; the two are equal.
+    accepted one selected; the two are equal. ``key_feedbacks``: per attention layer its :func:`key_feedback`
+    (``all_key_feedbacks(params, cfg)``), for quantized pages with a key calibration.
     """
     l = accepted.shape[1]
     idx = jnp.clip(accepted, 0, None)
@@ -633,8 +645,9 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
     positions = tree.start[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
     take = lambda a: jnp.take_along_axis(a, idx[:, :, None, None], axis=1)
     ks, vs = [], []
-    for kp, vp, kt, vt in zip(kv.k, kv.v, scratch.k, scratch.v):
-        kp, vp = attention.write_kv(kp, vp, take(kt), take(vt), tree.page_table, positions, keep)
+    feedbacks = key_feedbacks or (None,) * len(kv.k)
+    for kp, vp, kt, vt, fb in zip(kv.k, kv.v, scratch.k, scratch.v, feedbacks):
+        kp, vp = attention.write_kv(kp, vp, take(kt), take(vt), tree.page_table, positions, keep, fb)
         ks.append(kp)
         vs.append(vp)
     last = jnp.where(n_accepted > 0, jnp.take_along_axis(accepted, jnp.maximum(n_accepted - 1, 0)[:, None], 1)[:, 0], -1)
@@ -651,6 +664,12 @@ def commit_tree(cfg: TargetConfig, kv: KVPages, rec: RecurrentSlots, tree: TreeI
         c1 = tree_ops.tree_conv_state(x, convs[gi], tree.parents, last, tree.slots)
         convs[gi] = set_rows_where(convs[gi], (tree.slots,), c1, tree.slots > 0)
     return KVPages(tuple(ks), tuple(vs)), RecurrentSlots(tuple(convs), tuple(ssms))
+
+
+def all_key_feedbacks(params: Params, cfg: TargetConfig) -> tuple | None:
+    """Every attention layer's :func:`key_feedback`, in order (None when the target has no KV calibration)."""
+    fbs = tuple(key_feedback(params["layers"][i]["attn"]) for i in cfg.attn_layers)
+    return None if all(f is None for f in fbs) else fbs
 
 
 def lm_logits(params: Params, h: jax.Array) -> jax.Array:

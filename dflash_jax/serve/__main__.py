@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                     help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
+    ap.add_argument("--kv-calibration", default="auto", metavar="auto|none|PATH",
+                    help="with fp8/int8 pages: keys centred, rotated and rounded where the queries do not look, by a "
+                         "calibration measured once per model (python -m dflash_jax.kv.calibrate); auto = the "
+                         "model's kv_calibration.safetensors if it has one")
     ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                     help="fp8: matmul weights of target and drafter in e4m3 with per-channel scales; fp8_dynamic: "
                          "the same weights, the MLP matmuls' inputs quantized per token to e4m3 too (W8A8: fp8 "
@@ -413,17 +417,21 @@ def main(argv: list[str] | None = None) -> int:
                                        kvflash=args.kvflash, kvflash_scoring=args.kvflash_scoring,
                                        kvflash_max_page_in=int(args.kvflash_max_page_in),
                                        kvflash_host_prewarm_gb=args.kvflash_host_prewarm_gb,
-                                       kv_dtype=args.kv_dtype, tensor_parallel=tp, data_parallel=dp,
+                                       kv_dtype=args.kv_dtype, kv_calibration=args.kv_calibration,
+                                       tensor_parallel=tp, data_parallel=dp,
                                        overlap=args.overlap, prefix_cache=args.prefix_cache,
                                        prompt_logprobs=bool(args.enable_prompt_logprobs),
                                        batch_invariant=bool(args.batch_invariant),
                                        structured_spec=bool(args.structured_spec)),
                          drafter=drafter)
-        except ValueError as e:  # options this model/device cannot serve (e.g. a --kvflash pool below one step)
+        except (ValueError, FileNotFoundError) as e:  # options this model/device cannot serve (e.g. a --kvflash pool
+            # below one step, a --kv-calibration file that is not there)
             raise StartupError(str(e)) from e
         n = len(eng.prefill_buckets) + len(eng.decode_buckets)
         where = device if target.layout is None else f"{dp} x {tp} devices (data x tensor parallel)"
-        print(f"model {args.model} ({dtype}{', fp8 weights' if q else ''}) loaded on {where} in "
+        pages = (f", {args.kv_dtype} pages" + (" with a key calibration" if eng.kv_calibration else "")
+                 if args.kv_dtype in ("fp8", "int8") else "")
+        print(f"model {args.model} ({dtype}{', fp8 weights' if q else ''}{pages}) loaded on {where} in "
               f"{time.perf_counter() - t0:.1f}s; "
               f"compiling {n} buckets", flush=True)
         done = [0]
