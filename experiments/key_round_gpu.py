@@ -3,12 +3,13 @@ against a NumPy channel loop, and the reference's loop rounding by the fp8 cast 
 27B's attention shapes (Hkv 4, D 256) for decode (N = batch rows) and a prefill chunk. Figures
 ``key_round.n{N}.{impl}_us`` and ``key_round.n{N}.max_diff``, JSON under ``--out-dir``.
 
-    PYTHONPATH=. python experiments/key_round_gpu.py --out-dir experiments/results
+    PYTHONPATH=. python experiments/key_round_gpu.py [--sweep] --out-dir experiments/results
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -20,7 +21,7 @@ from dflash_jax.bench import results
 from dflash_jax.kv import calibration as kvc
 from dflash_jax.kv import quant as kvq
 from pallas_kernels import registry
-from pallas_kernels.key_round import grid_round
+from pallas_kernels.key_round import grid_round, key_round_pallas
 
 
 def _time(fn, *args, iters: int = 20) -> float:
@@ -64,6 +65,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
     p.add_argument("--hkv", type=int, default=4)
     p.add_argument("--d", type=int, default=256)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the kernel's launch configs (block_n x block_d x num_warps) at each N, each checked "
+                        "against the reference")
     p.add_argument("--out-dir", default="experiments/results")
     a = p.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -92,7 +96,30 @@ def main(argv=None) -> int:
         if "reference" in outs and "pallas_triton" in outs:
             figures[f"key_round.n{n}.max_diff"] = float(np.abs(outs["reference"] - outs["pallas_triton"]).max())
             figures[f"key_round.n{n}.mismatch_fraction"] = float(np.mean(outs["reference"] != outs["pallas_triton"]))
-        print(n, {k: v for k, v in figures.items() if f".n{n}." in k}, flush=True)
+        if a.sweep and "reference" in outs and n <= 64:  # decode-sized N: one launch's latency
+            best = None
+            for bn in (1, 2, 4, 8, 16):
+                for bd in (32, 64, 128, 256):
+                    for nw in (1, 2, 4):
+                        if bn > n or bd > a.d or bn * bd < 32 * nw:
+                            continue
+                        fn = jax.jit(functools.partial(key_round_pallas, dtype=jnp.float8_e4m3fn, block_n=bn,
+                                                       block_d=bd, num_warps=nw))
+                        try:
+                            ok = bool(np.array_equal(np.asarray(fn(w, g)), outs["reference"]))
+                            t = _time(fn, w, g, iters=20)
+                        except Exception as e:  # noqa: BLE001
+                            print(f"n={n} bn{bn} bd{bd} w{nw}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                            continue
+                        figures[f"key_round.n{n}.bn{bn}.bd{bd}.w{nw}_us"] = t
+                        figures[f"key_round.n{n}.bn{bn}.bd{bd}.w{nw}.equal"] = int(ok)
+                        if ok and (best is None or t < best[0]):
+                            best = (t, bn, bd, nw)
+            if best:
+                print(f"n={n} best: {best[0]:.1f} us at block_n {best[1]}, block_d {best[2]}, {best[3]} warps",
+                      flush=True)
+                figures[f"key_round.n{n}.best_us"] = best[0]
+        print(n, {k: v for k, v in figures.items() if f".n{n}." in k and ".bn" not in k}, flush=True)
     print("wrote", results.write_result("key_round", figures, "python experiments/key_round_gpu.py " +
                                         " ".join(sys.argv[1:]), {"hkv": a.hkv, "d": a.d}, out_dir=a.out_dir))
     return 0

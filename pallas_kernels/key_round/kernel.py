@@ -17,11 +17,12 @@ and no output accumulator is carried. The arithmetic on ``w`` is the reference's
 it exactly (where both compile the multiply-add the same way: XLA:CPU and interpret mode do not contract it into
 an FMA; on a GPU both Triton and XLA's LLVM may).
 
-Rounding is done in f32 arithmetic, with no cast: ``Triton`` has no round-to-integer op in the Pallas lowering
-(``lax.round``), and an f32 -> ``float8_e4m3fn`` cast needs sm_89+ (and ROCm's MI300 converts only e4m3fnuz).
-Integers round half to even through ``floor``; fp8 e4m3fn values scale ``|x|`` by the inverse of its binade's
-grid step (a power of two picked by comparisons: exact), round that half to even, and scale back, which is the
-cast's round-to-nearest-even, subnormals included (checked against the cast in the tests).
+Rounding is :func:`pallas_kernels.key_round.reference.grid_round_f32`, f32 arithmetic with no cast: Triton has
+no round-to-integer op in the Pallas lowering (``lax.round``), and an f32 -> ``float8_e4m3fn`` cast needs sm_89+
+(and ROCm's MI300 converts only e4m3fnuz). Integers round half to even through ``floor``; fp8 e4m3fn values scale
+``|x|`` by the inverse of its binade's grid step (a power of two picked by comparisons: exact), round that half to
+even, and scale back, which is the cast's round-to-nearest-even, subnormals included (checked against the cast in
+the tests).
 
 Rows past N are loaded as zeros and not stored, so there is no pad or slice around the kernel.
 """
@@ -40,12 +41,12 @@ from pallas_kernels.key_round.reference import QMAX, grid_round_f32
 from pallas_kernels.paged_decode.kernel import _next_pow2
 from pallas_kernels.registry import check_block_shapes
 
-# f32 values of w per program, 32 a thread at 1 warp per 1024: D=256 gets 8 rows on 2 warps. On an H100 (N=65536,
-# Hkv=4, D=256, one [block_n, D] tile) 8 rows on 2 warps took 22 ms, 32 rows on 8 warps 86 ms: fewer warps a program
-# (more programs an SM) win, the loop being a chain of dependent steps.
+# f32 values of w per program at 1 warp per 1024: D=256 gets 8 rows on 2 warps. H100, N=65536, Hkv=4, D=256, fp8:
+# 3.99 ms (32-column tiles; 16 rows / 2 warps 4.01, 32 rows / 4 warps 3.79, 8 rows / 1 warp 16.8; 64-column tiles
+# 25 ms, one 256-column tile 22 ms).
 TILE_ELEMS = 2048
 MAX_BLOCK_N = 128
-BLOCK_D = 32  # columns of one register tile
+BLOCK_D = 32  # columns of one register tile (64 ran 6x slower on an H100)
 
 
 def default_config(n: int, d: int) -> dict:
