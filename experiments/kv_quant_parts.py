@@ -45,6 +45,7 @@ import dflash_jax as dj  # noqa: E402
 from dflash_jax.bench import quality, results  # noqa: E402
 from dflash_jax.bench.acceptance import held_out_files, held_out_names, held_out_rows  # noqa: E402
 from dflash_jax.kv import quant as kv_quant  # noqa: E402
+from dflash_jax.kv.calibration import error_factors, hadamard  # noqa: E402
 from dflash_jax.models import attention  # noqa: E402
 from dflash_jax.models.tokenizer import Tokenizer  # noqa: E402
 
@@ -85,21 +86,19 @@ VARIANTS = {name: Variant(*v) for name, v in {
 }.items()}
 
 
-def hadamard(n: int) -> jnp.ndarray:
-    """The orthonormal Sylvester-Hadamard matrix ``[n, n]`` (n a power of two)."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two head size, got {n}")
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return jnp.asarray(h / np.sqrt(n), jnp.float32)
-
-
 def round_trip(x, dtype):
     """``x [..., D]`` rounded as a quantized page row of ``dtype`` stores it (None: unchanged), in x's dtype."""
     if dtype is None:
         return x
     return kv_quant.dequantize(*kv_quant.quantize_rows(x, dtype), x.dtype)
+
+
+def round_trip_feedback(x, dtype, u):
+    """``x [..., Hkv, D]`` rounded as quantized key pages with a key calibration round it
+    (:func:`dflash_jax.kv.quant.quantize_rows_feedback`, the feedback of ``u``, the factor of
+    :func:`dflash_jax.kv.calibration.error_factors`), read back in float32."""
+    g = jnp.asarray(kv_quant.feedback_matrix(u))
+    return kv_quant.dequantize(*kv_quant.quantize_rows_feedback(x, dtype, g), jnp.float32)
 
 
 def blocked_feedback_matrix(u: np.ndarray, block: int) -> np.ndarray:
@@ -204,47 +203,12 @@ def query_moments(n_layers: int, n_kv_heads: int, run) -> np.ndarray:
     return np.stack([sums[i] / max(1.0, counts[i]) for i in range(n_layers)]).astype(np.float32)
 
 
-def error_feedback_factors(moments: np.ndarray, damp: float = 0.01) -> np.ndarray:
-    """GPTQ's factors for a quadratic error ``e^T M e``: the upper Cholesky factor of ``(M + damp mean(diag) I)^-1``
-    per ``[..., D, D]`` matrix."""
-    d = moments.shape[-1]
-    m = moments.astype(np.float64) + damp * np.trace(moments, axis1=-2, axis2=-1)[..., None, None] / d * np.eye(d)
-    inv = np.linalg.inv(m)
-    return np.swapaxes(np.linalg.cholesky(inv), -1, -2).astype(np.float32)  # upper: U^T U = M^-1
-
-
-def query_weighted_round(k, dtype, u):
-    """``k [..., Hkv, D]`` rounded onto ``dtype``'s grid (one scale per row, as pages store it) one channel at a
-    time, each channel's rounding error pushed into the channels after it (GPTQ / OBQ with ``u [Hkv, D, D]`` from
-    :func:`error_feedback_factors`), so the error is small where the queries look rather than in every channel.
-    Returns the dequantized keys in float32."""
-    qmax = kv_quant._QMAX[jnp.dtype(dtype)]
-    kf = k.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(kf), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    d = kf.shape[-1]
-    u = jnp.asarray(u)
-    idx = jnp.arange(d)
-
-    def step(i, carry):
-        w, out = carry
-        wi = w[..., i]
-        yi = jnp.clip(wi, -qmax, qmax)
-        yi = jnp.round(yi) if jnp.issubdtype(dtype, jnp.integer) else yi.astype(dtype).astype(jnp.float32)
-        err = (wi - yi) / u[:, i, i]
-        w = w - err[..., None] * jnp.where(idx > i, u[:, i, :], 0.0)
-        return w, out.at[..., i].set(yi)
-
-    _, y = jax.lax.fori_loop(0, d, step, (kf / scale, jnp.zeros_like(kf)))
-    return y * scale
-
-
 def rounding_write_kv(variant: Variant, write_kv=attention.write_kv, mu: np.ndarray | None = None,
                       factors: np.ndarray | None = None):
     """``attention.write_kv`` that rounds new keys / values as ``variant`` says before writing them (``mu``
     ``[n_layers, Hkv, D]``: the key means of the centred variants; ``factors``: the query-weighted variants'
-    :func:`error_feedback_factors` ``[n_layers, Hkv, D, D]`` of the query moments ``M`` and of the rotated
-    ``H M H^T``)."""
+    :func:`dflash_jax.kv.calibration.error_factors` ``[n_layers, Hkv, D, D]`` of the query moments ``M`` and of the
+    rotated ``H M H^T``)."""
     k_dtype, v_dtype, sink, rotate, centre, weighted, block = variant
     calls = itertools.count()
 
@@ -253,18 +217,18 @@ def rounding_write_kv(variant: Variant, write_kv=attention.write_kv, mu: np.ndar
         if centre:
             k = (k.astype(jnp.float32) - jnp.asarray(mu[layer % len(mu)])).astype(k.dtype)
         if weighted and rotate and k_dtype is not None:  # factors of the rotated moments H M H^T
-            h = hadamard(k.shape[-1])
+            h = jnp.asarray(hadamard(k.shape[-1]))
             u = factors[1][layer % len(factors[1])]
             kr = k.astype(jnp.float32) @ h.T
             if block > 1:  # blocks of channels rounded at once, each block's error fed forward
                 kr = round_trip_blocked(kr, k_dtype, blocked_feedback_matrix(u, block), block)
             else:
-                kr = query_weighted_round(kr, k_dtype, u)
+                kr = round_trip_feedback(kr, k_dtype, u)
             kq = (kr @ h).astype(k.dtype)
         elif weighted and k_dtype is not None:
-            kq = query_weighted_round(k, k_dtype, factors[0][layer % len(factors[0])]).astype(k.dtype)
+            kq = round_trip_feedback(k, k_dtype, factors[0][layer % len(factors[0])]).astype(k.dtype)
         elif rotate and k_dtype is not None:
-            h = hadamard(k.shape[-1])
+            h = jnp.asarray(hadamard(k.shape[-1]))
             kq = (round_trip(k.astype(jnp.float32) @ h.T, k_dtype) @ h).astype(k.dtype)
         else:
             kq = round_trip(k, k_dtype)
@@ -313,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             figures["key_mean_norm"] = float(np.linalg.norm(mu, axis=-1).mean())  # the keys' own norm: sqrt(D)
         if any(VARIANTS[n].weighted for n in a.variants):
             moments = query_moments(n_attn, target.config.num_kv_heads, calib_run)
-            h = np.asarray(hadamard(moments.shape[-1]))
-            factors = (error_feedback_factors(moments), error_feedback_factors(h @ moments @ h.T))
+            h = hadamard(moments.shape[-1]).astype(np.float64)
+            factors = (error_factors(moments), error_factors(h @ moments @ h.T))
     plain = attention.write_kv
     try:
         for name in a.variants:
