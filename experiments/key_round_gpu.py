@@ -68,8 +68,10 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="also time the kernel's launch configs (block_n x block_d x num_warps) at each N, each checked "
                         "against the reference")
+    p.add_argument("--budget-s", type=float, default=150.0, help="start no sweep launch after this many seconds")
     p.add_argument("--out-dir", default="experiments/results")
     a = p.parse_args(argv)
+    deadline = time.perf_counter() + a.budget_s
     rng = np.random.default_rng(0)
     m = rng.normal(size=(a.hkv, a.d, a.d)) * np.linspace(0.05, 1, a.d) ** 3
     m = np.einsum("hij,hkj->hik", m, m) + 0.01 * np.eye(a.d)
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
             for bn in (1, 2, 4, 8, 16):
                 for bd in (32, 64, 128, 256):
                     for nw in (1, 2, 4):
-                        if bn > n or bd > a.d or bn * bd < 32 * nw:
+                        if bn > n or bd > a.d or bn * bd < 32 * nw or time.perf_counter() > deadline:
                             continue
                         fn = jax.jit(functools.partial(key_round_pallas, dtype=jnp.float8_e4m3fn, block_n=bn,
                                                        block_d=bd, num_warps=nw))

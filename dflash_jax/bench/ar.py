@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.bench import ceiling, results, roofline
-from dflash_jax.bench.sources import add_target_arguments, load_target_source, parallel_options
+from dflash_jax.bench.sources import (add_kv_calibration_argument, add_target_arguments, load_target_source,
+                                     parallel_options, resolve_kv_calibration)
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.models import quant
@@ -56,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every case synchronous, then overlapped, on one engine (cN.overlap.*, cN.overlap_speedup)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="K/V page format (default: the model dtype); fp8/int8 pages carry a scale per token and head")
+    add_kv_calibration_argument(p)
 
 
 def _peak_bytes() -> int | None:
@@ -144,6 +146,7 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
     eng = Engine(target, None, EngineOptions(max_batch=cmax, page_size=args.page_size, max_model_len=max_len,
                                              prefill_chunk=args.prefill_chunk,
                                              prefill_batch=args.prefill_batch, kv_dtype=args.kv_dtype,
+                                             kv_calibration=resolve_kv_calibration(args, target),
                                              batch_buckets=None if args.all_buckets or args.batch_invariant else
                                              replica_buckets(args.concurrency, args.data_parallel),
                                              batch_invariant=args.batch_invariant,
@@ -161,7 +164,8 @@ def run_variant(args: argparse.Namespace, quantization: str) -> tuple[dict[str, 
                                  "startup_lower_s": report.get("lower_s", 0.0),
                                  "startup_cache_hits": report.get("cache_hits", 0),
                                  "startup_buckets": len(eng.prefill_buckets) + len(eng.decode_buckets),
-                                 "weight_bytes_per_element": w_itemsize}
+                                 "weight_bytes_per_element": w_itemsize,
+                                 "kv_calibrated": int(eng.kv_calibration is not None)}
     # warm-up run through the loop: every decode bucket the cases will use, up to 8 tokens, in every mode
     for on, _ in modes:
         eng.overlap = on
@@ -228,6 +232,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     if not args.no_write:
         extra = {"source": args.model or args.random_weights, "weights": "checkpoint" if args.model else "random",
                  "dtype": args.dtype, "quantization": variants, "kv_dtype": args.kv_dtype,
+                 "kv_calibration": args.kv_calibration,
                  "prompt_len": args.prompt_len, "output_len": args.output_len, "page_size": args.page_size,
                  "prefill_chunk": args.prefill_chunk, "tensor_parallel": args.tensor_parallel,
                  "data_parallel": args.data_parallel, "overlap": args.overlap, "overlap_compare": args.overlap_compare}

@@ -94,8 +94,9 @@ import numpy as np
 
 from dflash_jax.bench import results
 from dflash_jax.bench.peaked import add_peaked_argument, describe, peak_target, peaked_wanted
-from dflash_jax.bench.sources import (add_scorer_arguments, add_source_arguments, load_drafter_source,
-                                      load_scorer_source, load_target_source, parallel_options)
+from dflash_jax.bench.sources import (add_kv_calibration_argument, add_scorer_arguments, add_source_arguments,
+                                      load_drafter_source, load_scorer_source, load_target_source, parallel_options,
+                                      resolve_kv_calibration)
 from dflash_jax.engine.compile import compile_count
 from dflash_jax.engine.loop import Engine, EngineOptions, SamplingParams, replica_buckets
 from dflash_jax.engine.spec_steps import SpecConfig
@@ -178,6 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default=None,
                    help="KV page dtype of every case (default: the model dtype); fp8/int8 pages also page in/out "
                         "at about half the bytes under --kvflash")
+    add_kv_calibration_argument(p)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                    help="decoding modes to run per concurrency (default both; speedup figures need both)")
     p.add_argument("--all-buckets", action="store_true",
@@ -616,7 +618,8 @@ def run_case(target: Target, drafter, mode: str, c: int, prompts, warm_prompts, 
                          prefill_chunk=args.prefill_chunk, prefill_batch=min(args.prefill_batch, rows), spec=spec,
                          cohort_yield_min=args.cohort_yield_min, kvflash=kvflash,
                          kvflash_scoring=args.kvflash_scoring, kvflash_max_page_in=args.kvflash_max_page_in,
-                         kvflash_host_prewarm_gb=args.kvflash_host_prewarm_gb, kv_dtype=args.kv_dtype, batch_buckets=buckets, batch_invariant=inv,
+                         kvflash_host_prewarm_gb=args.kvflash_host_prewarm_gb, kv_dtype=args.kv_dtype, kv_calibration=args.kv_calibration,
+                         batch_buckets=buckets, batch_invariant=inv,
                          spec_oracle=oracle if mode == "ddtree" else None, overlap=args.overlap,
                          prefix_cache=args.prefix_cache if mode != "ar_uncached" else 0, **parallel_options(args))
     eng = Engine(target, None, opts, drafter=drafter if mode == "ddtree" else None)
@@ -923,6 +926,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         target, _ = peak_target(target)
     drafter = load_drafter_source(args)
     jax.block_until_ready((target.params, drafter[1]))
+    args.kv_calibration = resolve_kv_calibration(args, target)  # measured once, shared by every case's engine
     load_s = time.perf_counter() - t0
     cfg = target.config
     max_len = args.max_model_len or args.prompt_len_max + args.shared_prefix + args.output_len
@@ -1100,7 +1104,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                        "tail_tokens": args.pflash_tail_tokens, "scorer": args.scorer or args.random_scorer,
                        "billing": "raw prompt tokens (prompt_tokens_billed); prompt_tokens_effective = prefilled"}
             if args.pflash else None,
-            "kv_dtype": args.kv_dtype,
+            "kv_dtype": args.kv_dtype, "kv_calibration": args.kv_calibration,
             "kvflash": {"pool_tokens": args.kvflash, "scoring": args.kvflash_scoring,
                         "max_page_in": args.kvflash_max_page_in,
                         "host_prewarm_gb": args.kvflash_host_prewarm_gb,

@@ -62,6 +62,31 @@ def parallel_options(args: argparse.Namespace) -> dict[str, int]:
             "fuse_projections": not getattr(args, "no_fuse_projections", False)}
 
 
+def add_kv_calibration_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-calibration", default="auto", metavar="auto|none|measure|PATH",
+                   help="key calibration of fp8 / int8 pages (EngineOptions.kv_calibration); measure: one measured on "
+                        "the spot from 4 rows of 256 random token ids, which prices the path on random weights (they "
+                        "have nothing to calibrate on: its quality means nothing there)")
+
+
+def resolve_kv_calibration(args: argparse.Namespace, target: Target) -> str | None:
+    """``--kv-calibration`` as ``EngineOptions.kv_calibration``: ``measure`` becomes the file of a calibration measured
+    now on random token ids (once per process and target); other values pass through."""
+    option = getattr(args, "kv_calibration", "auto")
+    if option != "measure" or not getattr(args, "kv_dtype", None) in ("fp8", "int8"):
+        return None if option == "measure" else option
+    import os
+    import tempfile
+
+    import numpy as np
+
+    from dflash_jax.kv import calibration as kv_calibration
+
+    rows = np.random.default_rng(0).integers(0, target.config.vocab_size, (4, 256)).astype(np.int32)
+    path = os.path.join(tempfile.mkdtemp(prefix="dflash-kv-calibration-"), kv_calibration.FILE_NAME)
+    return kv_calibration.measure(target.params, target.config, rows).save(path)
+
+
 def load_target_source(args: argparse.Namespace, quantization: str | None = None) -> Target:
     """The target ``--model`` names, or the ``--random-weights`` config with random weights (key 0), with its
     matmul weights in ``quantization`` (default ``args.quantization``; random weights are quantized as each is

@@ -15,8 +15,11 @@ Implementations:
   column tiles and runs the D steps in one loop per tile (column ``i`` by a one-hot reduce over its tile, rounded
   in f32 arithmetic with no cast, the later columns moved by row ``i`` of ``g``, read a step ahead); equal to the
   reference in interpret mode and on an H100 (fp8 and int8, D=64 and 256, against the reference run by XLA:CPU).
-  H100, Hkv=4, fp8, default launch: D=256 N=8 / 4096 / 65536 in 0.80 / 0.41 / 3.99 ms against the reference's
-  (then rounding by the cast) 5.39 / 3.62 / 56.5 ms; D=64 0.32 / 0.29 / 0.98 ms against 1.77 / 1.47 / 5.36 ms.
+  H100, Hkv=4, D=256, fp8, default launch (``experiments/key_round_gpu.py``, one call): N = 1 / 16 rows (a decode
+  step's writes of one layer) 57 / 69 us against the reference's 5.97 / 5.60 ms (the best decode launch of its
+  sweep: 59 / 61 us, so the default stays); in an earlier call N = 4096 / 65536 took 0.41 / 3.99 ms against 3.62 /
+  56.5 ms. At 16 attention layers a decode step spends ~1 ms in it: a program's 256 dependent channel steps,
+  ~0.22 us each.
   Off GPU (when asked for by name) it runs in interpret mode; a D that is not a power of two runs the reference,
   with a warning.
 """
