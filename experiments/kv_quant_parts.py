@@ -27,12 +27,10 @@ Figures ``<variant>.greedy_agreement`` (and ``.greedy_agreement_positions``), wr
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import os
 import shlex
 import sys
-import sysconfig
 from typing import NamedTuple
 
 import jax
@@ -43,8 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dflash_jax as dj  # noqa: E402
 from dflash_jax.bench import quality, results  # noqa: E402
-from dflash_jax.bench.acceptance import held_out_files, held_out_names, held_out_rows  # noqa: E402
+from dflash_jax.bench.acceptance import held_out_files, held_out_rows  # noqa: E402
 from dflash_jax.kv import quant as kv_quant  # noqa: E402
+from dflash_jax.kv.calibrate import training_files  # noqa: E402
 from dflash_jax.kv.calibration import error_factors, hadamard  # noqa: E402
 from dflash_jax.models import attention  # noqa: E402
 from dflash_jax.models.tokenizer import Tokenizer  # noqa: E402
@@ -131,17 +130,6 @@ def round_trip_blocked(x, dtype, g, block):
             w = w + jnp.einsum("...hb,hbd->...hd", yb - w[..., a:a + block], jnp.asarray(g)[:, a:a + block],
                                precision=jax.lax.Precision.HIGHEST)
     return (jnp.concatenate(ys, axis=-1) * scale).astype(x.dtype)
-
-
-def training_rows(tok: Tokenizer, model_dir: str, rows: int, row_len: int) -> np.ndarray:
-    """``[rows, row_len]`` tokens of this interpreter's standard-library ``.py`` files on the training side of the
-    model set's split (not held out, not in the held-out hash class)."""
-    _, held = held_out_names(model_dir)
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
-    keep = [f for f in files if os.path.relpath(f, root) not in set(held)
-            and int(hashlib.sha1(os.path.relpath(f, root).encode()).hexdigest(), 16) % 20 != 0]
-    return held_out_rows(tok, keep[:200], rows, row_len)
 
 
 def key_means(n_layers: int, run) -> np.ndarray:
@@ -266,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     mu = factors = None
     n_attn = len(target.config.attn_layers)
     if any(VARIANTS[n].centre or VARIANTS[n].weighted for n in a.variants):
-        calib = training_rows(tok, a.model, a.calib_rows, a.row_len)
+        calib = held_out_rows(tok, training_files(a.model), a.calib_rows, a.row_len)
         figures["calib_rows"] = int(len(calib))
 
         def calib_run():

@@ -73,7 +73,7 @@ def resolve_kv_calibration(args: argparse.Namespace, target: Target) -> str | No
     """``--kv-calibration`` as ``EngineOptions.kv_calibration``: ``measure`` becomes the file of a calibration measured
     now on random token ids (once per process and target); other values pass through."""
     option = getattr(args, "kv_calibration", "auto")
-    if option != "measure" or not getattr(args, "kv_dtype", None) in ("fp8", "int8"):
+    if option != "measure" or getattr(args, "kv_dtype", None) not in ("fp8", "int8"):
         return None if option == "measure" else option
     import os
     import tempfile
