@@ -246,3 +246,9 @@ def test_calibration_shards_by_kv_head_with_the_attention():
     plan = ShardPlan.for_config(cfg, 2)
     assert plan.attn and param_spec(path, plan) == P(MODEL)
     assert param_spec(path, ShardPlan.for_config(cfg, 1)) == P()
+
+
+def test_calibrate_command_asks_for_text_for_a_model_of_your_own(capsys):
+    with pytest.raises(SystemExit):
+        kv_calibrate.main(["--model", os.path.join(FIXTURES, "qwen36_tiny_a")])
+    assert "--files" in capsys.readouterr().err

@@ -53,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_jax.target import load_target
 
     tok = Tokenizer.from_dir(a.model)
+    if not a.files and not os.path.exists(os.path.join(os.path.dirname(os.path.abspath(a.model)),
+                                                       "train_report.json")):
+        p.error(f"{a.model} is not a shipped model set (no train_report.json beside it): name the text to "
+                "calibrate on with --files")
     files = a.files if a.files else training_files(a.model)
     rows = held_out_rows(tok, files, a.rows, a.row_len)
     target = load_target(a.model, dtype=a.dtype)

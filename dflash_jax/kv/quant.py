@@ -81,13 +81,19 @@ def zeros(shape: tuple[int, ...], dtype, compute_dtype=jnp.bfloat16) -> jax.Arra
     return QuantizedPages(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], F32), jnp.dtype(compute_dtype))
 
 
+def _scaled_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """``x [..., D]`` -> (``x / scale`` float32, ``scale [...]``): each row's largest magnitude maps to the format's."""
+    xf = x.astype(F32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax > 0, amax / _QMAX[jnp.dtype(dtype)], 1.0)
+    return xf / scale[..., None], scale
+
+
 def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """``x [..., D]`` -> (values ``[..., D]`` in ``dtype``, scales ``[...]`` float32), one scale per row."""
     qmax = _QMAX[jnp.dtype(dtype)]
-    xf = x.astype(F32)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
-    y = jnp.clip(xf / scale[..., None], -qmax, qmax)
+    w, scale = _scaled_rows(x, dtype)
+    y = jnp.clip(w, -qmax, qmax)
     if jnp.issubdtype(dtype, jnp.integer):
         y = jnp.round(y)
     return y.astype(dtype), scale
@@ -110,12 +116,9 @@ def quantize_rows_feedback(x: jax.Array, dtype, g: jax.Array) -> tuple[jax.Array
     least. The rounding runs as the registry's ``"key_round"`` op."""
     from pallas_kernels import registry
 
-    qmax = _QMAX[jnp.dtype(dtype)]
-    xf = x.astype(F32)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    w, scale = _scaled_rows(x, dtype)
     hkv, d = x.shape[-2:]
-    y = registry.get("key_round")((xf / scale[..., None]).reshape(-1, hkv, d), g, jnp.dtype(dtype))
+    y = registry.get("key_round")(w.reshape(-1, hkv, d), g, jnp.dtype(dtype))
     return y.reshape(x.shape).astype(dtype), scale
 
 
