@@ -117,7 +117,7 @@ def round_trip_blocked(x, dtype, g, block):
     """``x [..., Hkv, D]`` rounded ``block`` channels at a time (no feedback within a block; each block's error fed
     to the channels after it through ``g`` of :func:`blocked_feedback_matrix`), read back in x's dtype: the form
     a GPU could run in ``D / block`` matrix steps, measured against channel-by-channel feedback."""
-    qmax = kv_quant._QMAX[jnp.dtype(dtype)]
+    qmax = kv_quant.QMAX[jnp.dtype(dtype)]
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)

@@ -37,7 +37,7 @@ def _moments(rng, h: int, d: int) -> np.ndarray:
 
 def _np_feedback_round(x: np.ndarray, dtype, g: np.ndarray) -> np.ndarray:
     """A NumPy oracle: each row scaled as pages scale it, then rounded channel by channel, feeding each error on."""
-    qmax = kvq._QMAX[jnp.dtype(dtype)]
+    qmax = kvq.QMAX[jnp.dtype(dtype)]
     amax = np.abs(x).max(-1, keepdims=True)
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
     w = (x / scale).astype(np.float32)

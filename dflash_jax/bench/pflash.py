@@ -161,7 +161,6 @@ def _ttft_cases(args: argparse.Namespace, target, scorer: DenseScorer, opts: PFl
         print(f"{label(ctx)}: full {f_med:.3f} s, PFlash {p_med:.3f} s (ratio {p_med / f_med:.3f}, kept "
               f"{runs[0][2]:.3f}; scoring {figures[f'{k}.scoring_s']:.3f} s in {len(steps)} dispatches of <= "
               f"{max(steps):.3f} s, effective prefill {figures[f'{k}.effective_ttft_s']:.3f} s)", flush=True)
-    del eng
 
 
 def stall_figures(ends: list[float], n_base: int, t0: float, t1: float) -> dict[str, float]:

@@ -25,7 +25,7 @@ F32 = jnp.float32
 KV_DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,
              "float8_e4m3fn": jnp.float8_e4m3fn, "int8": jnp.int8, "float32": jnp.float32, "f32": jnp.float32,
              "float16": jnp.float16}
-_QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.0}
+QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.0}  # largest value of each page format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def resolve_kv_dtype(name: str | None, model_dtype) -> jnp.dtype:
 
 
 def is_quantized_dtype(dtype) -> bool:
-    return jnp.dtype(dtype) in _QMAX
+    return jnp.dtype(dtype) in QMAX
 
 
 def row_bytes(head_dim: int, dtype) -> int:
@@ -85,13 +85,13 @@ def _scaled_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """``x [..., D]`` -> (``x / scale`` float32, ``scale [...]``): each row's largest magnitude maps to the format's."""
     xf = x.astype(F32)
     amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = jnp.where(amax > 0, amax / _QMAX[jnp.dtype(dtype)], 1.0)
+    scale = jnp.where(amax > 0, amax / QMAX[jnp.dtype(dtype)], 1.0)
     return xf / scale[..., None], scale
 
 
 def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """``x [..., D]`` -> (values ``[..., D]`` in ``dtype``, scales ``[...]`` float32), one scale per row."""
-    qmax = _QMAX[jnp.dtype(dtype)]
+    qmax = QMAX[jnp.dtype(dtype)]
     w, scale = _scaled_rows(x, dtype)
     y = jnp.clip(w, -qmax, qmax)
     if jnp.issubdtype(dtype, jnp.integer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-QMAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.int8): 127.0}
+from dflash_jax.kv.quant import QMAX
 FP8_MIN_EXP = -6  # e4m3fn: 2^-6 is the smallest normal; below it the step stays 2^-9 (subnormals)
 FP8_MAX_EXP = 8   # 448 = 1.75 * 2^8
 FP8_MANT_BITS = 3
