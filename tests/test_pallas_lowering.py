@@ -3,7 +3,8 @@ and an MI300 (ROCm gfx942) target, on a CPU-only machine (an abstract GPU device
 
 This catches what interpret mode cannot: primitives without a Triton lowering, block specs the Triton backend
 refuses (dynamic grids, scalar prefetch), non-power-of-two tensors. Triton's own compiler passes (layouts,
-shared memory, registers) still need a GPU: ``python -m dflash_jax.bench kernels``."""
+shared memory, registers) run in ``experiments/triton_offline.py`` with the optional ``triton`` package; speed
+needs a GPU: ``python -m dflash_jax.bench kernels``."""
 
 from __future__ import annotations
 

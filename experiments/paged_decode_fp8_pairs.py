@@ -1,0 +1,191 @@
+"""Prototype: paged decode over fp8 pages stored as uint16 pairs of e4m3 bytes, dots in float16.
+
+Why (``experiments/triton_offline.py``, sm_90a, B16 x 16K, the 27B's heads): the library kernel reads fp8 rows as
+8-bit tensors, which Triton moves from shared memory with scalar ``LDS`` and address arithmetic and converts
+e4m3 -> f16 -> bf16 (``F2F``, a quarter-rate unit): 898 SASS instructions a 64-key block against bf16 pages' 277 a
+32-key block (the same bytes), 3.2x the instructions a byte. Here a page row is ``D / 2`` uint16, each two
+adjacent channels: the tiles are 16-bit, so they reach the MMA operands by ``ldmatrix``, and a two-instruction
+inline-PTX step (a byte permute, then ``cvt.rn.f16x2.e4m3x2``) turns a pair of them into the even channels'
+f16 pair and the odd channels'. Scores are ``q_even . k_even + q_odd . k_odd`` (two dots), outputs are kept as
+even / odd halves and interleaved after the kernel. Value scales go into the probabilities relative to the
+block's largest (f16 has bf16's range only down to 6e-5), and that largest scale multiplies the f32 product.
+The loop is 464 instructions a 64-key block, no ``F2F``.
+
+Not in the engine: the pool would have to be stored as uint16 pairs, since XLA copies a whole fp8 array to view
+it as uint16 (a size-changing ``bitcast_convert_type`` is expanded into shifts), which the engine's writes,
+gathers and KVFlash copies would then have to follow. This file times it against the library kernel first.
+
+    PYTHONPATH=. python experiments/paged_decode_fp8_pairs.py --check                 # CPU: interpret mode vs reference
+    PYTHONPATH=. python experiments/paged_decode_fp8_pairs.py --out-dir $OUT          # GPU: time vs the library kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, block_plan, group_rows, kv_block_rows,
+                                                merge_partitions)
+
+# $1: two uint16 elements in one register (bytes b0 b1 | b2 b3); permuted to (b0 b2 | b1 b3), then the even
+# channels' pair (b0, b2) or the odd channels' (b1, b3) converted to f16x2.
+_PAIR_ASM = ("{ .reg .b32 t; .reg .b16 lo, hi;\n prmt.b32 t, $1, 0, 0x3120;\n mov.b32 {lo, hi}, t;\n"
+             " cvt.rn.f16x2.e4m3x2 $0, %s;\n}")
+
+
+def pack_pairs(data: jax.Array) -> jax.Array:
+    """fp8 rows ``[..., D]`` -> ``[..., D / 2]`` uint16, channel ``2j`` in the low byte (a copy: do it once)."""
+    return lax.bitcast_convert_type(data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2), jnp.uint16)
+
+
+def pair_halves(u: jax.Array, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """``u [.., n]`` uint16 -> (even, odd) float16 channel values; inline PTX on the GPU, jnp in interpret mode."""
+    if not interpret:
+        shape = [jax.ShapeDtypeStruct(u.shape, jnp.float16)]
+        return tuple(plt.elementwise_inline_asm(_PAIR_ASM % half, args=[u], constraints="=r,r", pack=2,
+                                                result_shape_dtypes=shape)[0] for half in ("lo", "hi"))
+    as_fp8 = lambda byte: lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)  # noqa: E731
+    return as_fp8(u & 0xFF).astype(jnp.float16), as_fp8(u >> 8).astype(jnp.float16)
+
+
+def _kernel(qe_ref, qo_ref, k_ref, v_ref, ks_ref, vs_ref, pt_ref, len_ref, o_ref, lse_ref, *, page_size: int,
+            block_k: int, blocks_per_partition: int, scale_log2: float, interpret: bool):
+    # qe_ref, qo_ref [G, D/2] f16 (even / odd channels); k_ref, v_ref [rows, D/2] uint16; ks_ref, vs_ref [rows]
+    part = pl.program_id(2)
+    g, dh = qe_ref.shape
+    rows = group_rows(g)
+    length = jnp.clip(len_ref[0], 0, pt_ref.shape[0] * page_size)
+    first = part * blocks_per_partition
+    n_iter = jnp.maximum(jnp.minimum(first + blocks_per_partition, (length + block_k - 1) // block_k) - first, 0)
+    qe, qo = qe_ref[rows], qo_ref[rows]
+
+    def body(i, carry):
+        oe, oo, m, l = carry
+        r, visible = kv_block_rows(pt_ref, first + i, length, block_k=block_k, page_size=page_size)
+        ke, ko = pair_halves(k_ref[r], interpret)
+        s = plt.dot(qe, ke, trans_b=True) + plt.dot(qo, ko, trans_b=True)
+        s = jnp.where(visible[None, :], s * (ks_ref[r] * scale_log2)[None, :], MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(visible[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
+        l = alpha * l + p.sum(axis=-1)
+        vsc = vs_ref[r]
+        top = jnp.max(jnp.where(visible, vsc, 0.0))
+        top = jnp.where(top > 0, top, 1.0)
+        pp = (p * (vsc / top)[None, :]).astype(jnp.float16)
+        ve, vo = pair_halves(v_ref[r], interpret)
+        oe = alpha[:, None] * oe + plt.dot(pp, ve) * top
+        oo = alpha[:, None] * oo + plt.dot(pp, vo) * top
+        return oe, oo, m_new, l
+
+    z = jnp.zeros((qe.shape[0], dh), jnp.float32)
+    oe, oo, m, l = lax.fori_loop(0, n_iter, body, (z, z, jnp.full((qe.shape[0],), MASK_VALUE, jnp.float32),
+                                                   jnp.zeros((qe.shape[0],), jnp.float32)))
+    has = l > 0
+    inv = 1.0 / jnp.where(has, l, 1.0)
+    o_ref[rows, 0, :] = (oe * inv[:, None]).astype(o_ref.dtype)
+    o_ref[rows, 1, :] = (oo * inv[:, None]).astype(o_ref.dtype)
+    lse_ref[rows] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), MASK_VALUE)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "num_partitions", "num_warps", "num_stages",
+                                             "interpret"))
+def paged_decode_pairs(q, k_pairs, v_pairs, page_table, lengths, scale: float, k_scale, v_scale, *,
+                       pages_per_block: int = 4, num_partitions: int | None = None, num_warps: int = 8,
+                       num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """q [B, H, D]; k_pairs, v_pairs [n_pages, page_size, Hkv, D/2] uint16 (:func:`pack_pairs` of fp8 pages);
+    page_table [B, W]; lengths [B]; k_scale, v_scale [n_pages, page_size, Hkv] f32 -> [B, H, D] in q's dtype
+    (the library kernel's argument order, with the scales last)."""
+    b, h, d = q.shape
+    n_pages, page_size, hkv, dh = k_pairs.shape
+    plan = block_plan(batch=b, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size,
+                      width=page_table.shape[1], dtype=jnp.float8_e4m3fn, pages_per_block=pages_per_block,
+                      num_partitions=num_partitions, num_stages=num_stages, compute_dtype=jnp.float16)
+    g, s = plan["g"], plan["n_partitions"]
+    rows = n_pages * page_size
+    qg = q.astype(jnp.float16).reshape(b, hkv, g, dh, 2)
+    kernel = functools.partial(_kernel, page_size=page_size, block_k=plan["block_k"],
+                               blocks_per_partition=plan["blocks_per_partition"], scale_log2=float(scale) * LOG2E,
+                               interpret=interpret)
+    q_spec = pl.BlockSpec((None, None, g, dh), lambda i, j, p: (i, j, 0, 0))
+    row_spec = pl.BlockSpec((rows, None, dh), lambda i, j, p: (0, j, 0))
+    scale_spec = pl.BlockSpec((rows, None), lambda i, j, p: (0, j))
+    o, lse = pl.pallas_call(
+        kernel, grid=(b, hkv, s),
+        in_specs=[q_spec, q_spec, row_spec, row_spec, scale_spec, scale_spec,
+                  pl.BlockSpec((None, page_table.shape[1]), lambda i, j, p: (i, 0)),
+                  pl.BlockSpec((None, 1), lambda i, j, p: (i, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, g, 2, dh), lambda i, j, p: (i, j, p, 0, 0, 0)),
+                   pl.BlockSpec((None, None, None, g), lambda i, j, p: (i, j, p, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, s, g, 2, dh), q.dtype),
+                   jax.ShapeDtypeStruct((b, hkv, s, g), jnp.float32)],
+        interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_decode_fp8_pairs_bk{plan['block_k']}_s{s}",
+    )(qg[..., 0], qg[..., 1], k_pairs.reshape(rows, hkv, dh), v_pairs.reshape(rows, hkv, dh),
+      k_scale.reshape(rows, hkv), v_scale.reshape(rows, hkv), page_table.astype(jnp.int32),
+      lengths.astype(jnp.int32)[:, None])
+    o = o.swapaxes(-1, -2).reshape(b, hkv, s, g, d)  # even / odd halves -> channels
+    return merge_partitions(o, lse, axis=2).reshape(b, h, d).astype(q.dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import numpy as np
+
+    from dflash_jax.bench import kernels as bk
+    from dflash_jax.bench import results
+    from pallas_kernels.paged_decode import paged_decode_reference
+    from pallas_kernels.registry import GPU_BACKENDS, current_backend
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only compare with the reference (small shapes)")
+    p.add_argument("--cases", nargs="+", default=["16:16384", "1:16384", "16:4096"], help="batch:prefix")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out-dir", default="experiments/results")
+    a = p.parse_args(argv)
+    interpret = current_backend() not in GPU_BACKENDS
+    rng = np.random.default_rng(0)
+    figures = {}
+    cases = [(3, [40, 1, 100])] if a.check else [(int(c.split(":")[0]), [int(c.split(":")[1])] * int(c.split(":")[0]))
+                                                for c in a.cases]
+    for b, lengths in cases:
+        prob = bk.decode_problem(rng, jax.random.PRNGKey(0), b, 24, 4, 256, 16, lengths, jnp.bfloat16, n_sets=2)
+        fp8 = bk.quantized_problem(prob, "fp8")
+        q, k, v, pt, ln, sc = fp8.args
+        kp, vp = pack_pairs(k.data), pack_pairs(v.data)
+        ref = paged_decode_reference(q, k, v, pt, ln, sc).astype(jnp.float32)
+        out = paged_decode_pairs(q, kp, vp, pt, ln, sc, k.scale, v.scale, interpret=interpret).astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(out - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+        tag = f"paged_decode.b{b}.p{max(lengths)}"
+        figures[f"{tag}.pairs.rel_err"] = err
+        print(f"{tag}: rel err vs reference {err:.2e}", flush=True)
+        if a.check:
+            if err > 2e-2:
+                return 1
+            continue
+        pallas_fn = bk.implementations("paged_decode")[0]
+        pairs = bk.Problem((q, kp, vp, pt, ln, sc, k.scale, v.scale), fp8.tables, 0, fp8.nbytes)  # table at 3
+        times = {"bf16": bk.time_call(pallas_fn, prob, a.repeats), "fp8": bk.time_call(pallas_fn, fp8, a.repeats),
+                 "pairs": bk.time_call(functools.partial(paged_decode_pairs, interpret=False), pairs, a.repeats)}
+        for name, t in times.items():
+            figures[f"{tag}.{name}_us"] = t * 1e6
+        figures[f"{tag}.fp8.speedup"] = times["bf16"] / times["fp8"]
+        figures[f"{tag}.pairs.speedup"] = times["bf16"] / times["pairs"]
+        print(f"{tag}: bf16 {times['bf16'] * 1e6:.1f} us, fp8 {times['fp8'] * 1e6:.1f} us "
+              f"({figures[f'{tag}.fp8.speedup']:.2f}x), pairs {times['pairs'] * 1e6:.1f} us "
+              f"({figures[f'{tag}.pairs.speedup']:.2f}x)", flush=True)
+    if not a.check:
+        command = "PYTHONPATH=. python experiments/paged_decode_fp8_pairs.py " + " ".join(
+            argv if argv is not None else sys.argv[1:])
+        print("wrote", results.write_result("paged_decode_fp8_pairs", figures, command, out_dir=a.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""experiments/triton_offline.py (what a kernel compiles to, without a GPU) and the fp8 pair-page prototype it
+prices: the lowering for an abstract H100 and the SASS / ptxas readers run here; compiling needs the optional
+``triton`` package, which CI does not install."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import load_experiment
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+.L_x_0:
+        /*0020*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0040*/              @P0  HMMA.16816.F32.BF16 R12, R4, R6, R12 ;
+        /*0050*/              @!P1 BRA `(.L_x_0) ;
+        /*0060*/                   EXIT ;
+.L_x_1:
+        /*0070*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_main_loop_is_the_longest_backward_branch_and_guards_are_dropped():
+    mod = load_experiment("triton_offline")
+    size, loop, total = mod.main_loop_mix(SASS)
+    assert size == 4 and loop == {"LDSM": 1, "HMMA": 2, "BRA": 1}
+    assert total["HMMA"] == 2 and total["BRA"] == 2 and total["EXIT"] == 1
+
+
+def test_ptxas_report_reads_registers_and_spills():
+    mod = load_experiment("triton_offline")
+    text = ("ptxas info    : Function properties for k\n    344 bytes stack frame, 832 bytes spill stores, 568 bytes "
+            "spill loads\nptxas info    : Used 255 registers, used 1 barriers")
+    assert mod.ptxas_report(text) == {"registers": 255, "spill_stores": 832, "spill_loads": 568}
+
+
+@pytest.mark.parametrize("op,kv", [("paged_decode", "fp8"), ("tree_attention", "bf16"),
+                                   ("paged_decode_fp8_pairs", "fp8")])
+def test_kernels_lower_to_one_triton_module_with_their_launch(op, kv):
+    mod = load_experiment("triton_offline")
+    fn, args = mod.case(op, kv, b=2, n=16, prefix=1024, overrides={})
+    ttir, params = mod.lower_for_h100(fn, *args)
+    assert ttir.count("tt.func public") == 1 and "tt.dot" in ttir
+    assert params == {"num_warps": 8, "num_stages": 2}
+    if op == "paged_decode_fp8_pairs":  # the pair conversion is inline PTX, both halves
+        assert ttir.count("cvt.rn.f16x2.e4m3x2") == 4  # even / odd of K and of V
+
+
+def test_pair_pages_equal_the_reference_in_interpret_mode():
+    assert load_experiment("paged_decode_fp8_pairs").main(["--check"]) == 0
