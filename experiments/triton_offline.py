@@ -23,7 +23,6 @@ import argparse
 import ast
 import collections
 import functools
-import glob
 import os
 import re
 import shutil
@@ -220,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in a.set)}
     fn, args = case(a.op, a.kv, b=a.batch, n=a.tree, prefix=a.prefix, overrides=overrides)
     ttir, params = lower_for_h100(fn, *args)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
         print("lowered; compiling needs the triton package: pip install triton", file=sys.stderr)
         return 2
     work = a.keep or tempfile.mkdtemp(prefix="triton_offline_")
