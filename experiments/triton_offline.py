@@ -131,6 +131,13 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
         return QuantizedPages(a[0], a[1], jnp.dtype(jnp.bfloat16)) if quant else a[0]
 
     tables = [S((b, width), jnp.int32), S((b,), jnp.int32)]
+    if op == "skinny_matmul":  # --batch rows of x, --tree / --prefix read as N / K (the MLP down: 5120 x 17408)
+        from pallas_kernels.skinny_matmul import skinny_matmul_pallas
+
+        wdt = jnp.dtype(jnp.float8_e4m3fn) if kv == "fp8" else jnp.dtype(jnp.bfloat16)
+        call = functools.partial(skinny_matmul_pallas, interpret=False, **overrides)
+        scale = [S((n,), jnp.float32)] if kv == "fp8" else []
+        return (lambda x, w, *sc: call(x, w, *sc)), (S((b, prefix), jnp.bfloat16), S((n, prefix), wdt), *scale)
     if op == "tree_attention":
         from pallas_kernels.tree_attention import kernel as K
 
@@ -206,7 +213,9 @@ def compile_module(ttir: str, params: dict, work: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", default="paged_decode", help="paged_decode | tree_attention | paged_decode_fp8_pairs")
+    p.add_argument("--op", default="paged_decode",
+                   help="paged_decode | tree_attention | paged_decode_fp8_pairs | skinny_matmul (weights: --kv bf16 / "
+                        "fp8, --batch rows, --tree N, --prefix K)")
     p.add_argument("--kv", default="fp8", help="page format: bf16 | fp8 | int8")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tree", type=int, default=16)
