@@ -131,6 +131,11 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
         return QuantizedPages(a[0], a[1], jnp.dtype(jnp.bfloat16)) if quant else a[0]
 
     tables = [S((b, width), jnp.int32), S((b,), jnp.int32)]
+    if op == "key_round":  # --batch rows (a decode step's keys of one layer) x Hkv 4 x D 256, fp8 / int8 grid
+        from pallas_kernels.key_round import key_round_pallas
+
+        call = functools.partial(key_round_pallas, dtype=jnp.dtype(KV_DTYPES[kv]), interpret=False, **overrides)
+        return call, (S((b, HKV, D), jnp.float32), S((HKV, D, D), jnp.float32))
     if op == "skinny_matmul":  # --batch rows of x, --tree / --prefix read as N / K (the MLP down: 5120 x 17408)
         from pallas_kernels.skinny_matmul import skinny_matmul_pallas
 
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", default="paged_decode",
                    help="paged_decode | tree_attention | paged_decode_fp8_pairs | skinny_matmul (weights: --kv bf16 / "
-                        "fp8, --batch rows, --tree N, --prefix K)")
+                        "fp8, --batch rows, --tree N, --prefix K) | key_round (--batch rows, --kv fp8 / int8)")
     p.add_argument("--kv", default="fp8", help="page format: bf16 | fp8 | int8")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tree", type=int, default=16)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from dflash_jax.kv.quant import QMAX
 FP8_MIN_EXP = -6  # e4m3fn: 2^-6 is the smallest normal; below it the step stays 2^-9 (subnormals)
-FP8_MAX_EXP = 8   # 448 = 1.75 * 2^8
 FP8_MANT_BITS = 3
 
 
@@ -29,20 +29,20 @@ def round_half_even(a: jax.Array) -> jax.Array:
 
 def grid_round_f32(x: jax.Array, dtype) -> jax.Array:
     """:func:`pallas_kernels.key_round.reference.grid_round` without a cast or ``lax.round`` (both missing from
-    some Triton targets): ``x`` clipped to ``dtype``'s range and rounded to its grid, ties to even, as float32."""
+    some Triton targets): ``x`` clipped to ``dtype``'s range and rounded to its grid, ties to even, as float32.
+
+    fp8 e4m3fn: ``|x|``'s binade ``[2^e, 2^(e+1))`` has grid step ``2^(e - 3)``, and below ``2^-6`` the step stays
+    ``2^-9`` (subnormals); ``e`` is read from the float32's exponent bits (clamped at -6) and the step and its
+    inverse are built as float32 bits, so the scaling is exact and costs a few integer ops, not a search."""
     qmax = QMAX[jnp.dtype(dtype)]
     x = jnp.clip(x, -qmax, qmax)
     a = jnp.abs(x)
     if jnp.issubdtype(dtype, jnp.integer):
         r = round_half_even(a)
     else:
-        # binade [2^e, 2^(e+1)) has grid step 2^(e - 3); below 2^-6 the step stays 2^-9
-        step = jnp.full(a.shape, 2.0 ** (FP8_MIN_EXP - FP8_MANT_BITS), jnp.float32)
-        inv = jnp.full(a.shape, 2.0 ** (FP8_MANT_BITS - FP8_MIN_EXP), jnp.float32)
-        for e in range(FP8_MIN_EXP + 1, FP8_MAX_EXP + 1):
-            up = a >= 2.0 ** e
-            step = jnp.where(up, 2.0 ** (e - FP8_MANT_BITS), step)
-            inv = jnp.where(up, 2.0 ** (FP8_MANT_BITS - e), inv)
+        e = jnp.maximum(lax.shift_right_logical(lax.bitcast_convert_type(a, jnp.int32), 23) - 127, FP8_MIN_EXP)
+        step = lax.bitcast_convert_type(lax.shift_left(e + (127 - FP8_MANT_BITS), 23), jnp.float32)
+        inv = lax.bitcast_convert_type(lax.shift_left((127 + FP8_MANT_BITS) - e, 23), jnp.float32)
         r = round_half_even(a * inv) * step
     return jnp.where(jnp.signbit(x), -r, r)
 
