@@ -11,7 +11,7 @@ pipelining can differ from the ``triton`` package's.
 
     PYTHONPATH=. python experiments/triton_offline.py --op paged_decode --kv fp8
     PYTHONPATH=. python experiments/triton_offline.py --op tree_attention --kv bf16 --set prefetch=False num_warps=16
-    PYTHONPATH=. python experiments/triton_offline.py --op paged_decode_fp8_pairs --kv fp8   # the u16-pair prototype
+    PYTHONPATH=. python experiments/triton_offline.py --op paged_decode_pairs --kv fp8 --set dots="'bfloat16'"
 
 Figures (``--out-dir``): ``<op>.<kv>.registers``, ``.spill_stores``, ``.spill_loads``, ``.shared_bytes``,
 ``.loop_instructions`` and ``.loop.<SASS op>`` for the loop's 12 commonest ops.
@@ -162,11 +162,10 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
         cfg = {**K.default_config(D, PAGE, jnp.bfloat16, backend="cuda", quantized=quant), **overrides}
         cfg.pop("target_programs", None)
         call = functools.partial(K.paged_decode, num_partitions=None, **cfg)
-    elif op == "paged_decode_fp8_pairs":
+    elif op == "paged_decode_pairs":
         if kv != "fp8":
-            raise SystemExit("paged_decode_fp8_pairs reads fp8 pages only (--kv fp8)")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import paged_decode_fp8_pairs as P
+            raise SystemExit("paged_decode_pairs reads fp8 pages only (--kv fp8)")
+        from pallas_kernels.paged_decode import pairs as P
 
         pairs = S((n_pages, PAGE, HKV, D // 2), jnp.uint16)
         call = functools.partial(P.paged_decode_pairs, **overrides)
@@ -219,7 +218,7 @@ def compile_module(ttir: str, params: dict, work: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", default="paged_decode",
-                   help="paged_decode | tree_attention | paged_decode_fp8_pairs | skinny_matmul (weights: --kv bf16 / "
+                   help="paged_decode | tree_attention | paged_decode_pairs | skinny_matmul (weights: --kv bf16 / "
                         "fp8, --batch rows, --tree N, --prefix K) | key_round (--batch rows, --kv fp8 / int8)")
     p.add_argument("--kv", default="fp8", help="page format: bf16 | fp8 | int8")
     p.add_argument("--batch", type=int, default=16)

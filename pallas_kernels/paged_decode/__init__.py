@@ -6,7 +6,9 @@ pages are arrays or ``QuantizedPages``):
 - ``"reference"``: pure jnp (the engine's ``paged_attention`` with T = 1), any backend;
 - ``"pallas_triton"``: :func:`kernel.paged_decode` with the per-backend defaults of
   :func:`kernel.default_config`; runs in interpret mode off GPU (when selected explicitly); fp8 pages on ROCm
-  run the reference, with a warning (:func:`kernel.check_page_dtype`).
+  run the reference, with a warning (:func:`kernel.check_page_dtype`);
+- ``"pallas_triton_pairs"`` (CUDA, opt-in): fp8 pages read as uint16 pairs with f16 dots
+  (:mod:`pallas_kernels.paged_decode.pairs`), other pages as ``"pallas_triton"``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import registry
+from pallas_kernels.paged_decode import pairs
 from pallas_kernels.paged_decode.kernel import (auto_partitions, block_plan, check_page_dtype, default_config,
                                                 merge_partitions, page_arrays, paged_decode)
 from pallas_kernels.paged_decode.reference import paged_decode_reference
@@ -47,6 +50,8 @@ def paged_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
 
 registry.register("paged_decode", "reference", paged_decode_reference, backends=("any",))
 registry.register("paged_decode", "pallas_triton", paged_decode_pallas, backends=("gpu",))
+registry.register("paged_decode", "pallas_triton_pairs", pairs.paged_decode_pairs_pallas, backends=("cuda",),
+                  preferred=False)
 
 __all__ = ["auto_partitions", "block_plan", "check_page_dtype", "default_config", "merge_partitions", "paged_decode",
            "paged_decode_pallas",
