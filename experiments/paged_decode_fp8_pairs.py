@@ -1,14 +1,14 @@
-"""The fp8 pair-page paged decode (``pallas_kernels.paged_decode.pairs``, opt-in implementation
-``pallas_triton_pairs``) against the library kernel on bf16 and fp8 pages, both dot variants, on the current device.
+"""The fp8 pair-page paged decode (``pallas_kernels.paged_decode.pairs``, the registered kernel's path for fp8 pages
+on CUDA) against bf16 pages and the 8-bit tile kernel on fp8 pages, both dot variants, on the current device.
 
-Each case checks both variants against the reference first (bf16 tolerance), then times bf16 pages, the library
-fp8 kernel, the pair kernel over pre-packed pages (float16 / bfloat16 dots) and over fp8 pages viewed as pairs
-inside the timed call (``pairs_float16_viewed``: the registered implementation's path, free only if the backend
-keeps the uint16 view a bitcast), bf16 pages again last (the faster of the two is the baseline). Also: whether
+Each case checks both variants against the reference first (bf16 tolerance), then times bf16 pages, the 8-bit tile
+kernel on fp8 pages (``fp8``), the pair kernel over pre-packed pages (float16 / bfloat16 dots) and over fp8 pages viewed as pairs
+inside the timed call (``pairs_float16_viewed``: the registered kernel's path, free only if the backend keeps the
+uint16 view a bitcast), bf16 pages again last (the faster of the two is the baseline). Also: whether
 viewing a 64 MiB fp8 array as uint16 compiles to a fusion (XLA:CPU: yes, shifts over the whole array).
 Figures ``paged_decode.b{B}.p{P}.{bf16,fp8,pairs_<dots>,pairs_float16_viewed}_us``, ``.<impl>.speedup`` (bf16 /
 impl), ``.pairs_<dots>.rel_err``; ``pack_pairs.hlo_has_fusion``, ``pack_pairs.us_per_64MiB``.
-Results so far: H100, 2026-12-07, ``paged_decode_fp8_pairs_nvidia-h100-80gb-hbm3_20261207-1920.json``.
+Results: H100, 2026-12-07, ``paged_decode_fp8_pairs_nvidia-h100-80gb-hbm3_20261207-1920.json`` and ``-1932.json``.
 
     PYTHONPATH=. python experiments/paged_decode_fp8_pairs.py --check                 # CPU: interpret mode vs reference
     PYTHONPATH=. python experiments/paged_decode_fp8_pairs.py --out-dir $OUT          # GPU
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         if a.check:
             continue
-        pallas_fn = bk.implementations("paged_decode")[0]
+        pallas_fn, _, explicit = bk.implementations("paged_decode")  # explicit: the 8-bit tile kernel for fp8
         pairs = bk.Problem((q, kp, vp, pt, ln, sc, k.scale, v.scale), fp8.tables, 0, fp8.nbytes)  # table at 3
-        times = {"bf16": bk.time_call(pallas_fn, prob, a.repeats), "fp8": bk.time_call(pallas_fn, fp8, a.repeats)}
+        times = {"bf16": bk.time_call(pallas_fn, prob, a.repeats), "fp8": bk.time_call(explicit, fp8, a.repeats)}
         for dots in DOTS:
             fn = functools.partial(paged_decode_pairs, dots=dots, interpret=interpret)
             times[f"pairs_{dots}"] = bk.time_call(fn, pairs, a.repeats)

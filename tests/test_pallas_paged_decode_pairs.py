@@ -1,7 +1,7 @@
-"""``pallas_kernels.paged_decode.pairs`` (fp8 pages read as uint16 pairs, implementation ``pallas_triton_pairs``):
-interpret mode against the reference on the same ``QuantizedPages`` for both dot variants, ragged lengths,
-non-resident pages and flash-decoding partitions; the pair view of the bytes; the registered implementation's
-routing; the CUDA lowering carries the inline PTX of both halves."""
+"""``pallas_kernels.paged_decode.pairs`` (fp8 pages read as uint16 pairs, what the registered paged decode runs for
+fp8 pages on CUDA): interpret mode against the reference on the same ``QuantizedPages`` for both dot variants,
+ragged lengths, non-resident pages and flash-decoding partitions; the pair view of the bytes; the routing; the
+CUDA lowering."""
 
 from __future__ import annotations
 
@@ -64,17 +64,24 @@ def test_pairs_hold_channel_2j_in_the_low_byte_and_convert_exactly():
                                   np.asarray(x[:, 0::2].astype(jnp.float32)))
 
 
-def test_registered_implementation_is_opt_in_and_routes_other_pages_to_the_library_kernel(monkeypatch):
-    assert registry.resolve("paged_decode", backend="cuda").name == "pallas_triton"  # not preferred: opt-in
+def test_registered_kernel_reads_fp8_pages_as_pairs_on_cuda_only(monkeypatch):
     calls = []
-    monkeypatch.setattr(pd, "paged_decode_pallas", lambda *a: calls.append(a) or "library")
-    q = jnp.zeros((1, 4, 16), jnp.bfloat16)
-    pages = jnp.zeros((2, 8, 1, 16), jnp.bfloat16)
+    monkeypatch.setattr(pairs, "paged_decode_pairs", lambda *a, **k: calls.append((a, k)) or "pairs")
+    q = jnp.zeros((1, 4, 32), jnp.bfloat16)
+    plain = jnp.zeros((2, 8, 1, 32), jnp.float32)
+    fp8 = kv_quant.quantize_pages(plain, jnp.float8_e4m3fn, jnp.bfloat16)
     pt, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
-    assert pairs.paged_decode_pairs_pallas(q, pages, pages, pt, lens, 0.25) == "library"  # bf16 pages
-    fp8 = kv_quant.quantize_pages(pages.astype(jnp.float32), jnp.float8_e4m3fn, jnp.bfloat16)
-    assert pairs.paged_decode_pairs_pallas(q, fp8, fp8, pt, lens, 0.25) == "library"  # fp8 pages off CUDA
-    assert len(calls) == 2
+    monkeypatch.setattr(registry, "current_backend", lambda: "cuda")
+    assert pd.paged_decode_pallas(q, fp8, fp8, pt, lens, 0.25) == "pairs"
+    (args, kw), = calls
+    assert args[1].dtype == jnp.uint16 and args[1].shape == (2, 8, 1, 16)  # the same bytes as channel pairs
+    assert kw["pages_per_block"] == pd.default_config(32, 8, jnp.bfloat16, quantized=True)["pages_per_block"]
+    int8 = kv_quant.quantize_pages(plain, jnp.int8, jnp.bfloat16)
+    monkeypatch.setattr(pd, "paged_decode", lambda *a, **k: "tiles")  # int8 pages keep the 8-bit tile kernel
+    assert pd.paged_decode_pallas(q, int8, int8, pt, lens, 0.25) == "tiles"
+    monkeypatch.setattr(registry, "current_backend", lambda: "cpu")  # off CUDA: the tile kernel (interpret mode)
+    assert pd.paged_decode_pallas(q, fp8, fp8, pt, lens, 0.25) == "tiles"
+    assert len(calls) == 1
 
 
 def test_pair_kernel_lowers_for_cuda_with_both_halves_in_inline_ptx():

@@ -1,5 +1,5 @@
-"""Paged decode attention over fp8 pages read as uint16 pairs of e4m3 bytes: implementation
-``"pallas_triton_pairs"`` of op ``"paged_decode"`` (opt-in: ``DFLASH_KERNELS=paged_decode=pallas_triton_pairs``).
+"""Paged decode attention over fp8 pages read as uint16 pairs of e4m3 bytes: what op ``"paged_decode"``'s
+``"pallas_triton"`` implementation runs for fp8 pages on CUDA (:func:`pallas_kernels.paged_decode.paged_decode_pallas`).
 
 Why: the library kernel (:mod:`pallas_kernels.paged_decode.kernel`) reads fp8 rows as 8-bit tiles, which Triton moves
 from shared memory with scalar loads and address arithmetic and converts e4m3 -> f16 -> bf16 (a quarter-rate ``F2F``
@@ -12,8 +12,11 @@ kernel. ``dots``: ``"float16"`` (one ``cvt.rn.f16x2.e4m3x2`` per two values; the
 probabilities relative to the block's largest, since f16 has bf16's range only down to 6e-5, and that scale
 multiplies the f32 product) or ``"bfloat16"`` (each byte's bits placed into a bf16: the value times 2^-120, exact,
 no conversion unit; 2^60 back on each side of the dots, so q and the probabilities stay bf16). On an H100
-(``experiments/paged_decode_fp8_pairs.py``, B16 x 16K / B1 x 16K / B16 x 4K): 334 / 32.5 / 95 us (f16) and
-326 / 35.9 / 95 us (bf16) against the library fp8 kernel's 369 / 38.7 / 136.
+(``experiments/paged_decode_fp8_pairs.py``, two runs, B16 x 16K / B1 x 16K / B16 x 4K / B1 x 4K): f16 dots
+334, 267 / 32.5, 36.5 / 95.2, 93.1 / 15.2 us against the 8-bit tile kernel's 369, 355 / 38.7, 41.8 / 136, 133 /
+17.0 (bf16 pages 421-426 / 59 / 175 / 17.0); the pages viewed as pairs inside the call timed as pre-packed ones
+(289.6 / 37.3 / 92.0 / 14.2), so XLA:GPU keeps the view a bitcast; the 27B at C16 x 4K with fp8 pages: 721 vs 704
+tok/s. The f16 dots are the default (faster at B16 x 16K: 267-334 vs 316-326 us).
 
 Grid, partitions and the flash-decoding merge are the library kernel's (:func:`block_plan`,
 :func:`merge_partitions`); in interpret mode the pair conversion is jnp (bitcast to e4m3, cast).
@@ -161,20 +164,3 @@ def paged_decode_pairs(q, k_pairs, v_pairs, page_table, lengths, scale: float, k
     o = o.swapaxes(-1, -2).reshape(b, hkv, s, g, d)  # even / odd halves -> channels
     return merge_partitions(o, lse, axis=2).reshape(b, h, d).astype(q.dtype)
 
-
-def paged_decode_pairs_pallas(q: jax.Array, k_pages, v_pages, page_table: jax.Array, lengths: jax.Array,
-                              scale: float) -> jax.Array:
-    """The registered implementation: fp8 ``QuantizedPages`` through :func:`paged_decode_pairs` (f16 dots, the
-    library kernel's block size and grid for quantized pages); any other pages through the library kernel."""
-    from dflash_jax.kv.quant import QuantizedPages
-    from pallas_kernels import registry
-    from pallas_kernels.paged_decode import paged_decode_pallas
-    from pallas_kernels.paged_decode.kernel import default_config
-
-    if not (isinstance(k_pages, QuantizedPages) and jnp.dtype(k_pages.data.dtype) == jnp.float8_e4m3fn
-            and registry.current_backend() == "cuda"):
-        return paged_decode_pallas(q, k_pages, v_pages, page_table, lengths, scale)
-    cfg = default_config(q.shape[-1], k_pages.shape[1], jnp.float16, quantized=True)
-    return paged_decode_pairs(q, pack_pairs(k_pages.data), pack_pairs(v_pages.data), page_table, lengths,
-                              float(scale), k_pages.scale, v_pages.scale, pages_per_block=cfg["pages_per_block"],
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
