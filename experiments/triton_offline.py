@@ -131,6 +131,15 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
         return QuantizedPages(a[0], a[1], jnp.dtype(jnp.bfloat16)) if quant else a[0]
 
     tables = [S((b, width), jnp.int32), S((b,), jnp.int32)]
+    if op == "gdn_tree":  # the verify pass's tree delta rule: --batch rows x --tree slots, the 27B's 48 value heads
+        from pallas_kernels.gdn import gdn_tree
+
+        cfg = {"block_v": 64, "num_warps": 8, "precision": "tf32x3", **overrides}
+        h, dk, dv = 48, 128, 128
+        return (lambda *a: gdn_tree(*a, **cfg)), (
+            S((b, n, h, dk), jnp.float32), S((b, n, h, dk), jnp.float32), S((b, n, h, dv), jnp.float32),
+            S((b, n, h), jnp.float32), S((b, n, h), jnp.float32), S((b, h, dk, dv), jnp.float32),
+            S((b, n, n), jnp.bool_))
     if op == "key_round":  # --batch rows (a decode step's keys of one layer) x Hkv 4 x D 256, fp8 / int8 grid
         from pallas_kernels.key_round import key_round_pallas
 
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", default="paged_decode",
                    help="paged_decode | tree_attention | paged_decode_pairs | skinny_matmul (weights: --kv bf16 / "
-                        "fp8, --batch rows, --tree N, --prefix K) | key_round (--batch rows, --kv fp8 / int8)")
+                        "fp8, --batch rows, --tree N, --prefix K) | key_round (--batch rows, --kv fp8 / int8) | gdn_tree "
+                        "(--batch rows, --tree slots; launch as the 27B's B1 round: block_v 64, 8 warps, tf32x3)")
     p.add_argument("--kv", default="fp8", help="page format: bf16 | fp8 | int8")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tree", type=int, default=16)
