@@ -1,9 +1,9 @@
 """The fp8 pair-page paged decode (``pallas_kernels.paged_decode.pairs``, the registered kernel's path for fp8 pages
 on CUDA) against bf16 pages and the 8-bit tile kernel on fp8 pages, both dot variants, on the current device.
 
-Each case checks both variants against the reference first (bf16 tolerance), then times bf16 pages, the 8-bit tile
-kernel on fp8 pages (``fp8``), the pair kernel over pre-packed pages (float16 / bfloat16 dots) and over fp8 pages viewed as pairs
-inside the timed call (``pairs_float16_viewed``: the registered kernel's path, free only if the backend keeps the
+Each case checks both variants against the reference first (bf16 tolerance), then times bf16 pages, the 8-bit
+tile kernel on fp8 pages (``fp8``), the pair kernel over pre-packed pages (float16 / bfloat16 dots) and over fp8
+pages viewed as pairs inside the timed call (``pairs_float16_viewed``: the registered kernel's path, free only if the backend keeps the
 uint16 view a bitcast), bf16 pages again last (the faster of the two is the baseline). Also: whether
 viewing a 64 MiB fp8 array as uint16 compiles to a fusion (XLA:CPU: yes, shifts over the whole array).
 Figures ``paged_decode.b{B}.p{P}.{bf16,fp8,pairs_<dots>,pairs_float16_viewed}_us``, ``.<impl>.speedup`` (bf16 /

@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", default="paged_decode",
                    help="paged_decode | tree_attention | paged_decode_pairs | skinny_matmul (weights: --kv bf16 / "
-                        "fp8, --batch rows, --tree N, --prefix K) | key_round (--batch rows, --kv fp8 / int8) | gdn_tree "
-                        "(--batch rows, --tree slots; launch as the 27B's B1 round: block_v 64, 8 warps, tf32x3)")
+                        "fp8, --batch rows, --tree N, --prefix K) | key_round (--batch rows, --kv fp8 / int8) | "
+                        "gdn_tree (--batch rows, --tree slots; the 27B's B1 launch: block_v 64, 8 warps, tf32x3)")
     p.add_argument("--kv", default="fp8", help="page format: bf16 | fp8 | int8")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tree", type=int, default=16)

@@ -20,9 +20,9 @@ an FMA; on a GPU both Triton and XLA's LLVM may).
 Rounding is :func:`pallas_kernels.key_round.reference.grid_round_f32`, f32 arithmetic with no cast: Triton has
 no round-to-integer op in the Pallas lowering (``lax.round``), and an f32 -> ``float8_e4m3fn`` cast needs sm_89+
 (and ROCm's MI300 converts only e4m3fnuz). Integers round half to even through ``floor``; fp8 e4m3fn values scale
-``|x|`` by the inverse of its binade's grid step (a power of two built from the float32 exponent bits: exact), round that half to
-even, and scale back, which is the cast's round-to-nearest-even, subnormals included (checked against the cast in
-the tests).
+``|x|`` by the inverse of its binade's grid step (a power of two built from the float32 exponent bits: exact),
+round that half to even, and scale back, which is the cast's round-to-nearest-even, subnormals included (checked
+against the cast in the tests).
 
 Rows past N are loaded as zeros and not stored, so there is no pad or slice around the kernel.
 """

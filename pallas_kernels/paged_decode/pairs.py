@@ -52,9 +52,9 @@ OFFSET = 2.0 ** 60  # bfloat16 pairs read as value * 2^-120: 2^60 goes on each s
 
 
 def pack_pairs(data: jax.Array) -> jax.Array:
-    """fp8 rows ``[..., D]`` -> ``[..., D / 2]`` uint16, channel ``2j`` in the low byte. XLA:CPU expands this into
-    shifts over the whole array (a copy); XLA:GPU compiled it without a fusion on an H100 (whether it stays free
-    inside a step is what ``experiments/paged_decode_fp8_pairs.py``'s ``pairs_float16_viewed`` times)."""
+    """fp8 rows ``[..., D]`` -> ``[..., D / 2]`` uint16, channel ``2j`` in the low byte. XLA:GPU keeps it a view of
+    the same bytes inside a step (H100: the kernel over viewed pages timed as over pre-packed ones); XLA:CPU
+    expands it into shifts over the whole array, a copy (interpret-mode tests only)."""
     return lax.bitcast_convert_type(data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2), jnp.uint16)
 
 
