@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
+    # an executable loaded from the persistent compilation cache is not compiled, so it dumps no PTX
+    jax.config.update("jax_enable_compilation_cache", False)
     from dflash_jax.bench import kernels as bk
     from dflash_jax.bench import results
 
