@@ -48,3 +48,29 @@ def test_kernels_lower_to_one_triton_module_with_their_launch(op, kv, warps):
     assert params == {"num_warps": warps, "num_stages": 2}
     if op == "paged_decode_pairs":  # the pair conversion is inline PTX, both halves
         assert ttir.count("cvt.rn.f16x2.e4m3x2") == 4  # even / odd of K and of V
+
+
+def test_kernel_ptx_splits_entries_and_counts_instruction_families():
+    mod = load_experiment("kernel_ptx")
+    ptx = """
+.visible .entry paged_decode_gp16(
+    .param .u64 a
+)
+{
+    cp.async.cg.shared.global [%r1], [%rd1], 16;
+    @%p1 ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd2];
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2}, {%r3}, {%f1, %f2, %f3, %f4};
+    cvt.rn.f16x2.e4m3x2 %r5, %rs1;
+    bar.sync 0;
+}
+.visible .entry other(
+)
+{
+    ld.local.u32 %r1, [%rd1];
+}
+"""
+    entries = mod.ptx_entries(ptx)
+    assert set(entries) == {"paged_decode_gp16", "other"}
+    mix = mod.instruction_mix(entries["paged_decode_gp16"])
+    assert (mix["cp_async"], mix["ld_global"], mix["mma_sync"], mix["cvt_fp8"], mix["bar"]) == (1, 1, 1, 1, 1)
+    assert mix["ld_local"] == 0 and mod.instruction_mix(entries["other"])["ld_local"] == 1
