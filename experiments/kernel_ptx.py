@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # triton_offline, a sibling script
 DUMP = tempfile.mkdtemp(prefix="kernel_ptx_dump_")
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP}").strip()
@@ -79,30 +80,18 @@ def find_ptxas() -> str | None:
 
 
 def ptxas_resources(ptxas: str, ptx_path: str, arch: str) -> dict[str, dict[str, int]]:
-    """{entry: {registers, spill_stores, spill_loads, smem}} from ``ptxas -v`` (empty if it fails)."""
+    """{entry: {registers, spill_stores, spill_loads}} from ``ptxas -v`` (empty if it fails)."""
     try:
         out = subprocess.run([ptxas, f"-arch={arch}", "-v", ptx_path, "-o", os.devnull], capture_output=True,
                              text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         print("ptxas failed:", e, file=sys.stderr)
         return {}
-    res, cur = {}, None
-    for line in (out.stderr + out.stdout).splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            cur = res.setdefault(m.group(1), {})
-            continue
-        if cur is None:
-            continue
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m:
-            cur["spill_stores"], cur["spill_loads"] = int(m.group(1)), int(m.group(2))
-        m = re.search(r"Used (\d+) registers", line)
-        if m:
-            cur["registers"] = int(m.group(1))
-        m = re.search(r"(\d+) bytes smem", line)
-        if m:
-            cur["smem"] = int(m.group(1))
+    from triton_offline import ptxas_report  # the same per-kernel reader as the offline tool
+
+    text = out.stderr + out.stdout
+    parts = re.split(r"Compiling entry function '(\w+)'", text)  # [head, name, body, name, body, ...]
+    res = {name: ptxas_report(body) for name, body in zip(parts[1::2], parts[2::2])}
     if out.returncode and not res:
         print("ptxas:", out.stderr[-2000:], file=sys.stderr)
     return res

@@ -162,5 +162,6 @@ def paged_decode_pairs(q, k_pairs, v_pairs, page_table, lengths, scale: float, k
       k_scale.reshape(rows, hkv), v_scale.reshape(rows, hkv), page_table.astype(jnp.int32),
       lengths.astype(jnp.int32)[:, None])
     o = o.swapaxes(-1, -2).reshape(b, hkv, s, g, d)  # even / odd halves -> channels
-    return merge_partitions(o, lse, axis=2).reshape(b, h, d).astype(q.dtype)
+    o = merge_partitions(o, lse, axis=2) if s > 1 else o[:, :, 0]  # one partition is already normalised
+    return o.reshape(b, h, d).astype(q.dtype)
 
