@@ -12,6 +12,7 @@ pipelining can differ from the ``triton`` package's.
     PYTHONPATH=. python experiments/triton_offline.py --op paged_decode --kv fp8
     PYTHONPATH=. python experiments/triton_offline.py --op tree_attention --kv bf16 --set prefetch=False num_warps=16
     PYTHONPATH=. python experiments/triton_offline.py --op paged_decode_pairs --kv fp8 --set dots="'bfloat16'"
+    PYTHONPATH=. python experiments/triton_offline.py --op tree_attention_pairs --kv fp8 --set num_warps=16
 
 Figures (``--out-dir``): ``<op>.<kv>.registers``, ``.spill_stores``, ``.spill_loads``, ``.shared_bytes``,
 ``.loop_instructions`` and ``.loop.<SASS op>`` for the loop's 12 commonest ops.
@@ -165,6 +166,23 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
 
         return fn, (S((b, n, H, D), jnp.bfloat16), *page_args, *page_args, *tables,
                     S((b, n, HKV, D), jnp.bfloat16), S((b, n, HKV, D), jnp.bfloat16), S((b, n, n), jnp.bool_))
+    if op == "tree_attention_pairs":
+        if kv != "fp8":
+            raise SystemExit("tree_attention_pairs reads fp8 pages only (--kv fp8)")
+        from pallas_kernels.tree_attention import kernel as K
+        from pallas_kernels.tree_attention import pairs as P
+
+        cfg = {**K.default_config(D, PAGE, jnp.bfloat16, backend="cuda", quantized=True), **overrides}
+        for k in ("target_programs", "prefetch"):
+            cfg.pop(k, None)
+        pairs = S((n_pages, PAGE, HKV, D // 2), jnp.uint16)
+        call = functools.partial(P.tree_attention_pairs, num_partitions=None, **cfg)
+
+        def fn(q, kp, vp, pt, ln, kt, vt, anc, ks, vs):
+            return call(q, kp, vp, pt, ln, kt, vt, anc, D ** -0.5, ks, vs)
+
+        return fn, (S((b, n, H, D), jnp.bfloat16), pairs, pairs, *tables, S((b, n, HKV, D), jnp.bfloat16),
+                    S((b, n, HKV, D), jnp.bfloat16), S((b, n, n), jnp.bool_), page_args[1], page_args[1])
     if op == "paged_decode":
         from pallas_kernels.paged_decode import kernel as K
 
@@ -227,8 +245,9 @@ def compile_module(ttir: str, params: dict, work: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", default="paged_decode",
-                   help="paged_decode | tree_attention | paged_decode_pairs | skinny_matmul (weights: --kv bf16 / "
-                        "fp8, --batch rows, --tree N, --prefix K) | key_round (--batch rows, --kv fp8 / int8) | "
+                   help="paged_decode | tree_attention | paged_decode_pairs | tree_attention_pairs (--kv fp8) | "
+                        "skinny_matmul (weights: --kv bf16 / fp8, --batch rows, --tree N, --prefix K) | "
+                        "key_round (--batch rows, --kv fp8 / int8) | "
                         "gdn_tree (--batch rows, --tree slots; the 27B's B1 launch: block_v 64, 8 warps, tf32x3)")
     p.add_argument("--kv", default="fp8", help="page format: bf16 | fp8 | int8")
     p.add_argument("--batch", type=int, default=16)

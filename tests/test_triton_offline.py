@@ -38,7 +38,8 @@ def test_ptxas_report_reads_registers_and_spills():
 
 
 @pytest.mark.parametrize("op,kv,warps", [("paged_decode", "fp8", 8), ("tree_attention", "bf16", 8),
-                                         ("paged_decode_pairs", "fp8", 8), ("skinny_matmul", "fp8", 4)])
+                                         ("paged_decode_pairs", "fp8", 8), ("tree_attention_pairs", "fp8", 8),
+                                         ("skinny_matmul", "fp8", 4)])
 def test_kernels_lower_to_one_triton_module_with_their_launch(op, kv, warps):
     mod = load_experiment("triton_offline")
     fn, args = mod.case(op, kv, b=2, n=64 if op == "skinny_matmul" else 16, prefix=1024, overrides={})
@@ -46,7 +47,7 @@ def test_kernels_lower_to_one_triton_module_with_their_launch(op, kv, warps):
     assert ttir.count("tt.func public") == 1
     assert ("tt.dot" in ttir) == (op != "skinny_matmul")  # two rows of x take the gemv form: no tensor cores
     assert params == {"num_warps": warps, "num_stages": 2}
-    if op == "paged_decode_pairs":  # the pair conversion is inline PTX, both halves
+    if op.endswith("_pairs"):  # the pair conversion is inline PTX, both halves
         assert ttir.count("cvt.rn.f16x2.e4m3x2") == 4  # even / odd of K and of V
 
 

@@ -6,8 +6,9 @@ arrays or ``QuantizedPages``):
 
 - ``"reference"``: pure jnp (``dflash_jax.models.attention.tree_attention_reference``), any backend;
 - ``"pallas_triton"``: :func:`kernel.tree_attention` with the per-backend defaults of
-  :func:`kernel.default_config`; runs in interpret mode off GPU (when selected explicitly); fp8 pages on ROCm
-  run the reference, with a warning;
+  :func:`kernel.default_config`; runs in interpret mode off GPU (when selected explicitly); fp8 pages on CUDA
+  are read as uint16 pairs with f16 dots (:func:`pairs.tree_attention_pairs`, as paged decode reads them); fp8
+  pages on ROCm run the reference, with a warning;
 - ``"mosaic_gpu"`` (opt-in: ``DFLASH_KERNELS=tree_attention=mosaic_gpu``): :func:`mosaic.tree_attention_mgpu`,
   warpgroup MMA with TMA page copies, for Hopper (sm_90) and bf16 / f16 pages; other GPUs, quantized pages and
   shapes it cannot take run ``pallas_triton``, with a warning; off GPU (when selected explicitly) the Mosaic GPU
@@ -19,9 +20,12 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import registry
-from pallas_kernels.paged_decode.kernel import check_page_dtype, page_arrays
+from pallas_kernels.paged_decode.kernel import MIN_DOT, check_page_dtype, page_arrays
+from pallas_kernels.paged_decode.pairs import pack_pairs
+from pallas_kernels.tree_attention import pairs
 from pallas_kernels.tree_attention.kernel import block_plan, default_config, tree_attention
 from pallas_kernels.tree_attention.mosaic import plan as mosaic_plan
 from pallas_kernels.tree_attention.mosaic import tree_attention_mgpu
@@ -49,6 +53,12 @@ def tree_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
     except ValueError as e:
         registry.warn_fallback("tree_attention", e)
         return tree_attention_reference(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, scale)
+    if backend == "cuda" and jnp.dtype(data.dtype) == jnp.float8_e4m3fn and q.shape[-1] // 2 >= MIN_DOT:
+        return pairs.tree_attention_pairs(
+            q, pack_pairs(data), pack_pairs(v_pages.data), page_table, start, k_tree.astype(cd), v_tree.astype(cd),
+            ancestors, float(scale), k_scale, v_pages.scale, block_m=cfg["block_m"],
+            pages_per_block=cfg["pages_per_block"], num_partitions=None, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], target_programs=cfg["target_programs"])
     return tree_attention(q, k_pages, v_pages, page_table, start, k_tree, v_tree, ancestors, float(scale),
                           block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"], num_partitions=None,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], prefetch=cfg["prefetch"],
