@@ -75,9 +75,10 @@ def pair_halves(u: jax.Array, dots: str, interpret: bool) -> tuple[jax.Array, ja
     return value(u & 0xFF), value(u >> 8)
 
 
-def _kernel(qe_ref, qo_ref, k_ref, v_ref, ks_ref, vs_ref, pt_ref, len_ref, o_ref, lse_ref, *, page_size: int,
+def _kernel(qe_ref, qo_ref, k_ref, v_ref, ks_ref, vs_ref, pt_ref, len_ref, o_ref, *lse_ref, page_size: int,
             block_k: int, blocks_per_partition: int, scale_log2: float, dots: str, interpret: bool):
-    # qe_ref, qo_ref [G, D/2] f16 (even / odd channels); k_ref, v_ref [rows, D/2] uint16; ks_ref, vs_ref [rows]
+    # qe_ref, qo_ref [G, D/2] f16 (even / odd channels); k_ref, v_ref [rows, D/2] uint16; ks_ref, vs_ref [rows];
+    # lse_ref [G] only with partitions to merge
     part = pl.program_id(2)
     g, dh = qe_ref.shape
     rows = group_rows(g)
@@ -118,7 +119,8 @@ def _kernel(qe_ref, qo_ref, k_ref, v_ref, ks_ref, vs_ref, pt_ref, len_ref, o_ref
     inv = (1.0 if dots == "float16" else OFFSET) / jnp.where(has, l, 1.0)
     o_ref[rows, 0, :] = (oe * inv[:, None]).astype(o_ref.dtype)
     o_ref[rows, 1, :] = (oo * inv[:, None]).astype(o_ref.dtype)
-    lse_ref[rows] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), MASK_VALUE)
+    if lse_ref:
+        lse_ref[0][rows] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), MASK_VALUE)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "num_partitions", "num_warps", "num_stages",
@@ -147,21 +149,22 @@ def paged_decode_pairs(q, k_pairs, v_pairs, page_table, lengths, scale: float, k
     q_spec = pl.BlockSpec((None, None, g, dh), lambda i, j, p: (i, j, 0, 0))
     row_spec = pl.BlockSpec((rows, None, dh), lambda i, j, p: (0, j, 0))
     scale_spec = pl.BlockSpec((rows, None), lambda i, j, p: (0, j))
-    o, lse = pl.pallas_call(
+    split = s > 1
+    outs = pl.pallas_call(
         kernel, grid=(b, hkv, s),
         in_specs=[q_spec, q_spec, row_spec, row_spec, scale_spec, scale_spec,
                   pl.BlockSpec((None, page_table.shape[1]), lambda i, j, p: (i, 0)),
                   pl.BlockSpec((None, 1), lambda i, j, p: (i, 0))],
-        out_specs=[pl.BlockSpec((None, None, None, g, 2, dh), lambda i, j, p: (i, j, p, 0, 0, 0)),
-                   pl.BlockSpec((None, None, None, g), lambda i, j, p: (i, j, p, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, s, g, 2, dh), q.dtype),
-                   jax.ShapeDtypeStruct((b, hkv, s, g), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, None, None, g, 2, dh), lambda i, j, p: (i, j, p, 0, 0, 0))]
+        + [pl.BlockSpec((None, None, None, g), lambda i, j, p: (i, j, p, 0))] * split,
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, s, g, 2, dh), q.dtype)]
+        + [jax.ShapeDtypeStruct((b, hkv, s, g), jnp.float32)] * split,
         interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_decode_fp8_pairs_{dots}_bk{plan['block_k']}_s{s}",
     )(qg[..., 0], qg[..., 1], k_pairs.reshape(rows, hkv, dh), v_pairs.reshape(rows, hkv, dh),
       k_scale.reshape(rows, hkv), v_scale.reshape(rows, hkv), page_table.astype(jnp.int32),
       lengths.astype(jnp.int32)[:, None])
-    o = o.swapaxes(-1, -2).reshape(b, hkv, s, g, d)  # even / odd halves -> channels
-    o = merge_partitions(o, lse, axis=2) if s > 1 else o[:, :, 0]  # one partition is already normalised
+    o = outs[0].swapaxes(-1, -2).reshape(b, hkv, s, g, d)  # even / odd halves -> channels
+    o = merge_partitions(o, outs[1], axis=2) if split else o[:, :, 0]  # one partition is already normalised
     return o.reshape(b, h, d).astype(q.dtype)
 
