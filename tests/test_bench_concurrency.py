@@ -411,10 +411,12 @@ def test_held_out_prompts_need_a_model_with_text(tmp_path, capsys):
 def test_shipped_pair_on_held_out_text_accepts_more_than_one_token_per_round(tmp_path, capsys):
     from dflash_jax import SHIPPED_MODELS
 
+    # ddtree only: the acceptance is this test's figure (the ar case, a second engine of the shipped target, checks
+    # nothing here that the random-weight cases above do not)
     rc = main(["concurrency", "--model", os.path.join(SHIPPED_MODELS, "target"), "--drafter",
                os.path.join(SHIPPED_MODELS, "drafter"), "--dtype", "float32", "--prompts", "held-out",
                "--concurrency", "1", "--repeats", "1", "--output-len", "16", "--prompt-len-min", "48",
-               "--prompt-len-max", "96", "--cohort-yield-min", "0", "--out-dir", str(tmp_path)])
+               "--prompt-len-max", "96", "--cohort-yield-min", "0", "--modes", "ddtree", "--out-dir", str(tmp_path)])
     assert rc == 0, capsys.readouterr().out
     rec = _result(tmp_path)
     assert "held-out text" in rec["extra"]["prompt_distribution"]

@@ -107,13 +107,16 @@ if __name__ != "__main__":
 
     def test_quantized_kv_pages_split_by_kv_head_under_dp_and_tp(results):
         """int8 pages (values and per token-head scales) split over ``model`` by KV head, per replica over
-        ``data``; greedy AR over 2 x 2 devices and DDTree under TP=2 equal the unsharded engine on the same pages."""
+        ``data``; greedy AR over 2 x 2 devices and DDTree under TP=2 equal the unsharded AR engine on the same
+        pages."""
         r = results["kv_quant"]
         assert r["data_dtype"] == "int8"
         assert r["data_spec"] == ["data", None, None, "model", None] and r["scale_spec"] == ["data", None, None, "model"]
         assert r["tp_data_spec"] == [None, None, "model", None]
         assert r["ar"] == r["ar_unsharded"]
-        assert r["spec"] == r["spec_unsharded"] and r["spec_steps"] > 0
+        # DDTree is lossless on quantized pages too (its commit writes keys as decode does: test_kv_calibration.py),
+        # so the unsharded AR engine on the same pages is its reference (an unsharded DDTree engine cost a compile)
+        assert r["spec"] == r["ar_unsharded"] and r["spec_steps"] > 0
 
     def test_quantized_weights_split_with_their_scales(results):
         """fp8 weights over TP=2 and 2 x 2 devices: greedy equals the unsharded fp8 engine; a column-parallel
@@ -331,8 +334,6 @@ def _main(out_path: str) -> None:
         "ar": ar_q, "ar_unsharded": [o.token_ids for o in Engine(base[name], None, EngineOptions(**q_opts))
                                      .generate(prompts, sp)],
         "spec": [o.token_ids for o in sp_outs], "spec_steps": sum(o.stats["draft_steps"] for o in sp_outs),
-        "spec_unsharded": [o.token_ids for o in Engine(base[name], None, EngineOptions(
-            spec=spec_q, cohort_yield_min=0.0, **q_opts), drafter=(dcfg, dparams)).generate(prompts, sp)],
         "data_dtype": str(pages.data.dtype), "data_spec": spec_of(pages.data), "scale_spec": spec_of(pages.scale),
         "tp_data_spec": spec_of(sp_eng.state.kv.k[0].data)}
     res["timing"]["kv_quant"] = time.perf_counter() - t8
