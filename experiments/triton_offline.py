@@ -141,6 +141,16 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
             S((b, n, h, dk), jnp.float32), S((b, n, h, dk), jnp.float32), S((b, n, h, dv), jnp.float32),
             S((b, n, h), jnp.float32), S((b, n, h), jnp.float32), S((b, h, dk, dv), jnp.float32),
             S((b, n, n), jnp.bool_))
+    if op == "gdn_tree_gated":  # the model's call: q / k / v and the gates formed from the post-conv rows (16 key
+        # heads, 48 value heads x 128, the [q | k | v] channels), state read from the slot pool in place
+        from pallas_kernels.gdn import gdn_tree_gated
+
+        cfg = {"block_v": 64, "num_warps": 8, "precision": "tf32x3", **overrides}
+        hk, h, dk, dv = 16, 48, 128, 128
+        return (lambda *a: gdn_tree_gated(*a, n_k_heads=hk, **cfg)), (
+            S((b, n, 2 * hk * dk + h * dv), jnp.bfloat16), S((b, n, h), jnp.float32), S((b, n, h), jnp.float32),
+            S((h,), jnp.float32), S((h,), jnp.float32), S((b, n), jnp.bool_), S((b + 1, h, dk, dv), jnp.float32),
+            S((b, n, n), jnp.bool_), S((b,), jnp.int32))
     if op == "key_round":  # --batch rows (a decode step's keys of one layer) x Hkv 4 x D 256, fp8 / int8 grid
         from pallas_kernels.key_round import key_round_pallas
 
@@ -248,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="paged_decode | tree_attention | paged_decode_pairs | tree_attention_pairs (--kv fp8) | "
                         "skinny_matmul (weights: --kv bf16 / fp8, --batch rows, --tree N, --prefix K) | "
                         "key_round (--batch rows, --kv fp8 / int8) | "
-                        "gdn_tree (--batch rows, --tree slots; the 27B's B1 launch: block_v 64, 8 warps, tf32x3)")
+                        "gdn_tree (--batch rows, --tree slots; the 27B's B1 launch: block_v 64, 8 warps, tf32x3) | "
+                        "gdn_tree_gated (the same from the post-conv rows, as the model calls it)")
     p.add_argument("--kv", default="fp8", help="page format: bf16 | fp8 | int8")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--tree", type=int, default=16)
