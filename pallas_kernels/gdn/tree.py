@@ -25,7 +25,10 @@ The inverse ``T`` (``solve``):
   output (a barrier makes it visible to every warp); step i loads row i of M there (a step ahead) and updates
   column i of ``T^T`` by a reduction along the columns, which stays within each warp (the kernel's ``[N, N]``
   layout spreads rows over warps and columns over lanes). Offline (sm_90a, a 27B verify tree at B1) a step is ~54
-  instructions with no barrier, against substitution's ~191 with 18. Opt-in until timed on a GPU.
+  instructions with no barrier, against substitution's ~191 with 18; yet on an H100 the launch took **230 us
+  against substitution's 73** (``experiments/gdn_tree_solves.py``; doubling 59): fewer instructions, slower
+  steps (each row of M is a load from global memory, the L2 a step, which a step ahead does not hide; not
+  isolated). Opt-in, to time against.
 - ``"blocked"``: the same substitution over the two halves of the slots side by side (ceil(n_valid / 2)
   - 1 steps), then ``T21 = -T22 M21 T11`` by two fp32 ``[N, N]`` products; within 1e-5 of the reference on every
   test tree, the adversarial chain below included. Opt-in: as the default for a commit, the 27B's B1 round on an
