@@ -1,5 +1,7 @@
 """Time the tree GDN kernel's solves against each other at the 27B's B1 verify launch (B1 x 23 slots, 48 value heads
-x 128, block_v 64, 8 warps, tf32x3), with their largest relative error against the jnp reference.
+x 128, block_v 64, 8 warps, tf32x3), with their largest relative error against the jnp reference. The time is the
+wall time a call over back-to-back dispatches (best of 3 x ``--iters``): a launch shorter than the dispatch rate
+reads as that rate, so compare short solves with ``bench kernels --ops gdn_tree`` too.
 
     PYTHONPATH=. python experiments/gdn_tree_solves.py --solves substitution rows --out-dir experiments/results
 """

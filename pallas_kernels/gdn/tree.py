@@ -26,7 +26,7 @@ The inverse ``T`` (``solve``):
   column i of ``T^T`` by a reduction along the columns, which stays within each warp (the kernel's ``[N, N]``
   layout spreads rows over warps and columns over lanes). Offline (sm_90a, a 27B verify tree at B1) a step is ~54
   instructions with no barrier, against substitution's ~191 with 18; yet on an H100 the launch took **230 us
-  against substitution's 73** (``experiments/gdn_tree_solves.py``; doubling 59): fewer instructions, slower
+  against substitution's 73** a call (``experiments/gdn_tree_solves.py``): fewer instructions, slower
   steps (each row of M is a load from global memory, the L2 a step, which a step ahead does not hide; not
   isolated). Opt-in, to time against.
 - ``"blocked"``: the same substitution over the two halves of the slots side by side (ceil(n_valid / 2)
