@@ -19,11 +19,11 @@ from pallas_kernels import registry
 from pallas_kernels.tree_attention import tree_attention_mgpu, tree_attention_reference
 from test_pallas_tree_attention import make_case, trees
 
-def check(case, stages=2, num_partitions=None, dtype=jnp.bfloat16):
+def check(case, stages=2, num_partitions=None, dtype=jnp.bfloat16, pingpong=True):
     args = make_case(dtype=dtype, **case)
     scale = case["d"] ** -0.5
     out = np.asarray(tree_attention_mgpu(*args, scale, stages=stages, num_partitions=num_partitions,
-                                         interpret=True).astype(jnp.float32))
+                                         pingpong=pingpong, interpret=True).astype(jnp.float32))
     ref = np.asarray(tree_attention_reference(*args, scale).astype(jnp.float32))
     assert out.shape == ref.shape == (case["b"], case["n"], case["g"] * case["hkv"], case["d"])
     assert np.isfinite(out).all()
@@ -46,16 +46,16 @@ def cases(draw):
     seed = draw(st.integers(0, 2**31 - 1))
     return (dict(seed=seed, b=b, hkv=hkv, g=g, d=64, page_size=page_size, width=width, n=n, starts=starts,
                  parents=parents, non_resident=non_resident),
-            draw(st.sampled_from([2, 3])), draw(st.sampled_from([1, 2, None])))
+            draw(st.sampled_from([2, 3])), draw(st.sampled_from([1, 2, None])), draw(st.booleans()))
 
 
 # The 27B's group of 6 with 23 nodes: 138 rows, so the second CTA's second warpgroup holds padding only; a
 # prefix ending mid-block, an empty one, and a non-resident page mid-prefix; three partitions.
 EDGE = (dict(seed=1, b=2, hkv=1, g=6, d=64, page_size=16, width=9, n=23, starts=[140, 0],
-             parents=[[-1] + list(range(22)), [-1, 0, 1, -1, 2] + [0] * 18], non_resident=[(0, 5)]), 2, 3)
+             parents=[[-1] + list(range(22)), [-1, 0, 1, -1, 2] + [0] * 18], non_resident=[(0, 5)]), 2, 3, True)
 # A full 64-node block of keys, one KV head, pages of 8 tokens, the prefix on one partition.
 FULL_TREE = (dict(seed=2, b=1, hkv=1, g=1, d=64, page_size=8, width=3, n=64, starts=[17],
-                  parents=[[-1] + [i // 2 for i in range(63)]], non_resident=[]), 2, 1)
+                  parents=[[-1] + [i // 2 for i in range(63)]], non_resident=[]), 2, 1, False)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -63,14 +63,15 @@ FULL_TREE = (dict(seed=2, b=1, hkv=1, g=1, d=64, page_size=8, width=3, n=64, sta
 @example(EDGE)
 @example(FULL_TREE)
 def test_kernel_matches_reference(c):
-    check(c[0], stages=c[1], num_partitions=c[2])
+    check(c[0], stages=c[1], num_partitions=c[2], pingpong=c[3])
 
 
 def test_padding_warpgroup_keeps_step_with_the_ring_race_free():
     """138 rows (23 nodes x 6 heads): the second CTA's second warpgroup holds padding only. Over more steps than
     ring slots it must release each slot once filled, not run ahead (arriving early completed a phase before the
     other warpgroup had read the slot: the memory warpgroup refilled it under the reader, then hung on the parity;
-    seen on an H100). The interpreter's race detector is on."""
+    seen on an H100), and take its turns on the ping-pong schedule (else the other waits forever). The
+    interpreter's race detector is on."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 

@@ -44,3 +44,23 @@ def test_plan_refuses_what_the_kernel_cannot_take():
                      (dict(n_heads=10), "multiple of n_kv_heads"), (dict(stages=4), "shared memory")]:
         with pytest.raises(ValueError, match=msg):
             mosaic_plan(**{**ok, **bad})
+
+
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_lowers_to_mosaic_gpu_for_the_27b(pingpong):
+    """Mosaic GPU lowering runs on any host: the 27B's heads with a 32-node tree (192 rows: the second tile's second
+    warpgroup is padding) must lower, both schedules (a layout or lowering rule the kernel misses fails here, not
+    on the GPU)."""
+    import jax
+
+    from pallas_kernels.tree_attention import tree_attention_mgpu
+
+    b, n, h, hkv, d, page, width = 2, 32, 24, 4, 256, 16, 64
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((b, n, h, d), bf), jax.ShapeDtypeStruct((128, page, hkv, d), bf),
+            jax.ShapeDtypeStruct((128, page, hkv, d), bf), jax.ShapeDtypeStruct((b, width), jnp.int32),
+            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, n, hkv, d), bf),
+            jax.ShapeDtypeStruct((b, n, hkv, d), bf), jax.ShapeDtypeStruct((b, n, n), jnp.bool_))
+    fn = jax.jit(lambda *a: tree_attention_mgpu(*a, d ** -0.5, pingpong=pingpong))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -4,7 +4,10 @@ The same contract as :func:`pallas_kernels.tree_attention.kernel.tree_attention`
 pages are the Triton kernel's), written the FlashAttention-3 way: a CTA holds two compute warpgroups of 64 query
 rows each and one memory warpgroup that streams the K / V blocks of the prefix into a ring of shared-memory
 slots with TMA, one copy per 16-token page (``k_pages[page, :, kv_head, :]``), while the compute warpgroups run
-``wgmma`` on the slot before it.
+``wgmma`` on the slot before it. By default the two compute warpgroups also take the tensor cores in turn
+(FA3's ping-pong, as in JAX's ``attention_mgpu``: a schedule barrier between one's score product and its
+softmax, so one warpgroup's softmax runs under the other's products); each step's value product also covers the
+wait for the next step's keys.
 
 Rows: for (sequence b, KV head j) the ``N * G`` (tree node i, q head g) pairs, ``r = i * G + g``, padded to a
 multiple of 128 (two warpgroups). They are gathered into ``[B, Hkv, R, D]`` before the kernel (a small copy: the
@@ -13,7 +16,8 @@ queries of a tree) so a warpgroup's 64 rows are one TMA box.
 The ancestor mask rides in the tensor cores: the tree block's scores are ``q k_tree^T + onehot(node(r)) @ bias^T``
 with ``bias[key, node] = 0`` where the key is visible to the node and ``-2^24`` elsewhere, so no mask tile is
 loaded into registers. Prefix keys at or past the sequence's length, and keys of non-resident pages
-(page-table entry < 0; the copy reads page 0 instead), are masked by position. A row that sees no key at all
+(page-table entry < 0; the copy reads page 0 instead), are masked by position, only in the blocks that have such
+keys (a scalar branch: a whole block of resident pages builds no mask). A row that sees no key at all
 (its running max stays below half the scaled bias) returns zeros, as the reference does.
 
 Grid ``(row_tiles, partitions, B * Hkv)``; with more than one prefix partition each CTA writes its normalised
@@ -111,8 +115,8 @@ def _accumulate(acc: jax.Array, a: jax.Array, b_smem, a_smem) -> jax.Array:
 
 def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, len_ref, o_ref, lse_ref, scoped, *,
             n_rows: int, n_kv_heads: int, page_size: int, width: int, blocks_per_partition: int, n_splits: int,
-            stages: int, scale_log2: float, no_key: float, dtype, interpret: bool):
-    (q_smem, oh_smem, bias_smem, k_smem, v_smem, lse_smem, *p_smem), bars, consumed = scoped
+            stages: int, scale_log2: float, no_key: float, dtype, pingpong: bool, interpret: bool):
+    (q_smem, oh_smem, bias_smem, k_smem, v_smem, lse_smem, *p_smem), bars, consumed, schedule = scoped
     k_bars, v_bars, q_bars, bias_bar = bars
     k_consumed, v_consumed = consumed
     p_smem = p_smem[0] if interpret else None
@@ -134,18 +138,37 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
 
     row0 = tile * (COMPUTE_WGS * WG_ROWS) + wg * WG_ROWS
 
+    def turn():  # FlashAttention-3's ping-pong: the two compute warpgroups take the tensor cores in turn
+        if pingpong:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+    def turn_arrive():
+        if pingpong:
+            plgpu.barrier_arrive(schedule)
+
+    def turn_wait():
+        if pingpong:
+            plgpu.barrier_wait(schedule)
+
     @pl.when(wg < COMPUTE_WGS)
     def _registers():
         plgpu.set_max_registers(232, action="increase")
 
     @pl.when((wg < COMPUTE_WGS) & (row0 >= n_rows))
-    def _idle():  # a warpgroup of padding rows only (e.g. rows 192-255 of a 32-node tree): it releases each slot
-        @pl.loop(0, n_steps)  # once filled, as the other does: arriving ahead would complete a phase early
+    def _idle():  # a warpgroup of padding rows only (e.g. rows 192-255 of a 32-node tree): it keeps step with the
+        pl.when(wg == 1)(turn)  # other on the ring and the schedule, releasing each slot once filled (arriving
+        # ahead would complete a phase early)
+
+        @pl.loop(0, n_steps)
         def _release(i):
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(k_bars.at[slot])
+            turn()
             plgpu.barrier_arrive(k_consumed.at[slot])
+            turn_arrive()
             plgpu.barrier_wait(v_bars.at[slot])
+            turn_wait()
             plgpu.barrier_arrive(v_consumed.at[slot])
 
     @pl.when((wg < COMPUTE_WGS) & (row0 < n_rows))
@@ -155,52 +178,75 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
         plgpu.copy_gmem_to_smem(onehot_ref.at[pl.ds(row0, WG_ROWS)], oh_s, q_bars.at[wg])
         plgpu.barrier_wait(q_bars.at[wg])
 
-        def scores(slot, tree: bool):
-            plgpu.barrier_wait(k_bars.at[slot])
+        def step(i, carry, *, tree: bool, mask):
+            """Step i of the partition (its K / V in ring slot i % stages): scores, ``mask(scores)``, the online
+            softmax and the value product. The K of step i is already waited for; this waits for step i + 1's
+            under the value product (the tree step is the last)."""
+            acc, m, l = carry
+            slot = lax.rem(i, stages)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_s, k_smem.at[slot].transpose((1, 0)))
                 if tree:  # + the ancestor bias of each row's node
                     plgpu.wgmma(acc_ref, oh_s, bias_smem.transpose((1, 0)))
+                turn()
                 return acc_ref[...]
 
-            sc = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, BLOCK_KV), jnp.float32)) * scale_log2
+            sc = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, BLOCK_KV), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            return sc
-
-        def update(slot, sc, carry):
-            acc, m, l = carry
+            sc = mask(sc * scale_log2)
             m_new = jnp.maximum(m, sc.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             probs = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
-            l = l * alpha + probs.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = probs.astype(dtype)
+            turn_arrive()  # done with the softmax
             plgpu.barrier_wait(v_bars.at[slot])
-            acc = _accumulate(acc, probs.astype(dtype), v_smem.at[slot], None if p_smem is None else p_smem.at[wg])
+            turn_wait()  # the tensor cores are ours
+            l = l * alpha + probs.sum(axis=1)
+
+            if p_smem is not None:  # the interpreter (see _accumulate)
+                acc = _accumulate(acc, p16, v_smem.at[slot], p_smem.at[wg])
+                if not tree:
+                    plgpu.barrier_wait(k_bars.at[lax.rem(i + 1, stages)])
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    if not tree:
+                        plgpu.barrier_wait(k_bars.at[lax.rem(i + 1, stages)])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l
 
-        def prefix_step(i, carry):
-            slot = lax.rem(i, stages)
-            sc = scores(slot, tree=False)
-            # made each step, not held in registers across the loop next to the accumulator
-            col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-            sc = jnp.where(col < length - (first + i) * BLOCK_KV, sc, MASK_VALUE)  # keys past the prefix
-            for p in range(ppb):  # a non-resident page's keys: columns [cut, end of page)
-                hi = (p + 1) * page_size
-                cut = jnp.where(page_of(i, p) >= 0, hi, p * page_size)
-                sc = jnp.where(col < cut, sc, jnp.where(col >= hi, sc, MASK_VALUE))
-            return update(slot, sc, carry)
+        def prefix_mask(i):
+            base = (first + i) * BLOCK_KV
+            resident = [page_of(i, p) >= 0 for p in range(ppb)]
+            whole = functools.reduce(jnp.logical_and, resident, base + BLOCK_KV <= length)
+
+            def masked(sc):  # keys past the prefix and keys of non-resident pages (columns [cut, end of page))
+                col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
+                sc = jnp.where(col < length - base, sc, MASK_VALUE)
+                for p in range(ppb):
+                    hi = (p + 1) * page_size
+                    cut = jnp.where(resident[p], hi, p * page_size)
+                    sc = jnp.where(col < cut, sc, jnp.where(col >= hi, sc, MASK_VALUE))
+                return sc
+
+            # most blocks are whole: no mask built for them
+            return lambda sc: lax.cond(whole, lambda s_: s_, masked, sc)
 
         carry = (plgpu.layout_cast(jnp.zeros((WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(jnp.full((WG_ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                  plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-        carry = lax.fori_loop(0, n_prefix, prefix_step, carry)
+        plgpu.barrier_wait(k_bars.at[0])
+        pl.when(wg == 1)(turn)
+        carry = lax.fori_loop(0, n_prefix, lambda i, c: step(i, c, tree=False, mask=prefix_mask(i)), carry)
         plgpu.barrier_wait(bias_bar.at[0])
-        slot = lax.rem(n_prefix, stages)
-        sc = scores(slot, tree=True)
-        acc, m, l = update(slot, sc + jnp.where(is_last, 0.0, MASK_VALUE), carry)  # (no select with a scalar
-        # predicate under warpgroup semantics)
+        # (no select with a scalar predicate under warpgroup semantics: the tree's keys count in the last
+        # partition only by an added constant)
+        acc, m, l = step(n_prefix, carry, tree=True, mask=lambda sc: sc + jnp.where(is_last, 0.0, MASK_VALUE))
+        pl.when(wg == 0)(turn)
 
         has = m > no_key  # the row saw a key: its max is a real score, not a masked one
         inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
@@ -240,17 +286,20 @@ def _kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, onehot_ref, bias_ref, pt_ref, l
             plgpu.barrier_wait(v_consumed.at[lax.rem(i, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "stages", "num_partitions", "target_ctas", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "stages", "num_partitions", "target_ctas", "pingpong",
+                                             "interpret"))
 def tree_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                         start: jax.Array, k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float, *,
                         stages: int = 2, num_partitions: int | None = None, target_ctas: int = N_SM_TARGET,
-                        interpret=False) -> jax.Array:
+                        pingpong: bool = True, interpret=False) -> jax.Array:
     """Tree queries over each sequence's paged prefix plus its own tree (``tree_attention_reference``'s contract).
 
     q [B, N, H, D]; k_pages, v_pages [n_pages, page_size, Hkv, D] (bf16 / f16); page_table [B, W] int32 (entry
     < 0: non-resident page); start [B] prefix lengths (clipped to [0, W * page_size]); k_tree, v_tree
     [B, N, Hkv, D]; ancestors [B, N, N] bool. Returns [B, N, H, D] in q's dtype. stages: K / V ring slots;
-    num_partitions: prefix partitions (None: about ``target_ctas`` CTAs). interpret: the Mosaic GPU interpreter
+    num_partitions: prefix partitions (None: about ``target_ctas`` CTAs). pingpong: the two compute warpgroups
+    take the tensor cores in turn (one's softmax under the other's products; False: each runs freely).
+    interpret: the Mosaic GPU interpreter
     (CPU): True, or its ``InterpretGPUParams`` (e.g. ``detect_races=True``). Raises ValueError before lowering
     for shapes the kernel cannot take (see :func:`plan`)."""
     b, n, h, d = q.shape
@@ -282,7 +331,7 @@ def tree_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
         _kernel, n_rows=rows, n_kv_heads=hkv, page_size=page_size, width=width,
         blocks_per_partition=pl_["blocks_per_partition"],
         n_splits=s, stages=stages, scale_log2=float(scale) * LOG2E,
-        no_key=0.5 * tree_bias(dt) * float(scale) * LOG2E, dtype=dt, interpret=interpret)
+        no_key=0.5 * tree_bias(dt) * float(scale) * LOG2E, dtype=dt, pingpong=pingpong, interpret=interpret)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def entry(q_ref, k_ref, v_ref, kt_ref, vt_ref, oh_ref, bias_ref, pt_ref, len_ref, o_ref, lse_ref):
@@ -299,8 +348,9 @@ def tree_attention_mgpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pa
                 plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
                 plgpu.Barrier(num_barriers=1))
         consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        schedule = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
         pl.run_scoped(lambda *a: kernel(q_ref, k_ref, v_ref, kt_ref, vt_ref, oh_ref, bias_ref, pt_ref, len_ref,
-                                        o_ref, lse_ref, a), smem, bars, consumed, collective_axes="wg")
+                                        o_ref, lse_ref, a), smem, bars, consumed, schedule, collective_axes="wg")
 
     extra = {}
     if interpret:
