@@ -3,7 +3,7 @@ x 128, block_v 64, 8 warps, tf32x3), with their largest relative error against t
 wall time a call over back-to-back dispatches (best of 3 x ``--iters``): a launch shorter than the dispatch rate
 reads as that rate, so compare short solves with ``bench kernels --ops gdn_tree`` too.
 
-    PYTHONPATH=. python experiments/gdn_tree_solves.py --solves substitution rows --out-dir experiments/results
+    PYTHONPATH=. python experiments/gdn_tree_solves.py --solves substitution doubling blocked --out-dir experiments/results
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def tree_ancestors(n: int, rng: np.random.Generator) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--solves", nargs="+", default=["substitution", "rows"])
+    p.add_argument("--solves", nargs="+", default=["substitution", "doubling", "blocked"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tree", type=int, default=23)
     p.add_argument("--iters", type=int, default=50)

@@ -21,14 +21,6 @@ The inverse ``T`` (``solve``):
   slots' rows are e_i), in fp32. As stable as the reference's triangular solve (equal to fp32 round-off whatever
   the tree). At batch 1 these dependent steps are most of a launch (a 27B verify tree, 23 slots: ~36 us a layer on
   an H100 before the bound, 48 layers a round).
-- ``"rows"``: the same substitution, transposed so that no step crosses warps. M goes once to a per-program scratch
-  output (a barrier makes it visible to every warp); step i loads row i of M there (a step ahead) and updates
-  column i of ``T^T`` by a reduction along the columns, which stays within each warp (the kernel's ``[N, N]``
-  layout spreads rows over warps and columns over lanes). Offline (sm_90a, a 27B verify tree at B1) a step is ~54
-  instructions with no barrier, against substitution's ~191 with 18; yet on an H100 the launch took **230 us
-  against substitution's 73** a call (``experiments/gdn_tree_solves.py``): fewer instructions, slower
-  steps (each row of M is a load from global memory, the L2 a step, which a step ahead does not hide; not
-  isolated). Opt-in, to time against.
 - ``"blocked"``: the same substitution over the two halves of the slots side by side (ceil(n_valid / 2)
   - 1 steps), then ``T21 = -T22 M21 T11`` by two fp32 ``[N, N]`` products; within 1e-5 of the reference on every
   test tree, the adversarial chain below included. Opt-in: as the default for a commit, the 27B's B1 round on an
@@ -72,7 +64,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.gdn.kernel import _dot_dtype_and_precision, default_precision, operand_dtype
 from pallas_kernels.registry import check_block_shapes, current_backend, first_fitting
 
-SOLVES = ("substitution", "rows", "blocked", "doubling", "product")
+SOLVES = ("substitution", "blocked", "doubling", "product")
 MAX_SLOTS = 64  # one register tile of [N, N]; verify trees are budget + 1 <= 33 slots
 
 
@@ -95,29 +87,6 @@ def _inverse_substitution(m: jax.Array, n_valid: int) -> jax.Array:
         return jnp.where(sel, t - mt[None, :], t)
 
     return lax.fori_loop(1, n_valid, body, eye)
-
-
-def _inverse_rows(m: jax.Array, n_valid: int, m_ref, *, barrier: bool) -> jax.Array:
-    """``(I + M)^-1`` by the same forward substitution, kept transposed so that no step crosses warps: M is
-    written once to this program's scratch ``m_ref [N, N]`` (a barrier makes it visible to every warp), then step
-    i reads row i of M from there (each warp loads it itself; the next row is loaded a step ahead) and updates
-    column i of ``U = T^T``, ``U[:, i] = e_i - U m_i``: a reduction along the columns, which the kernel's
-    layouts keep within a warp. The substitution's masked row picks were two cross-warp reductions a step."""
-    n = m.shape[0]
-    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == cols).astype(jnp.float32)
-    m_ref[...] = m
-    if barrier:
-        plt.debug_barrier()
-
-    def body(i, carry):
-        u, m_i = carry
-        m_next = m_ref[jnp.minimum(i + 1, n - 1), :]
-        r = jnp.sum(u * m_i[None, :], axis=1)  # [N] over rows r: sum_j T_jr M_ij
-        return jnp.where(cols == i, u - r[:, None], u), m_next
-
-    u, _ = lax.fori_loop(1, n_valid, body, (eye, m_ref[1, :]))
-    return u.T
 
 
 def _inverse_blocked(m: jax.Array, n_valid: int, dot) -> jax.Array:
@@ -184,14 +153,12 @@ def _softplus(x):
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, gated: bool, block_v: int,
-                 interpret: bool):
+def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, gated: bool, block_v: int):
     # refs: the delta rule's inputs: q_ref, k_ref [N, dk]; v_ref [N, BV]; beta_ref, g_ref [N]
     #   (gated: the post-conv channels cq_ref, ck_ref [N, dk], cv_ref [N, BV] of this head, braw_ref, araw_ref [N],
     #   valid_ref [N] int8, alog_ref, dtb_ref [Hv] whole: q, k, v, beta, g formed here as ``gdn_qkv_gates`` does);
     # anc_ref [N, N] int8; (pooled: slot_ref [B] and s_ref [S, H, dk, dv] whole, row b's S0 at its slot; else s_ref
-    # [dk, BV]); o_ref [N, BV]; vp_ref [N, BV]; gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k);
-    # (solve "rows": m_ref [N, N], this program's scratch).
+    # [dk, BV]); o_ref [N, BV]; vp_ref [N, BV]; gam_ref [N]; decay_ref [N, N]; k_out_ref [N, dk] (heads-first k).
     # N = the padded slot count: slots >= n_valid are past the arrays' ends, masked on load (zeros: beta = g = 0,
     # k = v = 0, a padding slot that sees only itself) and on store.
     refs = list(refs)
@@ -203,8 +170,7 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
         s_ref = s_pool.at[slot_ref[pl.program_id(0)], pl.program_id(1), :, pl.ds(pl.program_id(2) * block_v, block_v)]
     else:
         s_ref = refs.pop(0)
-    o_ref, vp_ref, gam_ref, decay_ref, k_out_ref = refs[:5]
-    m_ref = refs[5] if solve == "rows" else None
+    o_ref, vp_ref, gam_ref, decay_ref, k_out_ref = refs
     f32 = jnp.float32
     opd, prec = _dot_dtype_and_precision(precision)
     dot = functools.partial(plt.dot, precision=prec)
@@ -273,8 +239,6 @@ def _tree_kernel(*refs, n_valid: int, precision: str, solve: str, pooled: bool, 
         t = _inverse_blocked(m, n_valid, exact_dot)
     elif solve == "doubling":
         t = _inverse_doubling(m, n_valid, exact_dot)
-    elif solve == "rows":
-        t = _inverse_rows(m, n_valid, m_ref, barrier=not interpret)
     else:
         t = _inverse_substitution(m, n_valid)
     t_op = t.astype(opd)
@@ -436,12 +400,11 @@ def _launch(name: str, inputs: tuple, specs: list, state, ancestors, slots, *, b
     np_ = plan["n_pad"]
     pooled = slots is not None
     kernel = functools.partial(_tree_kernel, n_valid=n, precision=precision, solve=solve, pooled=pooled,
-                               gated=gated, block_v=block_v, interpret=interpret)
+                               gated=gated, block_v=block_v)
     state_specs = ([pl.no_block_spec, pl.no_block_spec] if pooled else  # slots; the whole pool
                    [pl.BlockSpec((None, None, dk, block_v), lambda i, j, c: (i, j, 0, c))])  # state columns
     state_args = (slots.astype(jnp.int32), state) if pooled else (state,)
     sdt = state.dtype
-    scratch = solve == "rows"
     outs = pl.pallas_call(
         kernel,
         grid=(b, h, plan["n_v_blocks"]),
@@ -452,17 +415,15 @@ def _launch(name: str, inputs: tuple, specs: list, state, ancestors, slots, *, b
             pl.BlockSpec((None, None, np_), lambda i, j, c: (i, j, 0)),                 # gam (value block 0)
             pl.BlockSpec((None, None, np_, np_), lambda i, j, c: (i, j, 0, 0)),         # Gam (value block 0)
             pl.BlockSpec((None, None, np_, dk), lambda i, j, c: (i, j, 0, 0)),          # k heads-first (block 0)
-        ] + ([pl.BlockSpec((None, None, None, np_, np_), lambda i, j, c: (i, j, c, 0, 0))]  # M, each program's
-             if scratch else []),
+        ],
         out_shape=[jax.ShapeDtypeStruct((b, n, h, dv), o_dtype),
                    jax.ShapeDtypeStruct((b, h, n, dv), sdt),
                    jax.ShapeDtypeStruct((b, h, n), sdt),
                    jax.ShapeDtypeStruct((b, h, n, n), sdt),
-                   jax.ShapeDtypeStruct((b, h, n, dk), k_dtype)]
-                  + ([jax.ShapeDtypeStruct((b, h, plan["n_v_blocks"], np_, np_), jnp.float32)] if scratch else []),
+                   jax.ShapeDtypeStruct((b, h, n, dk), k_dtype)],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"{name}_n{np_}_dk{dk}_bv{block_v}_{precision}_{solve}",
     )(*inputs, ancestors.astype(jnp.int8), *state_args)
-    o, vp, gam, decay, k_hf = outs[:5]
+    o, vp, gam, decay, k_hf = outs
     return o, TreeGDNCache(k=k_hf, vp=vp, gam=gam, decay=decay)
