@@ -172,6 +172,41 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
                 programs=n_row_tiles * s * batch * n_kv_heads)
 
 
+def tree_pallas_call(kernel, *, b: int, n: int, h: int, hkv: int, rows: int, width: int, s: int, n_row_tiles: int,
+                     row_tail: tuple[int, ...], page_tail: tuple[int, ...], n_scales: int, out_dtype,
+                     num_warps: int, num_stages: int, interpret: bool, name: str):
+    """The ``pallas_call`` of a tree-attention kernel over grid (row tile r, partition p, sequence * KV head c).
+
+    Its arguments: q rows ``[B, N*H, *row_tail]``; K / V page rows ``[n_pages * page_size, Hkv, *page_tail]``;
+    ``n_scales`` (0 or 2) K / V scale rows ``[n_pages * page_size, Hkv]``; the tree's K / V
+    ``[B, N, Hkv, *row_tail]``; the page table ``[B, W]``; prefix lengths ``[B, 1]``; the ancestor mask
+    ``[B, N*N]``. Outputs: ``[B, N*H, *row_tail]`` in ``out_dtype``, or with S > 1 partitions the partials
+    ``[B, S, N*H, *row_tail]`` and their f32 log2-sum-exp ``[B, S, N*H]``. Every program writes only its own rows
+    of the sequence's block (the KV heads share it)."""
+    zr, zp = (0,) * len(row_tail), (0,) * len(page_tail)
+    in_specs = [
+        pl.BlockSpec((None, n * h, *row_tail), lambda r, p, c: (c // hkv, 0, *zr)),              # q rows
+        *[pl.BlockSpec((rows, None, *page_tail), lambda r, p, c: (0, c % hkv, *zp))] * 2,       # k, v (head)
+        *[pl.BlockSpec((rows, None), lambda r, p, c: (0, c % hkv))] * n_scales,                 # k, v scales
+        *[pl.BlockSpec((None, n, None, *row_tail), lambda r, p, c: (c // hkv, 0, c % hkv, *zr))] * 2,  # tree k, v
+        pl.BlockSpec((None, width), lambda r, p, c: (c // hkv, 0)),                             # page table row
+        pl.BlockSpec((None, 1), lambda r, p, c: (c // hkv, 0)),                                 # prefix length
+        pl.BlockSpec((None, n * n), lambda r, p, c: (c // hkv, 0)),                             # ancestor mask
+    ]
+    if s > 1:
+        out_shape = [jax.ShapeDtypeStruct((b, s, n * h, *row_tail), out_dtype),
+                     jax.ShapeDtypeStruct((b, s, n * h), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, n * h, *row_tail), lambda r, p, c: (c // hkv, p, 0, *zr)),
+                     pl.BlockSpec((None, None, n * h), lambda r, p, c: (c // hkv, p, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((b, n * h, *row_tail), out_dtype)]
+        out_specs = [pl.BlockSpec((None, n * h, *row_tail), lambda r, p, c: (c // hkv, 0, *zr))]
+    return pl.pallas_call(
+        kernel, grid=(n_row_tiles, s, b * hkv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=name)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_m", "pages_per_block", "num_partitions", "num_warps",
                                              "num_stages", "prefetch", "target_programs", "interpret",
                                              "smem_budget"))
@@ -234,37 +269,12 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
         blocks_per_partition=plan["blocks_per_partition"], n_splits=s, block_t=plan["block_t"],
         n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E, prefetch=prefetch,
         quantized=quantized, precision=precision)
-    # grid (row tile r, partition p, sequence * KV head c)
-    in_specs = [
-        pl.BlockSpec((None, n * h, d), lambda r, p, c: (c // hkv, 0, 0)),                # q rows of sequence
-        pl.BlockSpec((rows, None, d), lambda r, p, c: (0, c % hkv, 0)),                  # k token rows (head)
-        pl.BlockSpec((rows, None, d), lambda r, p, c: (0, c % hkv, 0)),                  # v token rows (head)
-        *[pl.BlockSpec((rows, None), lambda r, p, c: (0, c % hkv))] * len(scales),     # k, v scales (head)
-        pl.BlockSpec((None, n, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),     # k_tree
-        pl.BlockSpec((None, n, None, d), lambda r, p, c: (c // hkv, 0, c % hkv, 0)),     # v_tree
-        pl.BlockSpec((None, width), lambda r, p, c: (c // hkv, 0)),                      # page table row
-        pl.BlockSpec((None, 1), lambda r, p, c: (c // hkv, 0)),                          # prefix length
-        pl.BlockSpec((None, n * n), lambda r, p, c: (c // hkv, 0)),                      # ancestor mask
-    ]
-    # Every program writes only its own rows of the sequence's block (the KV heads share it).
-    if s > 1:
-        out_shape = [jax.ShapeDtypeStruct((b, s, n * h, d), q.dtype), jax.ShapeDtypeStruct((b, s, n * h), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, n * h, d), lambda r, p, c: (c // hkv, p, 0, 0)),
-                     pl.BlockSpec((None, None, n * h), lambda r, p, c: (c // hkv, p, 0))]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((b, n * h, d), q.dtype)]
-        out_specs = [pl.BlockSpec((None, n * h, d), lambda r, p, c: (c // hkv, 0, 0))]
-
-    outs = pl.pallas_call(
-        kernel,
-        grid=(plan["n_row_tiles"], s, b * hkv),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    outs = tree_pallas_call(
+        kernel, b=b, n=n, h=h, hkv=hkv, rows=rows, width=width, s=s, n_row_tiles=plan["n_row_tiles"],
+        row_tail=(d,), page_tail=(d,), n_scales=len(scales), out_dtype=q.dtype, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
         name=f"tree_attention_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}{'_pf' if prefetch else ''}"
-              f"{'_kv' + k_data.dtype.name if quantized else ''}",
+             f"{'_kv' + k_data.dtype.name if quantized else ''}",
     )(qr, kr, vr, *scales, kt, vt, pt, lens, anc)
 
     o = merge_partitions(*outs, axis=1) if s > 1 else outs[0]

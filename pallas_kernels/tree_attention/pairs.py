@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions
 from pallas_kernels.paged_decode.pairs import pair_halves
-from pallas_kernels.tree_attention.kernel import block_plan, default_config
+from pallas_kernels.tree_attention.kernel import block_plan, default_config, tree_pallas_call
 
 DOTS = "float16"
 
@@ -192,37 +192,16 @@ def tree_attention_pairs(q: jax.Array, k_pairs: jax.Array, v_pairs: jax.Array, p
         block_k=plan["block_k"], blocks_per_partition=plan["blocks_per_partition"], n_splits=s,
         block_t=plan["block_t"], n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E,
         interpret=interpret, precision=lax.Precision.HIGHEST if td == jnp.float32 else None)
-    # grid (row tile r, partition p, sequence * KV head c)
-    tree_spec = pl.BlockSpec((None, n, None, 2, dh), lambda r, p, c: (c // hkv, 0, c % hkv, 0, 0))
-    in_specs = [
-        pl.BlockSpec((None, n * h, 2, dh), lambda r, p, c: (c // hkv, 0, 0, 0)),         # q rows of sequence
-        *[pl.BlockSpec((rows, None, dh), lambda r, p, c: (0, c % hkv, 0))] * 2,          # k, v pair rows (head)
-        *[pl.BlockSpec((rows, None), lambda r, p, c: (0, c % hkv))] * 2,                 # k, v scales (head)
-        tree_spec, tree_spec,                                                            # k_tree, v_tree
-        pl.BlockSpec((None, width), lambda r, p, c: (c // hkv, 0)),                      # page table row
-        pl.BlockSpec((None, 1), lambda r, p, c: (c // hkv, 0)),                          # prefix length
-        pl.BlockSpec((None, n * n), lambda r, p, c: (c // hkv, 0)),                      # ancestor mask
-    ]
-    out_shape = [jax.ShapeDtypeStruct((b, s, n * h, 2, dh), q.dtype)]
-    out_specs = [pl.BlockSpec((None, None, n * h, 2, dh), lambda r, p, c: (c // hkv, p, 0, 0, 0))]
-    if s > 1:
-        out_shape.append(jax.ShapeDtypeStruct((b, s, n * h), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, None, n * h), lambda r, p, c: (c // hkv, p, 0)))
-
-    outs = pl.pallas_call(
-        kernel,
-        grid=(plan["n_row_tiles"], s, b * hkv),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    outs = tree_pallas_call(
+        kernel, b=b, n=n, h=h, hkv=hkv, rows=rows, width=width, s=s, n_row_tiles=plan["n_row_tiles"],
+        row_tail=(2, dh), page_tail=(dh,), n_scales=2, out_dtype=q.dtype, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
         name=f"tree_attention_fp8_pairs_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}",
     )(halves(q.astype(DOTS)).reshape(b, n * h, 2, dh), k_pairs.reshape(rows, hkv, dh),
       v_pairs.reshape(rows, hkv, dh), k_scale.reshape(rows, hkv), v_scale.reshape(rows, hkv), halves(k_tree),
       halves(v_tree), page_table.astype(jnp.int32), start.astype(jnp.int32)[:, None],
       ancestors.astype(jnp.int32).reshape(b, n * n))
 
-    o = interleave(outs[0])  # [B, S, N*H, D]
-    o = merge_partitions(o, outs[1], axis=1) if s > 1 else o[:, 0]  # one partition is already normalised
+    o = interleave(outs[0])  # [B, (S,) N*H, D]
+    o = merge_partitions(o, outs[1], axis=1) if s > 1 else o  # one partition is already normalised
     return o.reshape(b, n, h, d).astype(q.dtype)
