@@ -226,3 +226,30 @@ def test_gdn_tree_problem():
     assert a.shape == (2, 6, 6) and (a[:, :4, :4] == np.tril(np.ones((4, 4), bool))).all()  # the chain
     assert (a[:, 4:] == np.eye(6, dtype=bool)[4:]).all()  # padding slots see only themselves
     assert float(np.abs(np.asarray(beta[:, 4:])).max()) == 0.0 and float(np.abs(np.asarray(k[:, 4:])).max()) == 0.0
+
+
+@pytest.mark.parametrize("op", ["paged_decode", "tree_attention"])
+def test_fp8_launch_configs_time_the_pair_kernel(op):
+    """The quantized-KV configs on fp8 pages run the pair kernel the registry runs on CUDA (here in interpret
+    mode), with a config's block size and no ``prefetch`` argument, and it equals the reference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.paged_decode.kernel import default_config
+
+    rng = np.random.default_rng(0)
+    if op == "paged_decode":
+        prob = kernels.decode_problem(rng, jax.random.key(0), 2, 4, 1, 64, 16, [40, 7], jnp.bfloat16)
+    else:
+        prob = kernels.tree_problem(rng, jax.random.key(0), 2, 5, 4, 1, 64, 16, [40, 7], jnp.bfloat16)
+    prob = kernels.quantized_problem(prob, "fp8")
+    _, ref_fn, _ = kernels.implementations(op)
+    cfg = dict(default_config(64, 16, jnp.bfloat16, quantized=True), num_partitions=None,
+               **kernels.KV_CONFIGS["bk32"](16), interpret=True)
+    if op == "tree_attention":
+        cfg["block_m"] = 32
+    out = kernels._pair_kernel(op)(*prob.args, **cfg)
+    ref = ref_fn(*prob.args)
+    assert kernels._rel_err(out, ref) <= kernels.TOL["bfloat16"]
+    assert kernels._pair_kernel("gdn_tree") is None

@@ -302,12 +302,48 @@ def implementations(op: str) -> tuple[Callable, Callable, Callable]:
         kernel, pallas_fn, ref_fn = m.gdn_step, m.gdn_step_pallas, m.gdn_step_reference
         defaults = lambda args: dict(block_v=m.default_config(args[0].shape[-1], args[2].shape[-1])["block_v"])  # noqa: E731
 
+    pair_kernel = _pair_kernel(op)
+
     def explicit(*args, **config):
         cfg = defaults(args)
         cfg.update(config)
+        if pair_kernel is not None and current_backend() == "cuda" and _fp8_pages(args[1]):
+            return pair_kernel(*args, **cfg)  # the kernel the registry runs for fp8 pages on CUDA
         return kernel(*args, interpret=current_backend() not in GPU_BACKENDS, **cfg)
 
     return pallas_fn, ref_fn, explicit
+
+
+def _fp8_pages(pages) -> bool:
+    from pallas_kernels.paged_decode.kernel import page_arrays
+
+    data, scale, _ = page_arrays(pages)
+    return scale is not None and jnp.dtype(data.dtype) == jnp.float8_e4m3fn
+
+
+def _pair_kernel(op: str) -> Callable | None:
+    """For paged decode / tree attention: ``fn(*problem args, **config)`` running the fp8 pair kernel
+    (``pallas_kernels.*.pairs``) as the registered implementation calls it, with a launch config (``prefetch``
+    dropped: the pair kernels have none); None for the other ops."""
+    from pallas_kernels.paged_decode import pairs as pd_pairs
+
+    if op == "paged_decode":
+        def run(q, kp, vp, pt, lengths, scale, **cfg):
+            return pd_pairs.paged_decode_pairs(
+                q, pd_pairs.pack_pairs(kp.data), pd_pairs.pack_pairs(vp.data), pt, lengths, float(scale), kp.scale,
+                vp.scale, pages_per_block=cfg["pages_per_block"], num_partitions=cfg.get("num_partitions"),
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=cfg.get("interpret", False))
+        return run
+    if op == "tree_attention":
+        from pallas_kernels.tree_attention import pairs as ta_pairs
+
+        def run(q, kp, vp, pt, start, kt, vt, anc, scale, **cfg):
+            cfg.pop("prefetch", None)
+            return ta_pairs.tree_attention_pairs(
+                q, pd_pairs.pack_pairs(kp.data), pd_pairs.pack_pairs(vp.data), pt, start, kt, vt, anc, float(scale),
+                kp.scale, vp.scale, **cfg)
+        return run
+    return None
 
 
 # ------------------------------------------------------------------------------------------ check
@@ -699,12 +735,13 @@ KV_GRIDS = {  # op -> [(B, tree, prefix)] timed with quantized pages, full and -
     "paged_decode": ([(1, None, 16384), (16, None, 16384), (1, None, 4096)], [(1, None, 16384)]),
     "tree_attention": ([(16, 16, 16384), (1, 16, 16384), (16, 16, 4096)], [(16, 16, 16384)]),
 }
-# quantized-page launch configs timed beside the default (64-key blocks, no prefetch): name -> page_size -> kwargs
+# quantized-page launch configs timed beside the default (64-key blocks, 8 warps, 2 stages; fp8 pages on CUDA: the
+# pair kernel, as the registry runs them): name -> page_size -> kwargs
 KV_CONFIGS = {
-    "bk64_pf": lambda ps: dict(pages_per_block=max(1, 64 // ps), prefetch=True),
-    "bk32_pf": lambda ps: dict(pages_per_block=max(1, 32 // ps), prefetch=True),
+    "bk32": lambda ps: dict(pages_per_block=max(1, 32 // ps)),
     "bk64_st3": lambda ps: dict(pages_per_block=max(1, 64 // ps), num_stages=3),
     "bk128": lambda ps: dict(pages_per_block=max(1, 128 // ps)),
+    "w16": lambda ps: dict(pages_per_block=max(1, 64 // ps), num_warps=16),
 }
 KV_CHECK_CASES = {  # the 27B's head shapes, ragged lengths, non-resident pages; --quick: the first
     "paged_decode": [dict(b=4, lengths=[1, 17, 1024, 300], non_resident=[(3, 5), (2, 0)]),
@@ -778,8 +815,8 @@ def run_kv_checks(op: str, kv_dtype: str, a: argparse.Namespace, figures: dict, 
 def run_kv_timing(op: str, kv_dtype: str, a: argparse.Namespace, copy_bw: float, figures: dict, errors: dict,
                   skipped: list, deadline: float) -> None:
     """Kernel on quantized pages vs the kernel on the same pages in bf16 (``KV_GRIDS``), bf16 compute; also the
-    quantized kernel with other launch configs (``KV_CONFIGS``: the hand prefetch, on for bf16 pages only; 3 stages;
-    128-key blocks), to tune its default from."""
+    quantized kernel with other launch configs (``KV_CONFIGS``: 32- and 128-key blocks, 3 stages, 16 warps; fp8 pages
+    on CUDA through the pair kernel, as the registry runs them), to tune its default from."""
     pallas_fn, ref_fn, explicit = implementations(op)
     rng = np.random.default_rng(4)
     speedups = []
