@@ -576,7 +576,7 @@ SWEEP = {  # op -> [((B, tree, prefix), kernel configs)]: timed after the grid, 
                  # than at --gdn-dtype float32's IEEE dots (H100: blocked 89.5 / substitution 101.4 us there, yet a
                  # 27B round 37.8 vs 26.8 ms with blocked at tf32x3)
                  ((1, 23, None), [dict(block_v=bv, num_warps=w, solve=sv, precision="tf32x3")
-                                  for bv, w in ((64, 8), (32, 4)) for sv in ("substitution", "rows", "blocked", "doubling")])],
+                                  for bv, w in ((64, 8), (32, 4)) for sv in ("substitution", "blocked", "doubling")])],
     "gdn_tree_commit": [((1, 23, None), _COMMIT), ((16, 32, None), _COMMIT)],
 }
 SHORT = {"pages_per_block": "ppb", "num_warps": "w", "num_stages": "st", "prefetch": "pf", "block_m": "bm",
