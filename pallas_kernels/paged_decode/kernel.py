@@ -44,6 +44,7 @@ from jax.experimental.pallas import triton as plt
 
 from dflash_jax.kv.quant import QuantizedPages
 from pallas_kernels.registry import check_block_shapes, current_backend
+from pallas_kernels.dot_acc import dot_acc
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(mask - m) is 0, never NaN
 LOG2E = math.log2(math.e)
@@ -105,7 +106,7 @@ def online_update(carry, s, visible, v, precision, v_scale=None):
     p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # a block with no visible key adds nothing
     l = alpha * l + p.sum(axis=-1)
     pv = p if v_scale is None else p * v_scale[None, :]  # (p * scale) @ v == p @ (scale * v)
-    o = alpha[:, None] * o + plt.dot(pv.astype(v.dtype), v, precision=precision)
+    o = dot_acc(pv.astype(v.dtype), v, alpha[:, None] * o, precision=precision)
     return o, m_new, l
 
 

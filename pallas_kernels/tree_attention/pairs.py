@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions
+from pallas_kernels.dot_acc import dot_acc
 from pallas_kernels.paged_decode.pairs import pair_halves
 from pallas_kernels.tree_attention.kernel import block_plan, default_config, tree_pallas_call
 
@@ -74,7 +75,7 @@ def prefix_block(carry, qe, qo, k_ref, v_ref, ks_ref, vs_ref, pt_ref, blk, lengt
     oe, oo, m, l, unit = carry
     r, visible = kv_block_rows(pt_ref, blk, length, block_k=block_k, page_size=page_size)
     ke, ko = pair_halves(k_ref[r], DOTS, interpret)
-    s = plt.dot(qe, ke, trans_b=True) + plt.dot(qo, ko, trans_b=True)
+    s = dot_acc(qo, ko, plt.dot(qe, ke, trans_b=True), trans_b=True)
     alpha, p, m, l = softmax_step(m, l, s * (ks_ref[r] * scale_log2)[None, :], visible[None, :])
     vsc = vs_ref[r]
     top = jnp.max(jnp.where(visible, vsc, 0.0))
@@ -82,8 +83,8 @@ def prefix_block(carry, qe, qo, k_ref, v_ref, ks_ref, vs_ref, pt_ref, blk, lengt
     pp = (p * (vsc / top)[None, :]).astype(DOTS)
     ve, vo = pair_halves(v_ref[r], DOTS, interpret)
     alpha = alpha * (unit / top)
-    oe = alpha[:, None] * oe + plt.dot(pp, ve)
-    oo = alpha[:, None] * oo + plt.dot(pp, vo)
+    oe = dot_acc(pp, ve, alpha[:, None] * oe)
+    oo = dot_acc(pp, vo, alpha[:, None] * oo)
     return oe, oo, m, l, top
 
 
@@ -94,14 +95,14 @@ def tree_block(carry, qe, qo, kt_ref, vt_ref, anc_ref, node, t, is_last, *, n_tr
     oe, oo, m, l = carry
     col = t * block_t + jnp.arange(block_t, dtype=jnp.int32)
     colc = jnp.minimum(col, n_tree - 1)
-    s = (plt.dot(qe, kt_ref[colc, 0, :], trans_b=True, precision=precision)
-         + plt.dot(qo, kt_ref[colc, 1, :], trans_b=True, precision=precision)) * scale_log2
+    s = dot_acc(qo, kt_ref[colc, 1, :], plt.dot(qe, kt_ref[colc, 0, :], trans_b=True, precision=precision),
+                trans_b=True, precision=precision) * scale_log2
     anc = anc_ref[node[:, None] * n_tree + colc[None, :]]
     visible = (anc != 0) & (col < n_tree)[None, :] & is_last
     alpha, p, m, l = softmax_step(m, l, s, visible)
     p = p.astype(vt_ref.dtype)
-    oe = alpha[:, None] * oe + plt.dot(p, vt_ref[colc, 0, :], precision=precision)
-    oo = alpha[:, None] * oo + plt.dot(p, vt_ref[colc, 1, :], precision=precision)
+    oe = dot_acc(p, vt_ref[colc, 0, :], alpha[:, None] * oe, precision=precision)
+    oo = dot_acc(p, vt_ref[colc, 1, :], alpha[:, None] * oo, precision=precision)
     return oe, oo, m, l
 
 
