@@ -5,7 +5,10 @@ non-resident page, one and several partitions), then times both kernels and page
 at the 27B head shapes (24 q / 4 KV heads x 256, 16-token pages) for each ``--cases`` entry ``B:N:P``.
 Writes ``tree_attention_mgpu_<device>_<stamp>.json`` with figures ``<case>.{mgpu_us,triton_us,paged_decode_us,
 speedup_vs_triton,mgpu_vs_paged_decode,triton_vs_paged_decode}`` (``mgpu_us.free`` etc.: the Mosaic kernel without
-its ping-pong schedule) and ``check.max_rel_err``.
+its ping-pong schedule), ``check.max_rel_err``; with fp8 pages (the pair kernels) ``<case>.{triton_fp8_us,
+fp8_speedup,paged_decode_fp8_us,paged_decode_fp8_speedup}``; and the Triton kernels re-timed with
+``pallas_kernels.dot_acc`` lowered as a product into zeros plus an add (the form before it):
+``<case>.<kernel>_unfolded_us`` and ``<case>.<kernel>_dot_acc_speedup`` (unfolded / folded time).
 
     python experiments/tree_attention_mgpu.py --out-dir $OUT
 """
@@ -25,12 +28,30 @@ from dflash_jax.bench import kernels as kb
 from dflash_jax.bench.results import script_command, write_result
 
 
+def unfold_dot_acc() -> None:
+    """Lower ``pallas_kernels.dot_acc`` from here on as Pallas' own dot does (a product into a zero tile, then an
+    add), the form before it, and drop compiled kernels so the next calls lower again."""
+    from jax._src.lib.mlir.dialects import arith
+    from jax._src.pallas.triton import lowering as tl
+
+    from pallas_kernels import dot_acc
+
+    def rule(ctx, a, b, acc, **params):
+        return arith.addf(acc, dot_acc._triton_rule(ctx, a, b, tl._zeros(acc.type), **params))
+
+    tl.triton_lowering_rules[dot_acc.dot_acc_p] = rule
+    jax.clear_caches()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="*", default=["16:16:2048", "16:16:8192", "16:16:16384", "16:32:2048",
                                                    "16:32:8192", "16:32:16384", "64:32:4096", "1:23:4096"])
     ap.add_argument("--stages", type=int, nargs="+", default=[2])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the fp8-page timings")
+    ap.add_argument("--no-unfolded", dest="unfolded", action="store_false",
+                    help="skip re-timing the Triton kernels with dot_acc as a product plus an add")
     ap.add_argument("--out-dir", default="experiments/results")
     a = ap.parse_args(argv)
 
@@ -60,10 +81,12 @@ def main(argv=None) -> int:
     figures["check.ok"] = int(max(errs) < 2e-2)
     print(f"checks {time.time() - t0:.0f} s", flush=True)
 
+    probs = {}
     for case in a.cases:
         b, n, p = (int(x) for x in case.split(":"))
         prob = kb.tree_problem(rng, jax.random.key(7), b, n, h, hkv, d, ps, [p] * b, jnp.bfloat16, n_sets=2)
         tag = f"b{b}.t{n}.p{p}"
+        probs[tag] = prob
         tri = kb.time_call(ta.tree_attention_pallas, prob, a.repeats)
         dec = kb.time_call(pd.paged_decode_pallas, kb.prefix_decode_problem(prob), a.repeats)
         figures[f"{tag}.triton_us"] = tri * 1e6
@@ -80,6 +103,30 @@ def main(argv=None) -> int:
         print(f"{tag}: triton {tri * 1e6:.1f} us, mgpu {figures[f'{tag}.mgpu_us']:.1f} us (without the ping-pong "
               f"{figures[f'{tag}.mgpu_us.free']:.1f}), paged decode {dec * 1e6:.1f} us -> mgpu / paged "
               f"{figures[f'{tag}.mgpu_vs_paged_decode']:.2f}, triton / paged {tri / dec:.2f}", flush=True)
+        if a.fp8:  # the same prefix in fp8 pages (the pair kernels on CUDA)
+            q8 = kb.quantized_problem(prob, "fp8")
+            tri8 = kb.time_call(ta.tree_attention_pallas, q8, a.repeats)
+            dec8 = kb.time_call(pd.paged_decode_pallas, kb.prefix_decode_problem(q8), a.repeats)
+            figures.update({f"{tag}.triton_fp8_us": tri8 * 1e6, f"{tag}.fp8_speedup": tri / tri8,
+                            f"{tag}.paged_decode_fp8_us": dec8 * 1e6, f"{tag}.paged_decode_fp8_speedup": dec / dec8})
+            print(f"{tag} fp8 pages: tree attention {tri8 * 1e6:.1f} us ({tri / tri8:.2f}x bf16 pages), paged decode "
+                  f"{dec8 * 1e6:.1f} us ({dec / dec8:.2f}x)", flush=True)
+
+    if a.unfolded:  # the Triton kernels again with dot_acc lowered as a product into zeros plus an add
+        unfold_dot_acc()
+        for tag, prob in probs.items():
+            rows = [("triton", ta.tree_attention_pallas, prob),
+                    ("paged_decode", pd.paged_decode_pallas, kb.prefix_decode_problem(prob))]
+            if a.fp8:
+                q8 = kb.quantized_problem(prob, "fp8")
+                rows += [("triton_fp8", ta.tree_attention_pallas, q8),
+                         ("paged_decode_fp8", pd.paged_decode_pallas, kb.prefix_decode_problem(q8))]
+            for name, fn, pr in rows:
+                t = kb.time_call(fn, pr, a.repeats)
+                figures[f"{tag}.{name}_unfolded_us"] = t * 1e6
+                figures[f"{tag}.{name}_dot_acc_speedup"] = t * 1e6 / figures[f"{tag}.{name}_us"]
+                print(f"{tag} {name} without dot_acc: {t * 1e6:.1f} us (dot_acc "
+                      f"{figures[f'{tag}.{name}_dot_acc_speedup']:.2f}x)", flush=True)
     write_result("tree_attention_mgpu", figures, script_command(__file__, argv),
                  out_dir=a.out_dir)
     return 0
