@@ -534,6 +534,7 @@ _DECODE_B64 = _configs(_DECODE_BASE, dict(pages_per_block=4), dict(num_stages=3)
                        dict(num_partitions=2))
 _TREE_BASE = dict(block_m=128, pages_per_block=2, num_warps=8, num_stages=2, prefetch=False)
 _TREE = _configs(_TREE_BASE, dict(block_m=64), dict(pages_per_block=1), dict(pages_per_block=4, num_stages=1),
+                 dict(pages_per_block=4),  # 64-key blocks, pipelined: no spill offline since dot_acc
                  dict(num_stages=3), dict(prefetch=True), dict(num_warps=16), dict(num_warps=4, block_m=64),
                  dict(target_programs=132), dict(target_programs=528), dict(prefetch=True, target_programs=132),
                  dict(block_m=64, num_warps=4, prefetch=True))
@@ -542,6 +543,7 @@ _TREE = _configs(_TREE_BASE, dict(block_m=64), dict(pages_per_block=1), dict(pag
 _TREE_T32 = _configs(dict(_TREE_BASE, prefetch=True), dict(block_m=64, num_warps=4),
                      dict(block_m=64, num_warps=4, prefetch=False), dict(block_m=64, num_warps=4, num_stages=3),
                      dict(block_m=64, num_warps=4, pages_per_block=4, num_stages=1), dict(pages_per_block=4, num_stages=1),
+                     dict(pages_per_block=4),
                      dict(num_stages=3), dict(block_m=64, num_warps=8), dict(prefetch=True, target_programs=132),
                      dict(block_m=64, num_warps=4, prefetch=True, target_programs=132))
 # a 27B verify tree at batch 1 (23 nodes x 6 heads = 138 rows: two 128-row tiles or three 64-row ones): 8 programs
