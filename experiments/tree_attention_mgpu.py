@@ -6,7 +6,8 @@ at the 27B head shapes (24 q / 4 KV heads x 256, 16-token pages) for each ``--ca
 Writes ``tree_attention_mgpu_<device>_<stamp>.json`` with figures ``<case>.{mgpu_us,triton_us,paged_decode_us,
 speedup_vs_triton,mgpu_vs_paged_decode,triton_vs_paged_decode}`` (``mgpu_us.free`` etc.: the Mosaic kernel without
 its ping-pong schedule), ``check.max_rel_err``; with fp8 pages (the pair kernels) ``<case>.{triton_fp8_us,
-fp8_speedup,paged_decode_fp8_us,paged_decode_fp8_speedup}``; and the Triton kernels re-timed with
+fp8_speedup,triton_fp8_keys_us,fp8_keys_speedup,paged_decode_fp8_us,paged_decode_fp8_speedup}`` (``fp8_keys``: the
+pair kernel's opt-in e4m3 key products); and the Triton kernels re-timed with
 ``pallas_kernels.dot_acc`` lowered as a product into zeros plus an add (the form before it):
 ``<case>.<kernel>_unfolded_us`` and ``<case>.<kernel>_dot_acc_speedup`` (unfolded / folded time).
 
@@ -107,10 +108,14 @@ def main(argv=None) -> int:
             q8 = kb.quantized_problem(prob, "fp8")
             tri8 = kb.time_call(ta.tree_attention_pallas, q8, a.repeats)
             dec8 = kb.time_call(pd.paged_decode_pallas, kb.prefix_decode_problem(q8), a.repeats)
+            _, _, explicit = kb.implementations("tree_attention")
+            k8 = kb.time_call(functools.partial(explicit, fp8_keys=True), q8, a.repeats)  # e4m3 key products
             figures.update({f"{tag}.triton_fp8_us": tri8 * 1e6, f"{tag}.fp8_speedup": tri / tri8,
+                            f"{tag}.triton_fp8_keys_us": k8 * 1e6, f"{tag}.fp8_keys_speedup": tri / k8,
                             f"{tag}.paged_decode_fp8_us": dec8 * 1e6, f"{tag}.paged_decode_fp8_speedup": dec / dec8})
-            print(f"{tag} fp8 pages: tree attention {tri8 * 1e6:.1f} us ({tri / tri8:.2f}x bf16 pages), paged decode "
-                  f"{dec8 * 1e6:.1f} us ({dec / dec8:.2f}x)", flush=True)
+            print(f"{tag} fp8 pages: tree attention {tri8 * 1e6:.1f} us ({tri / tri8:.2f}x bf16 pages; fp8 key "
+                  f"products {k8 * 1e6:.1f} us, {tri / k8:.2f}x), paged decode {dec8 * 1e6:.1f} us ({dec / dec8:.2f}x)",
+                  flush=True)
 
     if a.unfolded:  # the Triton kernels again with dot_acc lowered as a product into zeros plus an add
         unfold_dot_acc()

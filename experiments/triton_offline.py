@@ -191,7 +191,8 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
         def fn(q, kp, vp, pt, ln, kt, vt, anc, ks, vs):
             return call(q, kp, vp, pt, ln, kt, vt, anc, D ** -0.5, ks, vs)
 
-        return fn, (S((b, n, H, D), jnp.bfloat16), pairs, pairs, *tables, S((b, n, HKV, D), jnp.bfloat16),
+        keys = S((n_pages, PAGE, HKV, D), jnp.float8_e4m3fn) if cfg.get("fp8_keys") else pairs
+        return fn, (S((b, n, H, D), jnp.bfloat16), keys, pairs, *tables, S((b, n, HKV, D), jnp.bfloat16),
                     S((b, n, HKV, D), jnp.bfloat16), S((b, n, n), jnp.bool_), page_args[1], page_args[1])
     if op == "paged_decode":
         from pallas_kernels.paged_decode import kernel as K

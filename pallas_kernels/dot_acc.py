@@ -23,9 +23,13 @@ from jax.interpreters import mlir
 dot_acc_p = jex_core.Primitive("pallas_dot_acc")
 
 
-def dot_acc(a: jax.Array, b: jax.Array, acc: jax.Array, *, trans_b: bool = False, precision=None) -> jax.Array:
+def dot_acc(a: jax.Array, b: jax.Array, acc: jax.Array, *, trans_b: bool = False, precision=None,
+            imprecise_acc: int = 0) -> jax.Array:
     """``acc + a @ b`` (``b.T`` with ``trans_b``): a ``[M, K]``, b ``[K, N]`` (or ``[N, K]``), acc ``[M, N]`` f32.
-    ``precision``: as ``plt.dot``'s (``lax.Precision.HIGHEST`` for IEEE f32 operands; None otherwise)."""
+    ``precision``: as ``plt.dot``'s (``lax.Precision.HIGHEST`` for IEEE f32 operands; None otherwise).
+    ``imprecise_acc`` (fp8 operands): how many products along K Hopper's fp8 MMA may sum in its own reduced-precision
+    accumulator before Triton adds them into ``acc`` (Triton's ``max_num_imprecise_acc``). At 0, Triton's default,
+    it will not use Hopper's fp8 MMA for an f32 result at all and upcasts both operands to f16 for ``mma.sync``."""
     if acc.dtype != jnp.float32:
         raise ValueError(f"dot_acc: the accumulator must be float32, got {acc.dtype}")
     if a.dtype != b.dtype:
@@ -34,10 +38,11 @@ def dot_acc(a: jax.Array, b: jax.Array, acc: jax.Array, *, trans_b: bool = False
     k = b.shape[1] if trans_b else b.shape[0]
     if a.ndim != 2 or a.shape[1] != k or acc.shape != (a.shape[0], n):
         raise ValueError(f"dot_acc: a {a.shape}, b {b.shape} (trans_b={trans_b}) and acc {acc.shape} do not fit")
-    return dot_acc_p.bind(a, b, acc, trans_b=bool(trans_b), precision=precision)
+    return dot_acc_p.bind(a, b, acc, trans_b=bool(trans_b), precision=precision, imprecise_acc=int(imprecise_acc))
 
 
-def _reference(a, b, acc, *, trans_b: bool, precision):
+def _reference(a, b, acc, *, trans_b: bool, precision, imprecise_acc: int):
+    del imprecise_acc
     b = b.T if trans_b else b
     return acc + lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
@@ -47,7 +52,7 @@ dot_acc_p.def_abstract_eval(lambda a, b, acc, **_: jax.core.ShapedArray(acc.shap
 mlir.register_lowering(dot_acc_p, mlir.lower_fun(_reference, multiple_results=False))
 
 
-def _triton_rule(ctx, a, b, acc, *, trans_b: bool, precision):
+def _triton_rule(ctx, a, b, acc, *, trans_b: bool, precision, imprecise_acc: int):
     from jax._src.lib.triton import dialect as tt_dialect
 
     if trans_b:
@@ -59,7 +64,7 @@ def _triton_rule(ctx, a, b, acc, *, trans_b: bool, precision):
         input_precision = tt_dialect.InputPrecision.IEEE
     else:
         input_precision = tt_dialect.InputPrecision.TF32
-    return tt_dialect.dot(a, b, acc, input_precision=input_precision)
+    return tt_dialect.dot(a, b, acc, input_precision=input_precision, max_num_imprecise_acc=imprecise_acc or None)
 
 
 def _register_triton_rule() -> None:

@@ -45,7 +45,8 @@ def fp8_case(case, v_page_factor=None, v_tree_factor=1.0):
 def run_pairs(args, scale, **static):
     q, kq, vq, pt, start, kt, vt, anc = args
     static = {k: v for k, v in static.items() if k != "prefetch"}
-    head = (q, pack_pairs(kq.data), pack_pairs(vq.data), pt, start, kt, vt, anc)
+    keys = kq.data if static.get("fp8_keys") else pack_pairs(kq.data)
+    head = (q, keys, pack_pairs(vq.data), pt, start, kt, vt, anc)
     return pairs.tree_attention_pairs.lower(*head, scale, kq.scale, vq.scale, interpret=True, **static).compile(
         compiler_options=FAST_COMPILE)(*head, kq.scale, vq.scale)  # the compiled call takes no static scale
 
@@ -81,6 +82,34 @@ def test_pair_kernel_keeps_value_scales_in_f16_range(v_page_factor, v_tree_facto
     case, static = tta.EDGE
     args = fp8_case(case, v_page_factor, v_tree_factor)
     check(args, case["d"] ** -0.5, {**static, "pages_per_block": 2, "num_partitions": 1}, relative=True)
+
+
+@settings(max_examples=2, **tta.SETTINGS)
+@given(tta.tree_cases())
+@example(tta.EDGE)
+@example(FULL)
+def test_fp8_keys_match_reference_on_fp8_pages(c):
+    """The opt-in fp8-key form: keys as e4m3 rows into e4m3 products with q's two e4m3 parts."""
+    case, static = c
+    check(fp8_case(case), case["d"] ** -0.5, {**static, "fp8_keys": True})
+
+
+def test_split_e4m3_keeps_about_bf16_precision():
+    """q . k from q's two e4m3 parts is within bf16's rounding of q . k for e4m3 keys, over rows of very different
+    magnitude, a zero row and tiny entries."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((6, 256)).astype(np.float32) * np.array([1e-4, 1e-2, 1, 30, 1e3, 0])[:, None]
+    q[2, :8] = 1e-6
+    k = jnp.asarray(rng.standard_normal((32, 256)), jnp.float32).astype(jnp.float8_e4m3fn)
+    hi, lo, inv = pairs.split_e4m3(jnp.asarray(q))
+    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and inv.shape == (6,)
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    got = (pairs.LO_SCALE * f(hi) @ f(k).T + f(lo) @ f(k).T) * f(inv)[:, None]
+    exact = f(q) @ f(k).T
+    bf16 = f(jnp.asarray(q).astype(jnp.bfloat16)) @ f(k).T
+    scale = np.abs(f(q)) @ np.abs(f(k)).T + 1e-30
+    assert np.all(np.abs(got - exact) <= 2 * np.abs(bf16 - exact).max(axis=1, keepdims=True) + 1e-6 * scale)
+    assert np.all(got[5] == 0)
 
 
 def test_halves_and_interleave_are_inverse():
@@ -134,3 +163,17 @@ def test_pair_kernel_lowers_for_cuda_with_the_pair_conversion_in_inline_ptx(b, n
         num_partitions=None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     text = lower("cuda", fn, q, pair_pages, pair_pages, pt, start, kt, kt, anc, scales, scales)
     assert "__gpu$xla.gpu.triton" in text and "tree_attention_fp8_pairs" in text and "cvt.rn.f16x2.e4m3x2" in text
+
+
+def test_fp8_keys_lower_to_hopper_fp8_products():
+    """With fp8 keys the score products are e4m3 x e4m3 dots that may sum 128 products in the MMA's own
+    accumulator (without that Triton will not use Hopper's fp8 MMA for an f32 result)."""
+    import re
+
+    from conftest import load_experiment
+
+    mod = load_experiment("triton_offline")
+    fn, args = mod.case("tree_attention_pairs", "fp8", b=2, n=16, prefix=1024, overrides={"fp8_keys": True})
+    ttir, _ = mod.lower_for_h100(fn, *args)
+    fp8_dots = [ln for ln in ttir.splitlines() if re.search(r"tt\.dot .*f8E4M3FN>? \*", ln)]
+    assert len(fp8_dots) == 2 and all("maxNumImpreciseAcc = 128" in ln for ln in fp8_dots), fp8_dots

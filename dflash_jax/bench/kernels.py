@@ -339,9 +339,10 @@ def _pair_kernel(op: str) -> Callable | None:
 
         def run(q, kp, vp, pt, start, kt, vt, anc, scale, **cfg):
             cfg.pop("prefetch", None)
+            keys = kp.data if cfg.get("fp8_keys") else pd_pairs.pack_pairs(kp.data)  # fp8_keys: e4m3 key rows
             return ta_pairs.tree_attention_pairs(
-                q, pd_pairs.pack_pairs(kp.data), pd_pairs.pack_pairs(vp.data), pt, start, kt, vt, anc, float(scale),
-                kp.scale, vp.scale, **cfg)
+                q, keys, pd_pairs.pack_pairs(vp.data), pt, start, kt, vt, anc, float(scale), kp.scale, vp.scale,
+                **cfg)
         return run
     return None
 

@@ -174,19 +174,29 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
 
 def tree_pallas_call(kernel, *, b: int, n: int, h: int, hkv: int, rows: int, width: int, s: int, n_row_tiles: int,
                      row_tail: tuple[int, ...], page_tail: tuple[int, ...], n_scales: int, out_dtype,
-                     num_warps: int, num_stages: int, interpret: bool, name: str):
+                     num_warps: int, num_stages: int, interpret: bool, name: str,
+                     k_tail: tuple[int, ...] | None = None, extra_row_tails: tuple[tuple[int, ...], ...] = ()):
     """The ``pallas_call`` of a tree-attention kernel over grid (row tile r, partition p, sequence * KV head c).
 
-    Its arguments: q rows ``[B, N*H, *row_tail]``; K / V page rows ``[n_pages * page_size, Hkv, *page_tail]``;
+    Its arguments: q rows ``[B, N*H, *row_tail]``; one more q-row input ``[B, N*H, *tail]`` for each of
+    ``extra_row_tails``; K / V page rows ``[n_pages * page_size, Hkv, *page_tail]`` (K's trailing shape ``k_tail``
+    when given);
     ``n_scales`` (0 or 2) K / V scale rows ``[n_pages * page_size, Hkv]``; the tree's K / V
     ``[B, N, Hkv, *row_tail]``; the page table ``[B, W]``; prefix lengths ``[B, 1]``; the ancestor mask
     ``[B, N*N]``. Outputs: ``[B, N*H, *row_tail]`` in ``out_dtype``, or with S > 1 partitions the partials
     ``[B, S, N*H, *row_tail]`` and their f32 log2-sum-exp ``[B, S, N*H]``. Every program writes only its own rows
     of the sequence's block (the KV heads share it)."""
-    zr, zp = (0,) * len(row_tail), (0,) * len(page_tail)
+    zr = (0,) * len(row_tail)
+
+    def q_spec(tail):
+        return pl.BlockSpec((None, n * h, *tail), lambda r, p, c: (c // hkv, 0, *(0,) * len(tail)))
+
+    def page_spec(tail):
+        return pl.BlockSpec((rows, None, *tail), lambda r, p, c: (0, c % hkv, *(0,) * len(tail)))
+
     in_specs = [
-        pl.BlockSpec((None, n * h, *row_tail), lambda r, p, c: (c // hkv, 0, *zr)),              # q rows
-        *[pl.BlockSpec((rows, None, *page_tail), lambda r, p, c: (0, c % hkv, *zp))] * 2,       # k, v (head)
+        q_spec(row_tail), *map(q_spec, extra_row_tails),                                        # q rows
+        page_spec(page_tail if k_tail is None else k_tail), page_spec(page_tail),               # k, v (head)
         *[pl.BlockSpec((rows, None), lambda r, p, c: (0, c % hkv))] * n_scales,                 # k, v scales
         *[pl.BlockSpec((None, n, None, *row_tail), lambda r, p, c: (c // hkv, 0, c % hkv, *zr))] * 2,  # tree k, v
         pl.BlockSpec((None, width), lambda r, p, c: (c // hkv, 0)),                             # page table row

@@ -53,6 +53,23 @@ def interleave(x: jax.Array) -> jax.Array:
     return x.swapaxes(-1, -2).reshape(*x.shape[:-2], 2 * x.shape[-1])
 
 
+FP8_CHUNK = 128  # products an fp8 MMA sums in its own accumulator before they join the f32 one (DeepSeek-V3's
+# promotion interval; Hopper's fp8 MMA accumulates with a ~14-bit mantissa)
+LO_SCALE = 16.0  # q's low e4m3 part is stored x16 (e4m3 keeps 4 significant bits: the residual is below 2^-4)
+
+
+def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q ``[..., D]`` -> (hi, lo ``[..., D]`` e4m3, inv ``[...]`` f32) with ``q = (hi + lo / 16) * 16 * inv / 16``,
+    i.e. ``q . k = (16 (hi . k) + lo . k) * inv`` for any k: each row scaled so its largest magnitude is 224, hi
+    its e4m3 rounding, lo the residual's (x16): about 8 significant bits, bf16's, from two e4m3 products."""
+    x = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    sc = jnp.where(amax > 0, 224.0 / jnp.where(amax > 0, amax, 1.0), 1.0)
+    hi = (x * sc).astype(jnp.float8_e4m3fn)
+    lo = ((x * sc - hi.astype(jnp.float32)) * LO_SCALE).astype(jnp.float8_e4m3fn)
+    return hi, lo, (1.0 / (sc[..., 0] * LO_SCALE))
+
+
 def softmax_step(m, l, s, visible):
     """Online softmax over one key block: m, l [M] running max / sum, s [M, K] f32 logits in log2 units, visible
     [M, K] or [1, K] -> (alpha [M] rescale of the old output, p [M, K], new m, new l)."""
@@ -63,19 +80,26 @@ def softmax_step(m, l, s, visible):
     return alpha, p, m_new, alpha * l + p.sum(axis=-1)
 
 
-def prefix_block(carry, qe, qo, k_ref, v_ref, ks_ref, vs_ref, pt_ref, blk, length, *, block_k: int,
+def prefix_block(carry, qe, qo, q8, k_ref, v_ref, ks_ref, vs_ref, pt_ref, blk, length, *, block_k: int,
                  page_size: int, scale_log2: float, interpret: bool):
     """One key block of the paged prefix. carry (oe, oo [M, D/2] f32: the output over ``unit``, m, l [M], unit
     f32); qe, qo [M, D/2] f16; k_ref, v_ref [n_pages * page_size, D/2] uint16 pairs and ks_ref, vs_ref
-    [n_pages * page_size] f32 scales of one KV head.
+    [n_pages * page_size] f32 scales of one KV head. ``q8`` (keys as fp8 rows: k_ref [n_pages * page_size, D]
+    e4m3): (q_hi, q_lo [M, D] e4m3, q_inv [M] f32), see :func:`split_e4m3`; None: keys as pairs.
 
     The value scales enter the f16 probabilities relative to the block's largest (``top``); the output is kept in
     units of the last block's ``top``, so the change of unit joins the softmax's rescale ``alpha`` (a [M] multiply)
     instead of scaling the block's product (a [M, D] multiply)."""
     oe, oo, m, l, unit = carry
     r, visible = kv_block_rows(pt_ref, blk, length, block_k=block_k, page_size=page_size)
-    ke, ko = pair_halves(k_ref[r], DOTS, interpret)
-    s = dot_acc(qo, ko, plt.dot(qe, ke, trans_b=True), trans_b=True)
+    if q8 is None:
+        ke, ko = pair_halves(k_ref[r], DOTS, interpret)
+        s = dot_acc(qo, ko, plt.dot(qe, ke, trans_b=True), trans_b=True)
+    else:  # fp8 key rows straight from shared memory into e4m3 products with q's two e4m3 parts
+        (q_hi, q_lo, q_inv), k8 = q8, k_ref[r]
+        z = jnp.zeros((q_hi.shape[0], block_k), jnp.float32)
+        s_hi = dot_acc(q_hi, k8, z, trans_b=True, imprecise_acc=FP8_CHUNK)
+        s = dot_acc(q_lo, k8, s_hi * LO_SCALE, trans_b=True, imprecise_acc=FP8_CHUNK) * q_inv[:, None]
     alpha, p, m, l = softmax_step(m, l, s * (ks_ref[r] * scale_log2)[None, :], visible[None, :])
     vsc = vs_ref[r]
     top = jnp.max(jnp.where(visible, vsc, 0.0))
@@ -106,12 +130,15 @@ def tree_block(carry, qe, qo, kt_ref, vt_ref, anc_ref, node, t, is_last, *, n_tr
     return oe, oo, m, l
 
 
-def _kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, kt_ref, vt_ref, pt_ref, len_ref, anc_ref, *out_refs, n_tree: int,
-            group: int, n_kv_heads: int, block_m: int, page_size: int, block_k: int, blocks_per_partition: int,
-            n_splits: int, block_t: int, n_tree_tiles: int, scale_log2: float, interpret: bool, precision):
+def _kernel(q_ref, *refs, n_tree: int, group: int, n_kv_heads: int, block_m: int, page_size: int, block_k: int,
+            blocks_per_partition: int, n_splits: int, block_t: int, n_tree_tiles: int, scale_log2: float,
+            interpret: bool, precision, fp8_keys: bool):
     # q_ref [N*H, 2, D/2] f16 (sequence b, rows i*H + h); k_ref, v_ref [n_pages*page_size, D/2] uint16 and ks_ref,
     # vs_ref [n_pages*page_size] (KV head j); kt_ref, vt_ref [N, 2, D/2] (sequence b, KV head j); pt_ref [W];
-    # len_ref [1]; anc_ref [N*N] int32 (1 = key j visible to node i); outputs in halves, rows as q's
+    # len_ref [1]; anc_ref [N*N] int32 (1 = key j visible to node i); outputs in halves, rows as q's. fp8_keys:
+    # qh_ref, ql_ref [N*H, D] e4m3 and qi_ref [N*H] f32 after q_ref (split_e4m3), k_ref [n_pages*page_size, D] e4m3
+    qh_ref, ql_ref, qi_ref = refs[:3] if fp8_keys else (None, None, None)
+    (k_ref, v_ref, ks_ref, vs_ref, kt_ref, vt_ref, pt_ref, len_ref, anc_ref, *out_refs) = refs[3:] if fp8_keys else refs
     tile, split, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head = c % n_kv_heads
     dh = q_ref.shape[-1]
@@ -126,7 +153,8 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, kt_ref, vt_ref, pt_ref, len_ref
     z = jnp.zeros((block_m, dh), jnp.float32)
     carry = (z, z, jnp.full((block_m,), MASK_VALUE, jnp.float32), jnp.zeros((block_m,), jnp.float32),
              jnp.float32(1.0))
-    step = functools.partial(prefix_block, qe=qe, qo=qo, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
+    q8 = (qh_ref[q_rows], ql_ref[q_rows], qi_ref[q_rows]) if fp8_keys else None
+    step = functools.partial(prefix_block, qe=qe, qo=qo, q8=q8, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
                              pt_ref=pt_ref, length=length, block_k=block_k, page_size=page_size,
                              scale_log2=scale_log2, interpret=interpret)
     oe, oo, m, l, unit = lax.fori_loop(0, n_iter, lambda i, cr: step(cr, blk=first + i), carry)
@@ -149,13 +177,14 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, kt_ref, vt_ref, pt_ref, len_ref
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_m", "pages_per_block", "num_partitions", "num_warps",
-                                             "num_stages", "target_programs", "interpret", "smem_budget"))
+                                             "num_stages", "target_programs", "interpret", "smem_budget",
+                                             "fp8_keys"))
 def tree_attention_pairs(q: jax.Array, k_pairs: jax.Array, v_pairs: jax.Array, page_table: jax.Array,
                          start: jax.Array, k_tree: jax.Array, v_tree: jax.Array, ancestors: jax.Array, scale: float,
                          k_scale: jax.Array, v_scale: jax.Array, *, block_m: int, pages_per_block: int,
                          num_partitions: int | None = 1, num_warps: int | None = None, num_stages: int | None = None,
                          target_programs: int = 2 * N_SM_TARGET, interpret: bool = False,
-                         smem_budget: int | None = None) -> jax.Array:
+                         smem_budget: int | None = None, fp8_keys: bool = False) -> jax.Array:
     """:func:`pallas_kernels.tree_attention.kernel.tree_attention` over fp8 pages given as uint16 pairs.
 
     q [B, N, H, D]; k_pairs, v_pairs [n_pages, page_size, Hkv, D/2] uint16 (``pack_pairs`` of fp8 e4m3 pages);
@@ -163,14 +192,19 @@ def tree_attention_pairs(q: jax.Array, k_pairs: jax.Array, v_pairs: jax.Array, p
     [B, N, Hkv, D] (dotted in their dtype); ancestors [B, N, N] bool; k_scale, v_scale [n_pages, page_size, Hkv]
     f32 (the library kernel's argument order, with the scales last). Returns [B, N, H, D] in q's dtype; a row with
     no visible key is zero. block_m, pages_per_block, num_partitions, num_warps, num_stages, target_programs,
-    smem_budget: as there. Raises ValueError before lowering for tiles Triton cannot take."""
+    smem_budget: as there. ``fp8_keys`` (opt-in, to time against): ``k_pairs`` is instead the fp8 key rows
+    ``[n_pages, page_size, Hkv, D]`` e4m3, read straight into e4m3 tensor-core products with q's two e4m3 parts
+    (:func:`split_e4m3`: ~bf16's 8 significant bits of q), so no key is converted or restaged in shared memory;
+    values stay pairs. Raises ValueError before lowering for tiles Triton cannot take."""
     b, n, h, d = q.shape
-    n_pages, page_size, hkv, dh = k_pairs.shape
-    if v_pairs.shape != k_pairs.shape or 2 * dh != d or k_pairs.dtype != jnp.uint16:
+    n_pages, page_size, hkv, dh = v_pairs.shape
+    k_want = ((n_pages, page_size, hkv, d), jnp.float8_e4m3fn) if fp8_keys else (v_pairs.shape, jnp.uint16)
+    if (k_pairs.shape, k_pairs.dtype) != k_want or 2 * dh != d or v_pairs.dtype != jnp.uint16:
         raise ValueError(f"tree_attention_pairs: q {q.shape}, k_pairs {k_pairs.shape} {k_pairs.dtype}, v_pairs "
-                         f"{v_pairs.shape} disagree (pairs are [n_pages, page_size, Hkv, D/2] uint16)")
-    if k_scale.shape != k_pairs.shape[:3] or v_scale.shape != k_scale.shape:
-        raise ValueError(f"tree_attention_pairs: scales {k_scale.shape} / {v_scale.shape} vs pages {k_pairs.shape}")
+                         f"{v_pairs.shape} {v_pairs.dtype} disagree (pairs are [n_pages, page_size, Hkv, D/2] uint16; "
+                         "with fp8_keys the keys are [n_pages, page_size, Hkv, D] float8_e4m3fn)")
+    if k_scale.shape != v_pairs.shape[:3] or v_scale.shape != k_scale.shape:
+        raise ValueError(f"tree_attention_pairs: scales {k_scale.shape} / {v_scale.shape} vs pages {v_pairs.shape}")
     if k_tree.shape != (b, n, hkv, d) or v_tree.shape != k_tree.shape or ancestors.shape != (b, n, n):
         raise ValueError(f"tree_attention_pairs: k_tree {k_tree.shape}, v_tree {v_tree.shape}, ancestors "
                          f"{ancestors.shape} do not fit q {q.shape} with {hkv} KV heads")
@@ -192,13 +226,16 @@ def tree_attention_pairs(q: jax.Array, k_pairs: jax.Array, v_pairs: jax.Array, p
         _kernel, n_tree=n, group=plan["g"], n_kv_heads=hkv, block_m=bm, page_size=page_size,
         block_k=plan["block_k"], blocks_per_partition=plan["blocks_per_partition"], n_splits=s,
         block_t=plan["block_t"], n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E,
-        interpret=interpret, precision=lax.Precision.HIGHEST if td == jnp.float32 else None)
+        interpret=interpret, precision=lax.Precision.HIGHEST if td == jnp.float32 else None, fp8_keys=fp8_keys)
+    q8 = split_e4m3(q.reshape(b, n * h, d)) if fp8_keys else ()
     outs = tree_pallas_call(
         kernel, b=b, n=n, h=h, hkv=hkv, rows=rows, width=width, s=s, n_row_tiles=plan["n_row_tiles"],
         row_tail=(2, dh), page_tail=(dh,), n_scales=2, out_dtype=q.dtype, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret,
-        name=f"tree_attention_fp8_pairs_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}",
-    )(halves(q.astype(DOTS)).reshape(b, n * h, 2, dh), k_pairs.reshape(rows, hkv, dh),
+        num_stages=num_stages, interpret=interpret, k_tail=(d,) if fp8_keys else None,
+        extra_row_tails=((d,), (d,), ()) if fp8_keys else (),
+        name=f"tree_attention_fp8_pairs_bm{bm}_d{d}_bk{plan['block_k']}_t{plan['n_tree_p']}_s{s}"
+             f"{'_k8' if fp8_keys else ''}",
+    )(halves(q.astype(DOTS)).reshape(b, n * h, 2, dh), *q8, k_pairs.reshape(rows, hkv, -1),
       v_pairs.reshape(rows, hkv, dh), k_scale.reshape(rows, hkv), v_scale.reshape(rows, hkv), halves(k_tree),
       halves(v_tree), page_table.astype(jnp.int32), start.astype(jnp.int32)[:, None],
       ancestors.astype(jnp.int32).reshape(b, n * n))
