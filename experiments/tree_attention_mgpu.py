@@ -7,7 +7,8 @@ Writes ``tree_attention_mgpu_<device>_<stamp>.json`` with figures ``<case>.{mgpu
 speedup_vs_triton,mgpu_vs_paged_decode,triton_vs_paged_decode}`` (``mgpu_us.free`` etc.: the Mosaic kernel without
 its ping-pong schedule), ``check.max_rel_err``; with fp8 pages (the pair kernels) ``<case>.{triton_fp8_us,
 fp8_speedup,triton_fp8_keys_us,fp8_keys_speedup,paged_decode_fp8_us,paged_decode_fp8_speedup}`` (``fp8_keys``: the
-pair kernel's opt-in e4m3 key products); and the Triton kernels re-timed with
+pair kernel's opt-in e4m3 key products), ``<case>.{triton_fp8_products_us,fp8_products_speedup}``
+(``pallas_kernels.tree_attention.fp8``: e4m3 products on both sides); and the Triton kernels re-timed with
 ``pallas_kernels.dot_acc`` lowered as a product into zeros plus an add (the form before it):
 ``<case>.<kernel>_unfolded_us`` and ``<case>.<kernel>_dot_acc_speedup`` (unfolded / folded time).
 
@@ -27,6 +28,18 @@ import numpy as np
 
 from dflash_jax.bench import kernels as kb
 from dflash_jax.bench.results import script_command, write_result
+
+
+def fp8_products(q, kp, vp, pt, start, kt, vt, anc, scale, *, interpret: bool):
+    """``pallas_kernels.tree_attention.fp8`` on a quantized tree problem's arguments, the pair kernel's defaults."""
+    from pallas_kernels import tree_attention as ta
+    from pallas_kernels.tree_attention.fp8 import tree_attention_fp8
+
+    cfg = ta.default_config(q.shape[-1], kp.shape[1], jnp.bfloat16, backend="cuda", quantized=True)
+    return tree_attention_fp8(q, kp.data, vp.data, pt, start, kt, vt, anc, float(scale), kp.scale, vp.scale,
+                              block_m=cfg["block_m"], pages_per_block=cfg["pages_per_block"], num_partitions=None,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                              target_programs=cfg["target_programs"], interpret=interpret)
 
 
 def unfold_dot_acc() -> None:
@@ -110,6 +123,10 @@ def main(argv=None) -> int:
             dec8 = kb.time_call(pd.paged_decode_pallas, kb.prefix_decode_problem(q8), a.repeats)
             _, _, explicit = kb.implementations("tree_attention")
             k8 = kb.time_call(functools.partial(explicit, fp8_keys=True), q8, a.repeats)  # e4m3 key products
+            f8 = kb.time_call(functools.partial(fp8_products, interpret=interpret), q8, a.repeats)
+            figures.update({f"{tag}.triton_fp8_products_us": f8 * 1e6, f"{tag}.fp8_products_speedup": tri / f8})
+            print(f"{tag} fp8 pages, e4m3 products both sides: {f8 * 1e6:.1f} us ({tri / f8:.2f}x bf16 pages)",
+                  flush=True)
             figures.update({f"{tag}.triton_fp8_us": tri8 * 1e6, f"{tag}.fp8_speedup": tri / tri8,
                             f"{tag}.triton_fp8_keys_us": k8 * 1e6, f"{tag}.fp8_keys_speedup": tri / k8,
                             f"{tag}.paged_decode_fp8_us": dec8 * 1e6, f"{tag}.paged_decode_fp8_speedup": dec / dec8})

@@ -176,6 +176,23 @@ def case(op: str, kv: str, *, b: int, n: int, prefix: int, overrides: dict):
 
         return fn, (S((b, n, H, D), jnp.bfloat16), *page_args, *page_args, *tables,
                     S((b, n, HKV, D), jnp.bfloat16), S((b, n, HKV, D), jnp.bfloat16), S((b, n, n), jnp.bool_))
+    if op == "tree_attention_fp8":
+        if kv != "fp8":
+            raise SystemExit("tree_attention_fp8 reads fp8 pages only (--kv fp8)")
+        from pallas_kernels.tree_attention import fp8 as F
+        from pallas_kernels.tree_attention import kernel as K
+
+        cfg = {**K.default_config(D, PAGE, jnp.bfloat16, backend="cuda", quantized=True), **overrides}
+        for k in ("target_programs", "prefetch"):
+            cfg.pop(k, None)
+        call = functools.partial(F.tree_attention_fp8, num_partitions=None, **cfg)
+
+        def fn(q, kp, vp, pt, ln, kt, vt, anc, ks, vs):
+            return call(q, kp, vp, pt, ln, kt, vt, anc, D ** -0.5, ks, vs)
+
+        return fn, (S((b, n, H, D), jnp.bfloat16), page_args[0], page_args[0], *tables,
+                    S((b, n, HKV, D), jnp.bfloat16), S((b, n, HKV, D), jnp.bfloat16), S((b, n, n), jnp.bool_),
+                    page_args[1], page_args[1])
     if op == "tree_attention_pairs":
         if kv != "fp8":
             raise SystemExit("tree_attention_pairs reads fp8 pages only (--kv fp8)")
@@ -256,7 +273,7 @@ def compile_module(ttir: str, params: dict, work: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", default="paged_decode",
-                   help="paged_decode | tree_attention | paged_decode_pairs | tree_attention_pairs (--kv fp8) | "
+                   help="paged_decode | tree_attention | paged_decode_pairs | tree_attention_pairs | tree_attention_fp8 (--kv fp8) | "
                         "skinny_matmul (weights: --kv bf16 / fp8, --batch rows, --tree N, --prefix K) | "
                         "key_round (--batch rows, --kv fp8 / int8) | "
                         "gdn_tree (--batch rows, --tree slots; the 27B's B1 launch: block_v 64, 8 warps, tf32x3) | "

@@ -16,6 +16,7 @@ from dflash_jax.kv import quant as kv_quant
 from pallas_kernels import registry
 from pallas_kernels import tree_attention as ta
 from pallas_kernels.paged_decode.pairs import pack_pairs
+from pallas_kernels.tree_attention import fp8 as fp8_products
 from pallas_kernels.tree_attention import pairs
 import test_pallas_tree_attention as tta
 from conftest import FAST_COMPILE
@@ -177,3 +178,51 @@ def test_fp8_keys_lower_to_hopper_fp8_products():
     ttir, _ = mod.lower_for_h100(fn, *args)
     fp8_dots = [ln for ln in ttir.splitlines() if re.search(r"tt\.dot .*f8E4M3FN>? \*", ln)]
     assert len(fp8_dots) == 2 and all("maxNumImpreciseAcc = 128" in ln for ln in fp8_dots), fp8_dots
+
+
+def run_fp8_products(args, scale, **static):
+    q, kq, vq, pt, start, kt, vt, anc = args
+    static = {k: v for k, v in static.items() if k != "prefetch"}
+    head = (q, kq.data, vq.data, pt, start, kt, vt, anc)
+    return fp8_products.tree_attention_fp8.lower(*head, scale, kq.scale, vq.scale, interpret=True, **static).compile(
+        compiler_options=FAST_COMPILE)(*head, kq.scale, vq.scale)
+
+
+@settings(max_examples=2, **tta.SETTINGS)
+@given(tta.tree_cases())
+@example(tta.EDGE)
+@example(tta.ONE_NODE)
+@example(FULL)
+def test_fp8_products_kernel_matches_reference_on_fp8_pages(c):
+    """``tree_attention/fp8.py`` (opt-in): e4m3 products on both sides, q and the probabilities split in two parts."""
+    case, static = c
+    args = fp8_case(case)
+    scale = case["d"] ** -0.5
+    out = np.asarray(run_fp8_products(args, scale, **static).astype(jnp.float32))
+    ref = np.asarray(ta.tree_attention_reference(*args, scale).astype(jnp.float32))
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    assert np.abs(out - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("v_page_factor, v_tree_factor", [(lambda p: 1e3 ** (p % 5 - 2.0), 1.0),
+                                                            (lambda p: jnp.full(p.shape, 1e-6), 1e-6)],
+                         ids=["far_apart", "tiny"])
+def test_fp8_products_keep_value_scales_in_range(v_page_factor, v_tree_factor):
+    case, static = tta.EDGE
+    args = fp8_case(case, v_page_factor, v_tree_factor)
+    scale = case["d"] ** -0.5
+    out = np.asarray(run_fp8_products(args, scale, **{**static, "pages_per_block": 2, "num_partitions": 1}))
+    ref = np.asarray(ta.tree_attention_reference(*args, scale).astype(jnp.float32))
+    assert np.abs(out.astype(np.float32) - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+def test_fp8_products_lower_to_hopper_fp8_mma():
+    import re
+
+    from conftest import load_experiment
+
+    mod = load_experiment("triton_offline")
+    fn, args = mod.case("tree_attention_fp8", "fp8", b=2, n=16, prefix=1024, overrides={})
+    ttir, _ = mod.lower_for_h100(fn, *args)
+    fp8_dots = [ln for ln in ttir.splitlines() if re.search(r"tt\.dot .*f8E4M3FN>? \*", ln)]
+    assert len(fp8_dots) == 4 and all("maxNumImpreciseAcc = 128" in ln for ln in fp8_dots), fp8_dots
