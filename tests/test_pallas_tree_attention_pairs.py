@@ -102,10 +102,11 @@ def test_split_e4m3_keeps_about_bf16_precision():
     q = rng.standard_normal((6, 256)).astype(np.float32) * np.array([1e-4, 1e-2, 1, 30, 1e3, 0])[:, None]
     q[2, :8] = 1e-6
     k = jnp.asarray(rng.standard_normal((32, 256)), jnp.float32).astype(jnp.float8_e4m3fn)
-    hi, lo, inv = pairs.split_e4m3(jnp.asarray(q))
-    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and inv.shape == (6,)
+    sq = fp8_products.row_scale(jnp.asarray(q))
+    hi, lo = fp8_products.split_e4m3(jnp.asarray(q), sq[:, None])
+    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and sq.shape == (6,)
     f = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    got = (pairs.LO_SCALE * f(hi) @ f(k).T + f(lo) @ f(k).T) * f(inv)[:, None]
+    got = (f(hi) @ f(k).T + f(lo) @ f(k).T) / f(sq)[:, None]
     exact = f(q) @ f(k).T
     bf16 = f(jnp.asarray(q).astype(jnp.bfloat16)) @ f(k).T
     scale = np.abs(f(q)) @ np.abs(f(k)).T + 1e-30

@@ -96,6 +96,16 @@ def check_page_dtype(op: str, pages, backend: str | None = None) -> None:
                          "only e4m3fnuz); use --kv-dtype int8 or bf16 on ROCm")
 
 
+def softmax_step(m, l, s, visible):
+    """Online softmax over one key block: m, l [M] running max / sum, s [M, K] f32 logits in log2 units, visible
+    [M, K] or [1, K] -> (alpha [M] rescale of the old output, p [M, K], new m, new l)."""
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # a block with no visible key adds nothing
+    return alpha, p, m_new, alpha * l + p.sum(axis=-1)
+
+
 def online_update(carry, s, visible, v, precision, v_scale=None):
     """One online-softmax step: s [M, K] logits in log2 units, visible [M, K] or [1, K], v [K, D] (in the
     compute dtype); v_scale [K] f32 per-key value scales of quantized pages (None: v as is)."""

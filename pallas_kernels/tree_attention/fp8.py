@@ -31,9 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.dot_acc import dot_acc
-from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions
+from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions,
+                                                softmax_step)
 from pallas_kernels.tree_attention.kernel import block_plan, default_config, tree_pallas_call
-from pallas_kernels.tree_attention.pairs import softmax_step
 
 E4M3 = jnp.float8_e4m3fn
 TOP = 224.0  # the largest magnitude a row is scaled to before its e4m3 split (e4m3's largest is 448)

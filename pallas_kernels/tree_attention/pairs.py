@@ -35,9 +35,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_decode.kernel import LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions
+from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions,
+                                                softmax_step)
 from pallas_kernels.dot_acc import dot_acc
 from pallas_kernels.paged_decode.pairs import pair_halves
+from pallas_kernels.tree_attention.fp8 import products, row_scale, split_e4m3
 from pallas_kernels.tree_attention.kernel import block_plan, default_config, tree_pallas_call
 
 DOTS = "float16"
@@ -53,39 +55,13 @@ def interleave(x: jax.Array) -> jax.Array:
     return x.swapaxes(-1, -2).reshape(*x.shape[:-2], 2 * x.shape[-1])
 
 
-FP8_CHUNK = 128  # products an fp8 MMA sums in its own accumulator before they join the f32 one (DeepSeek-V3's
-# promotion interval; Hopper's fp8 MMA accumulates with a ~14-bit mantissa)
-LO_SCALE = 16.0  # q's low e4m3 part is stored x16 (e4m3 keeps 4 significant bits: the residual is below 2^-4)
-
-
-def split_e4m3(q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q ``[..., D]`` -> (hi, lo ``[..., D]`` e4m3, inv ``[...]`` f32) with ``q = (hi + lo / 16) * 16 * inv / 16``,
-    i.e. ``q . k = (16 (hi . k) + lo . k) * inv`` for any k: each row scaled so its largest magnitude is 224, hi
-    its e4m3 rounding, lo the residual's (x16): about 8 significant bits, bf16's, from two e4m3 products."""
-    x = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    sc = jnp.where(amax > 0, 224.0 / jnp.where(amax > 0, amax, 1.0), 1.0)
-    hi = (x * sc).astype(jnp.float8_e4m3fn)
-    lo = ((x * sc - hi.astype(jnp.float32)) * LO_SCALE).astype(jnp.float8_e4m3fn)
-    return hi, lo, (1.0 / (sc[..., 0] * LO_SCALE))
-
-
-def softmax_step(m, l, s, visible):
-    """Online softmax over one key block: m, l [M] running max / sum, s [M, K] f32 logits in log2 units, visible
-    [M, K] or [1, K] -> (alpha [M] rescale of the old output, p [M, K], new m, new l)."""
-    s = jnp.where(visible, s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # a block with no visible key adds nothing
-    return alpha, p, m_new, alpha * l + p.sum(axis=-1)
-
-
 def prefix_block(carry, qe, qo, q8, k_ref, v_ref, ks_ref, vs_ref, pt_ref, blk, length, *, block_k: int,
                  page_size: int, scale_log2: float, interpret: bool):
     """One key block of the paged prefix. carry (oe, oo [M, D/2] f32: the output over ``unit``, m, l [M], unit
     f32); qe, qo [M, D/2] f16; k_ref, v_ref [n_pages * page_size, D/2] uint16 pairs and ks_ref, vs_ref
     [n_pages * page_size] f32 scales of one KV head. ``q8`` (keys as fp8 rows: k_ref [n_pages * page_size, D]
-    e4m3): (q_hi, q_lo [M, D] e4m3, q_inv [M] f32), see :func:`split_e4m3`; None: keys as pairs.
+    e4m3): (q_hi, q_lo [M, D] e4m3, q_inv [M] f32) with q = (hi + lo) * q_inv
+    (:func:`pallas_kernels.tree_attention.fp8.split_e4m3`); None: keys as pairs.
 
     The value scales enter the f16 probabilities relative to the block's largest (``top``); the output is kept in
     units of the last block's ``top``, so the change of unit joins the softmax's rescale ``alpha`` (a [M] multiply)
@@ -96,10 +72,9 @@ def prefix_block(carry, qe, qo, q8, k_ref, v_ref, ks_ref, vs_ref, pt_ref, blk, l
         ke, ko = pair_halves(k_ref[r], DOTS, interpret)
         s = dot_acc(qo, ko, plt.dot(qe, ke, trans_b=True), trans_b=True)
     else:  # fp8 key rows straight from shared memory into e4m3 products with q's two e4m3 parts
-        (q_hi, q_lo, q_inv), k8 = q8, k_ref[r]
-        z = jnp.zeros((q_hi.shape[0], block_k), jnp.float32)
-        s_hi = dot_acc(q_hi, k8, z, trans_b=True, imprecise_acc=FP8_CHUNK)
-        s = dot_acc(q_lo, k8, s_hi * LO_SCALE, trans_b=True, imprecise_acc=FP8_CHUNK) * q_inv[:, None]
+        q_hi, q_lo, q_inv = q8
+        s = products(q_hi, q_lo, k_ref[r], jnp.zeros((q_hi.shape[0], block_k), jnp.float32), trans_b=True)
+        s = s * q_inv[:, None]
     alpha, p, m, l = softmax_step(m, l, s * (ks_ref[r] * scale_log2)[None, :], visible[None, :])
     vsc = vs_ref[r]
     top = jnp.max(jnp.where(visible, vsc, 0.0))
@@ -136,7 +111,8 @@ def _kernel(q_ref, *refs, n_tree: int, group: int, n_kv_heads: int, block_m: int
     # q_ref [N*H, 2, D/2] f16 (sequence b, rows i*H + h); k_ref, v_ref [n_pages*page_size, D/2] uint16 and ks_ref,
     # vs_ref [n_pages*page_size] (KV head j); kt_ref, vt_ref [N, 2, D/2] (sequence b, KV head j); pt_ref [W];
     # len_ref [1]; anc_ref [N*N] int32 (1 = key j visible to node i); outputs in halves, rows as q's. fp8_keys:
-    # qh_ref, ql_ref [N*H, D] e4m3 and qi_ref [N*H] f32 after q_ref (split_e4m3), k_ref [n_pages*page_size, D] e4m3
+    # qh_ref, ql_ref [N*H, D] e4m3 and qi_ref [N*H] f32 after q_ref (fp8.split_e4m3), k_ref [n_pages*page_size, D]
+    # e4m3
     qh_ref, ql_ref, qi_ref = refs[:3] if fp8_keys else (None, None, None)
     (k_ref, v_ref, ks_ref, vs_ref, kt_ref, vt_ref, pt_ref, len_ref, anc_ref, *out_refs) = refs[3:] if fp8_keys else refs
     tile, split, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -194,7 +170,8 @@ def tree_attention_pairs(q: jax.Array, k_pairs: jax.Array, v_pairs: jax.Array, p
     no visible key is zero. block_m, pages_per_block, num_partitions, num_warps, num_stages, target_programs,
     smem_budget: as there. ``fp8_keys`` (opt-in, to time against): ``k_pairs`` is instead the fp8 key rows
     ``[n_pages, page_size, Hkv, D]`` e4m3, read straight into e4m3 tensor-core products with q's two e4m3 parts
-    (:func:`split_e4m3`: ~bf16's 8 significant bits of q), so no key is converted or restaged in shared memory;
+    (:func:`pallas_kernels.tree_attention.fp8.split_e4m3`: ~bf16's 8 significant bits of q), so no key is
+    converted or restaged in shared memory;
     values stay pairs. Raises ValueError before lowering for tiles Triton cannot take."""
     b, n, h, d = q.shape
     n_pages, page_size, hkv, dh = v_pairs.shape
@@ -227,7 +204,11 @@ def tree_attention_pairs(q: jax.Array, k_pairs: jax.Array, v_pairs: jax.Array, p
         block_k=plan["block_k"], blocks_per_partition=plan["blocks_per_partition"], n_splits=s,
         block_t=plan["block_t"], n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E,
         interpret=interpret, precision=lax.Precision.HIGHEST if td == jnp.float32 else None, fp8_keys=fp8_keys)
-    q8 = split_e4m3(q.reshape(b, n * h, d)) if fp8_keys else ()
+    if fp8_keys:
+        sq = row_scale(q.reshape(b, n * h, d))
+        q8 = (*split_e4m3(q.reshape(b, n * h, d), sq[..., None]), 1.0 / sq)
+    else:
+        q8 = ()
     outs = tree_pallas_call(
         kernel, b=b, n=n, h=h, hkv=hkv, rows=rows, width=width, s=s, n_row_tiles=plan["n_row_tiles"],
         row_tail=(2, dh), page_tail=(dh,), n_scales=2, out_dtype=q.dtype, num_warps=num_warps,
