@@ -31,9 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.dot_acc import dot_acc
-from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions,
+from pallas_kernels.paged_decode.kernel import (MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions,
                                                 softmax_step)
-from pallas_kernels.tree_attention.kernel import block_plan, default_config, tree_pallas_call
+from pallas_kernels.tree_attention.kernel import check_tree_args, kernel_statics, launch_plan, tree_pallas_call
 
 E4M3 = jnp.float8_e4m3fn
 TOP = 224.0  # the largest magnitude a row is scaled to before its e4m3 split (e4m3's largest is 448)
@@ -152,27 +152,16 @@ def tree_attention_fp8(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, page_
                          f"{v_rows.shape} {v_rows.dtype} disagree (pages are [n_pages, page_size, Hkv, D] e4m3)")
     if k_scale.shape != k_rows.shape[:3] or v_scale.shape != k_scale.shape:
         raise ValueError(f"tree_attention_fp8: scales {k_scale.shape} / {v_scale.shape} vs pages {k_rows.shape}")
-    if k_tree.shape != (b, n, hkv, d) or v_tree.shape != k_tree.shape or ancestors.shape != (b, n, n):
-        raise ValueError(f"tree_attention_fp8: k_tree {k_tree.shape}, v_tree {v_tree.shape}, ancestors "
-                         f"{ancestors.shape} do not fit q {q.shape} with {hkv} KV heads")
-    if page_table.shape[0] != b or start.shape != (b,):
-        raise ValueError(f"tree_attention_fp8: page_table {page_table.shape} / start {start.shape} vs batch {b}")
-    cfg = default_config(d, page_size, jnp.bfloat16, quantized=True)
-    num_warps = cfg["num_warps"] if num_warps is None else num_warps
-    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    check_tree_args("tree_attention_fp8", q, hkv, k_tree, v_tree, ancestors, page_table, start)
     width = page_table.shape[1]
-    plan = block_plan(batch=b, n_tree=n, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size, width=width,
-                      dtype=E4M3, block_m=block_m, pages_per_block=pages_per_block, num_partitions=num_partitions,
-                      num_stages=num_stages, target_programs=target_programs, smem_budget=smem_budget,
-                      compute_dtype=E4M3)
+    num_warps, num_stages, plan = launch_plan(
+        q, page_size=page_size, hkv=hkv, width=width, dtype=E4M3, compute_dtype=E4M3, quantized=True,
+        block_m=block_m, pages_per_block=pages_per_block, num_partitions=num_partitions, num_warps=num_warps,
+        num_stages=num_stages, target_programs=target_programs, smem_budget=smem_budget)
     s, bm = plan["n_partitions"], plan["block_m"]
     rows = n_pages * page_size
-    td = jnp.dtype(k_tree.dtype)
-    kernel = functools.partial(
-        _kernel, n_tree=n, group=plan["g"], n_kv_heads=hkv, block_m=bm, page_size=page_size,
-        block_k=plan["block_k"], blocks_per_partition=plan["blocks_per_partition"], n_splits=s,
-        block_t=plan["block_t"], n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E,
-        precision=lax.Precision.HIGHEST if td == jnp.float32 else None)
+    kernel = functools.partial(_kernel, **kernel_statics(plan, n=n, hkv=hkv, page_size=page_size, scale=scale,
+                                                         dtype=k_tree.dtype))
     outs = tree_pallas_call(
         kernel, b=b, n=n, h=h, hkv=hkv, rows=rows, width=width, s=s, n_row_tiles=plan["n_row_tiles"],
         row_tail=(d,), page_tail=(d,), n_scales=2, out_dtype=q.dtype, num_warps=num_warps, num_stages=num_stages,

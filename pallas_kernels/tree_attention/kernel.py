@@ -172,6 +172,43 @@ def block_plan(*, batch: int, n_tree: int, n_heads: int, n_kv_heads: int, head_d
                 programs=n_row_tiles * s * batch * n_kv_heads)
 
 
+def check_tree_args(name: str, q, hkv: int, k_tree, v_tree, ancestors, page_table, start) -> None:
+    """Raise ValueError unless the tree K/V ``[B, N, Hkv, D]``, the ancestor mask ``[B, N, N]``, the page table
+    ``[B, W]`` and the prefix lengths ``[B]`` fit q ``[B, N, H, D]`` (the pages are each kernel's own check)."""
+    b, n, _, d = q.shape
+    if k_tree.shape != (b, n, hkv, d) or v_tree.shape != k_tree.shape or ancestors.shape != (b, n, n):
+        raise ValueError(f"{name}: k_tree {k_tree.shape}, v_tree {v_tree.shape}, ancestors "
+                         f"{ancestors.shape} do not fit q {q.shape} with {hkv} KV heads")
+    if page_table.shape[0] != b or start.shape != (b,):
+        raise ValueError(f"{name}: page_table {page_table.shape} / start {start.shape} vs batch {b}")
+
+
+def launch_plan(q, *, page_size: int, hkv: int, width: int, dtype, compute_dtype, quantized: bool, block_m: int,
+                pages_per_block: int, num_partitions: int | None, num_warps: int | None, num_stages: int | None,
+                target_programs: int, smem_budget: int | None) -> tuple[int, int, dict]:
+    """(num_warps, num_stages, :func:`block_plan`) of a launch: warps / stages left None take
+    :func:`default_config`'s for ``compute_dtype``; ``dtype`` is the pages' storage dtype."""
+    b, n, h, d = q.shape
+    cfg = default_config(d, page_size, compute_dtype, quantized=quantized)
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    plan = block_plan(batch=b, n_tree=n, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size, width=width,
+                      dtype=dtype, block_m=block_m, pages_per_block=pages_per_block, num_partitions=num_partitions,
+                      num_stages=num_stages, target_programs=target_programs, smem_budget=smem_budget,
+                      compute_dtype=compute_dtype)
+    return num_warps, num_stages, plan
+
+
+def kernel_statics(plan: dict, *, n: int, hkv: int, page_size: int, scale: float, dtype) -> dict:
+    """The static arguments every tree-attention kernel body takes, from its :func:`block_plan`; ``dtype``: the
+    tree K/V's (f32 dots at HIGHEST)."""
+    return dict(n_tree=n, group=plan["g"], n_kv_heads=hkv, block_m=plan["block_m"], page_size=page_size,
+                block_k=plan["block_k"], blocks_per_partition=plan["blocks_per_partition"],
+                n_splits=plan["n_partitions"], block_t=plan["block_t"],
+                n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E,
+                precision=lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None)
+
+
 def tree_pallas_call(kernel, *, b: int, n: int, h: int, hkv: int, rows: int, width: int, s: int, n_row_tiles: int,
                      row_tail: tuple[int, ...], page_tail: tuple[int, ...], n_scales: int, out_dtype,
                      num_warps: int, num_stages: int, interpret: bool, name: str,
@@ -243,23 +280,16 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     n_pages, page_size, hkv, dk = k_pages.shape
     if k_pages.shape != v_pages.shape or dk != d or type(k_pages) is not type(v_pages):
         raise ValueError(f"tree_attention: q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape} disagree")
-    if k_tree.shape != (b, n, hkv, d) or v_tree.shape != k_tree.shape or ancestors.shape != (b, n, n):
-        raise ValueError(f"tree_attention: k_tree {k_tree.shape}, v_tree {v_tree.shape}, ancestors "
-                         f"{ancestors.shape} do not fit q {q.shape} with {hkv} KV heads")
-    if page_table.shape[0] != b or start.shape != (b,):
-        raise ValueError(f"tree_attention: page_table {page_table.shape} / start {start.shape} vs batch {b}")
+    check_tree_args("tree_attention", q, hkv, k_tree, v_tree, ancestors, page_table, start)
     k_data, k_scale, dt = page_arrays(k_pages)
     v_data, v_scale, _ = page_arrays(v_pages)
     quantized = k_scale is not None
-    cfg = default_config(d, page_size, dt, quantized=quantized)
-    num_warps = cfg["num_warps"] if num_warps is None else num_warps
-    num_stages = cfg["num_stages"] if num_stages is None else num_stages
     width = page_table.shape[1]
-    plan = block_plan(batch=b, n_tree=n, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size, width=width,
-                      dtype=k_data.dtype, block_m=block_m, pages_per_block=pages_per_block,
-                      num_partitions=num_partitions, num_stages=num_stages, target_programs=target_programs,
-                      smem_budget=smem_budget, compute_dtype=dt)
-    g, s, bm = plan["g"], plan["n_partitions"], plan["block_m"]
+    num_warps, num_stages, plan = launch_plan(
+        q, page_size=page_size, hkv=hkv, width=width, dtype=k_data.dtype, compute_dtype=dt, quantized=quantized,
+        block_m=block_m, pages_per_block=pages_per_block, num_partitions=num_partitions, num_warps=num_warps,
+        num_stages=num_stages, target_programs=target_programs, smem_budget=smem_budget)
+    s, bm = plan["n_partitions"], plan["block_m"]
     rows = n_pages * page_size
 
     # Free views: q / out rows [B, N*H, D], pages (and scales) as token rows, the mask flat per sequence.
@@ -273,12 +303,8 @@ def tree_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_ta
     pt = page_table.astype(jnp.int32)
     lens = start.astype(jnp.int32)[:, None]  # [B, 1]
 
-    precision = lax.Precision.HIGHEST if dt == jnp.float32 else None
-    kernel = functools.partial(
-        _kernel, n_tree=n, group=g, n_kv_heads=hkv, block_m=bm, page_size=page_size, block_k=plan["block_k"],
-        blocks_per_partition=plan["blocks_per_partition"], n_splits=s, block_t=plan["block_t"],
-        n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E, prefetch=prefetch,
-        quantized=quantized, precision=precision)
+    kernel = functools.partial(_kernel, **kernel_statics(plan, n=n, hkv=hkv, page_size=page_size, scale=scale,
+                                                         dtype=dt), prefetch=prefetch, quantized=quantized)
     outs = tree_pallas_call(
         kernel, b=b, n=n, h=h, hkv=hkv, rows=rows, width=width, s=s, n_row_tiles=plan["n_row_tiles"],
         row_tail=(d,), page_tail=(d,), n_scales=len(scales), out_dtype=q.dtype, num_warps=num_warps,

@@ -35,12 +35,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_decode.kernel import (LOG2E, MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions,
+from pallas_kernels.paged_decode.kernel import (MASK_VALUE, N_SM_TARGET, kv_block_rows, merge_partitions,
                                                 softmax_step)
 from pallas_kernels.dot_acc import dot_acc
 from pallas_kernels.paged_decode.pairs import pair_halves
 from pallas_kernels.tree_attention.fp8 import products, row_scale, split_e4m3
-from pallas_kernels.tree_attention.kernel import block_plan, default_config, tree_pallas_call
+from pallas_kernels.tree_attention.kernel import check_tree_args, kernel_statics, launch_plan, tree_pallas_call
 
 DOTS = "float16"
 
@@ -182,28 +182,16 @@ def tree_attention_pairs(q: jax.Array, k_pairs: jax.Array, v_pairs: jax.Array, p
                          "with fp8_keys the keys are [n_pages, page_size, Hkv, D] float8_e4m3fn)")
     if k_scale.shape != v_pairs.shape[:3] or v_scale.shape != k_scale.shape:
         raise ValueError(f"tree_attention_pairs: scales {k_scale.shape} / {v_scale.shape} vs pages {v_pairs.shape}")
-    if k_tree.shape != (b, n, hkv, d) or v_tree.shape != k_tree.shape or ancestors.shape != (b, n, n):
-        raise ValueError(f"tree_attention_pairs: k_tree {k_tree.shape}, v_tree {v_tree.shape}, ancestors "
-                         f"{ancestors.shape} do not fit q {q.shape} with {hkv} KV heads")
-    if page_table.shape[0] != b or start.shape != (b,):
-        raise ValueError(f"tree_attention_pairs: page_table {page_table.shape} / start {start.shape} vs batch {b}")
-    cfg = default_config(d, page_size, DOTS, quantized=True)
-    num_warps = cfg["num_warps"] if num_warps is None else num_warps
-    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    check_tree_args("tree_attention_pairs", q, hkv, k_tree, v_tree, ancestors, page_table, start)
     width = page_table.shape[1]
-    plan = block_plan(batch=b, n_tree=n, n_heads=h, n_kv_heads=hkv, head_dim=d, page_size=page_size, width=width,
-                      dtype=jnp.float8_e4m3fn, block_m=block_m, pages_per_block=pages_per_block,
-                      num_partitions=num_partitions, num_stages=num_stages, target_programs=target_programs,
-                      smem_budget=smem_budget, compute_dtype=jnp.dtype(DOTS))
+    num_warps, num_stages, plan = launch_plan(
+        q, page_size=page_size, hkv=hkv, width=width, dtype=jnp.float8_e4m3fn, compute_dtype=jnp.dtype(DOTS),
+        quantized=True, block_m=block_m, pages_per_block=pages_per_block, num_partitions=num_partitions,
+        num_warps=num_warps, num_stages=num_stages, target_programs=target_programs, smem_budget=smem_budget)
     s, bm = plan["n_partitions"], plan["block_m"]
     rows = n_pages * page_size
-    td = jnp.dtype(k_tree.dtype)
-
-    kernel = functools.partial(
-        _kernel, n_tree=n, group=plan["g"], n_kv_heads=hkv, block_m=bm, page_size=page_size,
-        block_k=plan["block_k"], blocks_per_partition=plan["blocks_per_partition"], n_splits=s,
-        block_t=plan["block_t"], n_tree_tiles=plan["n_tree_p"] // plan["block_t"], scale_log2=float(scale) * LOG2E,
-        interpret=interpret, precision=lax.Precision.HIGHEST if td == jnp.float32 else None, fp8_keys=fp8_keys)
+    kernel = functools.partial(_kernel, **kernel_statics(plan, n=n, hkv=hkv, page_size=page_size, scale=scale,
+                                                         dtype=k_tree.dtype), interpret=interpret, fp8_keys=fp8_keys)
     if fp8_keys:
         sq = row_scale(q.reshape(b, n * h, d))
         q8 = (*split_e4m3(q.reshape(b, n * h, d), sq[..., None]), 1.0 / sq)
